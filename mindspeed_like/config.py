@@ -1,0 +1,183 @@
+"""Typed flags from four sources, later wins: defaults < MINDSPEED_LIKE_ARGS < argv < configure().
+
+Flags are parsed with argparse (typed, choices checked); a value given in code through
+``configure()`` must already have the flag's type (``int`` is ``int``: no strings, no
+bools for ints). Unknown names in the env variable or in ``configure()`` are errors with a
+did-you-mean suggestion; unknown command-line options are left for Megatron's parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from mindspeed_like.features.base import Feature, Flag
+
+ENV_VAR = "MINDSPEED_LIKE_ARGS"
+SOURCES = ("default", "env", "argv", "megatron-args", "configure")
+
+GLOBAL_FLAGS = (
+    Flag(
+        "device",
+        str,
+        "auto",
+        "where megatron runs: auto (npu if torch_npu works, else cuda if available, else cpu), "
+        "or force cpu / cuda / npu",
+        choices=("auto", "cpu", "cuda", "npu"),
+    ),
+    Flag("strict", bool, False, "fail instead of falling back when a feature cannot run as asked"),
+)
+
+
+class ConfigError(ValueError):
+    """A flag value, name or combination is wrong; the message says how to fix it."""
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would sys.exit(2)
+        raise ConfigError(f"mindspeed_like: {message}")
+
+
+class Config(Mapping[str, Any]):
+    """Resolved flag values (read-only) and where each came from."""
+
+    def __init__(self, values: dict[str, Any], sources: dict[str, str]) -> None:
+        self._values = dict(values)
+        self.sources = dict(sources)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["_values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        changed = {k: v for k, v in self._values.items() if self.sources.get(k) != "default"}
+        return f"Config({changed})"
+
+    def explicitly_set(self) -> dict[str, Any]:
+        return {k: v for k, v in self._values.items() if self.sources.get(k) != "default"}
+
+
+def all_flags(features: Iterable[Feature]) -> list[Flag]:
+    flags: dict[str, Flag] = {f.name: f for f in GLOBAL_FLAGS}
+    for feature in features:
+        for flag in feature.flags:
+            if flag.name in flags and flags[flag.name] != flag:
+                raise ConfigError(f"flag {flag.name!r} is declared twice with different definitions")
+            flags[flag.name] = flag
+    return list(flags.values())
+
+
+def add_flag(parser: argparse.ArgumentParser | Any, flag: Flag, suppress_default: bool = True) -> None:
+    """Add one flag to an argparse parser (or group). Defaults suppressed so 'given' is visible."""
+    default = argparse.SUPPRESS if suppress_default else flag.default
+    if flag.type is bool:
+        parser.add_argument(*flag.option_strings, dest=flag.name, action="store_true", default=default, help=flag.help)
+    else:
+        parser.add_argument(
+            *flag.option_strings, dest=flag.name, type=flag.type, choices=flag.choices, default=default, help=flag.help
+        )
+
+
+def build_parser(flags: Sequence[Flag]) -> argparse.ArgumentParser:
+    parser = _RaisingParser(prog="mindspeed_like", add_help=False, allow_abbrev=False)
+    for flag in flags:
+        add_flag(parser, flag)
+    return parser
+
+
+def _suggest(name: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def parse_env(flags: Sequence[Flag], text: str | None) -> dict[str, Any]:
+    """Parse MINDSPEED_LIKE_ARGS; it holds only our flags, so anything unknown is an error."""
+    if not text or not text.strip():
+        return {}
+    namespace, unknown = build_parser(flags).parse_known_args(shlex.split(text))
+    options = [o for f in flags for o in f.option_strings]
+    for token in unknown:
+        if token.startswith("-"):
+            option = token.split("=", 1)[0]
+            raise ConfigError(f"{ENV_VAR}: unknown flag {option!r}.{_suggest(option, options)}")
+        raise ConfigError(f"{ENV_VAR}: unexpected value {token!r} (values follow their flag: '--flag VALUE')")
+    return vars(namespace)
+
+
+def parse_argv(flags: Sequence[Flag], argv: Sequence[str]) -> dict[str, Any]:
+    """Our flags from a command line; everything else is Megatron's and passes through."""
+    namespace, _ = build_parser(flags).parse_known_args(list(argv))
+    return vars(namespace)
+
+
+def check_value(flag: Flag, value: Any, source: str) -> Any:
+    """A value set from code must have the flag's type already; return it (ints become floats)."""
+    expected = flag.type
+    ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise ConfigError(
+            f"{source}: {flag.name}={value!r} has type {type(value).__name__}, expected {expected.__name__} "
+            f"(e.g. {flag.name}={flag.default!r})"
+        )
+    if flag.choices is not None and value not in flag.choices:
+        raise ConfigError(f"{source}: {flag.name}={value!r} is not one of {list(flag.choices)}")
+    return value
+
+
+def normalize_names(flags: Sequence[Flag], overrides: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Map configure() keyword names (ours or MindSpeed's, - or _) to flag names; unknown -> error."""
+    by_name: dict[str, Flag] = {}
+    for flag in flags:
+        for option in flag.option_strings:
+            by_name[option.lstrip("-").replace("-", "_")] = flag
+    result = {}
+    for key, value in overrides.items():
+        flag = by_name.get(key.lstrip("-").replace("-", "_"))
+        if flag is None:
+            raise ConfigError(f"{source}: unknown flag {key!r}.{_suggest(key.replace('-', '_'), by_name)}")
+        result[flag.name] = check_value(flag, value, source)
+    return result
+
+
+def resolve(
+    flags: Sequence[Flag],
+    env: str | None = None,
+    argv: Sequence[str] | None = None,
+    megatron_args: Mapping[str, Any] | None = None,
+    code: Mapping[str, Any] | None = None,
+) -> Config:
+    """Merge the sources in priority order into one Config."""
+    values = {f.name: f.default for f in flags}
+    sources = {f.name: "default" for f in flags}
+    layers = (
+        ("env", parse_env(flags, env)),
+        ("argv", parse_argv(flags, argv or [])),
+        ("megatron-args", dict(megatron_args or {})),
+        ("configure", normalize_names(flags, code or {}, "configure()")),
+    )
+    for source, layer in layers:
+        for name, value in layer.items():
+            values[name] = value
+            sources[name] = source
+    return Config(values, sources)
+
+
+def env_text() -> str | None:
+    return os.environ.get(ENV_VAR)

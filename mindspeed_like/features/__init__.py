@@ -1,0 +1,1 @@
+"""Feature declarations and the registry of built-in features."""

@@ -1,0 +1,22 @@
+"""The built-in features, in the order they are applied.
+
+Each feature is declared next to its patches in ``mindspeed_like.patches.<module>``;
+this list is the one place that says which ones exist.
+"""
+
+from __future__ import annotations
+
+from mindspeed_like.features.base import Feature
+from mindspeed_like.patches import checkpoint_fp8_default, megatron_lm_args
+
+FEATURES: list[Feature] = [
+    megatron_lm_args.FEATURE,
+    checkpoint_fp8_default.FEATURE,
+]
+
+
+def feature_by_name(name: str) -> Feature:
+    for feature in FEATURES:
+        if feature.name == name:
+            return feature
+    raise KeyError(f"no feature named {name!r}; known: {[f.name for f in FEATURES]}")

@@ -1,0 +1,1 @@
+"""Device-level ops with autograd. Never imports megatron."""

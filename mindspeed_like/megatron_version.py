@@ -1,0 +1,57 @@
+"""The version of the megatron-core that `import megatron.core` would load, without importing it.
+
+Read from megatron/core/package_info.py on the import path rather than from pip metadata:
+a Megatron-LM checkout on sys.path shadows the installed wheel and carries its own version.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.metadata
+import os
+import re
+import sys
+
+from packaging.version import Version
+
+TESTED_VERSION = Version("0.16.1")
+MINIMUM_VERSION = Version("0.13.0")
+
+
+def _package_info_path() -> str | None:
+    module = sys.modules.get("megatron.core")
+    if module is not None and getattr(module, "__path__", None):
+        locations = list(module.__path__)
+    else:
+        top = importlib.machinery.PathFinder.find_spec("megatron")
+        if top is None or not top.submodule_search_locations:
+            return None
+        core = importlib.machinery.PathFinder.find_spec("megatron.core", list(top.submodule_search_locations))
+        if core is None or not core.submodule_search_locations:
+            return None
+        locations = list(core.submodule_search_locations)
+    for location in locations:
+        path = os.path.join(location, "package_info.py")
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def megatron_core_version() -> Version | None:
+    """None when megatron-core cannot be found at all."""
+    path = _package_info_path()
+    if path is not None:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+        parts = {k: re.search(rf"^{k}\s*=\s*['\"]?([^'\"\n]*)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")}
+        if all(parts.values()):
+            return Version(".".join(parts[k].group(1).strip() for k in ("MAJOR", "MINOR", "PATCH")))
+    try:
+        return Version(importlib.metadata.version("megatron-core"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def describe(target: str = "megatron") -> str:
+    version = megatron_core_version()
+    return f"megatron-core {version}" if version else "megatron-core (not found)"

@@ -1,0 +1,290 @@
+"""The patch engine's promises, each checked on a throw-away package written to disk.
+
+A stand-in package (not megatron) keeps these tests fast and lets them control exactly
+which modules are imported when: that is what import-order independence is about.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import textwrap
+
+import pytest
+
+from mindspeed_like.patching import Kind, Patch, PatchEngine, PatchError, PatchTargetError, split_target
+
+PKG = "fakemeg"
+
+FILES = {
+    "__init__.py": "",
+    "core/__init__.py": "",
+    "core/funcs.py": """
+        def f(x):
+            return x + 1
+
+        def helper():
+            return "helper"
+
+        class C:
+            def m(self):
+                return "m"
+
+            @staticmethod
+            def s():
+                return "s"
+
+            @classmethod
+            def cm(cls):
+                return cls.__name__
+
+        class Child(C):
+            pass
+
+        VALUE = 3
+    """,
+    "core/user.py": """
+        from fakemeg.core.funcs import f
+        from fakemeg.core.funcs import f as g
+        import fakemeg.core.funcs as funcs_mod
+
+        def call_f(x):
+            return f(x)
+    """,
+    "core/later.py": """
+        from fakemeg.core.funcs import f
+
+        def call_f(x):
+            return f(x)
+    """,
+}
+
+
+@pytest.fixture
+def fakemeg(tmp_path, monkeypatch):
+    for relative, text in FILES.items():
+        path = tmp_path / PKG / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    yield tmp_path
+    for name in [n for n in sys.modules if n == PKG or n.startswith(PKG + ".")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def engine():
+    return PatchEngine(alias_scopes=(PKG,), version_of=lambda target: "fakemeg 1.2.3")
+
+
+def plus_100(x):
+    return x + 100
+
+
+def test_split_target_finds_module_without_importing(fakemeg):
+    assert split_target(f"{PKG}.core.funcs.C.m") == (f"{PKG}.core.funcs", ["C", "m"])
+    assert split_target(f"{PKG}.core.funcs.f") == (f"{PKG}.core.funcs", ["f"])
+    assert f"{PKG}.core.funcs" not in sys.modules
+    with pytest.raises(PatchTargetError, match="not a dotted path"):
+        split_target("nodots")
+
+
+def test_replace_updates_every_alias_and_remove_restores_identity(fakemeg, engine):
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    user = importlib.import_module(f"{PKG}.core.user")
+    original = funcs.f
+    engine.apply("feat", [Patch(f"{PKG}.core.funcs.f", Kind.REPLACE, plus_100)])
+    assert funcs.f is plus_100 and user.f is plus_100 and user.g is plus_100
+    assert user.call_f(1) == 101
+    (record,) = engine.report()
+    assert (record.feature, record.target, record.kind, record.status) == (
+        "feat",
+        f"{PKG}.core.funcs.f",
+        "replace",
+        "applied",
+    )
+    assert set(record.aliases) == {f"{PKG}.core.user.f", f"{PKG}.core.user.g"}
+    engine.remove("feat")
+    assert funcs.f is original and user.f is original and user.g is original
+    assert engine.report() == []
+
+
+def test_modules_imported_later_get_the_replacement_and_lose_it_on_remove(fakemeg, engine):
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    original = funcs.f
+    engine.apply("feat", [Patch(f"{PKG}.core.funcs.f", Kind.REPLACE, plus_100)])
+    later = importlib.import_module(f"{PKG}.core.later")
+    assert later.f is plus_100
+    engine.remove("feat")
+    assert later.f is original
+
+
+def test_patch_waits_for_import_of_its_module(fakemeg, engine):
+    engine.apply("feat", [Patch(f"{PKG}.core.funcs.f", Kind.REPLACE, plus_100)])
+    assert f"{PKG}.core.funcs" not in sys.modules
+    assert [r.status for r in engine.report()] == ["pending"]
+    user = importlib.import_module(f"{PKG}.core.user")  # imports funcs first, then copies f
+    assert user.f is plus_100 and user.g is plus_100
+    assert [r.status for r in engine.report()] == ["applied"]
+
+
+def test_import_order_gives_the_same_report(fakemeg, engine):
+    patches = [
+        Patch(f"{PKG}.core.funcs.f", Kind.REPLACE, plus_100),
+        Patch(f"{PKG}.core.funcs.C.m", Kind.SET_METHOD, lambda self: "new"),
+    ]
+    engine.apply("feat", patches)  # before the import
+    importlib.import_module(f"{PKG}.core.user")
+    before = [(r.target, r.kind, r.status, sorted(r.aliases)) for r in engine.report()]
+    engine.remove("feat")
+    engine.apply("feat", patches)  # after the import
+    after = [(r.target, r.kind, r.status, sorted(r.aliases)) for r in engine.report()]
+    assert before == after
+
+
+def test_pending_patch_removed_before_import_never_applies(fakemeg, engine):
+    engine.apply("feat", [Patch(f"{PKG}.core.funcs.f", Kind.REPLACE, plus_100)])
+    engine.remove("feat")
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    assert funcs.f(1) == 2
+
+
+def test_missing_target_is_a_clear_error_and_nothing_is_created(fakemeg, engine):
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    with pytest.raises(PatchTargetError) as info:
+        engine.apply("my-feature", [Patch(f"{PKG}.core.funcs.does_not_exist", Kind.REPLACE, plus_100)])
+    message = str(info.value)
+    assert "my-feature" in message and f"{PKG}.core.funcs.does_not_exist" in message and "fakemeg 1.2.3" in message
+    assert not hasattr(funcs, "does_not_exist")
+    with pytest.raises(PatchTargetError):
+        engine.apply("my-feature", [Patch(f"{PKG}.core.funcs.C.nope", Kind.SET_METHOD, plus_100)])
+    assert not hasattr(funcs.C, "nope")
+    assert engine.report() == []
+
+
+def test_missing_target_in_a_module_imported_later_fails_at_that_import(fakemeg, engine):
+    engine.apply("feat", [Patch(f"{PKG}.core.funcs.gone", Kind.REPLACE, plus_100)])
+    with pytest.raises(PatchTargetError, match="gone"):
+        importlib.import_module(f"{PKG}.core.funcs")
+
+
+def test_optional_missing_target_is_a_logged_skip(fakemeg, engine, caplog):
+    importlib.import_module(f"{PKG}.core.funcs")
+    with caplog.at_level(logging.INFO, logger="mindspeed_like"):
+        engine.apply("feat", [Patch(f"{PKG}.core.funcs.gone", Kind.REPLACE, plus_100, optional=True)])
+    assert [r.status for r in engine.report()] == ["skipped"]
+    assert "gone" in caplog.text and "skipped" in caplog.text
+
+
+def test_wrap_calls_through_and_keeps_wrapped(fakemeg, engine):
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    user = importlib.import_module(f"{PKG}.core.user")
+    original = funcs.f
+
+    def double_result(wrapped, instance, args, kwargs):
+        return 2 * wrapped(*args, **kwargs)
+
+    engine.apply("feat", [Patch(f"{PKG}.core.funcs.f", Kind.WRAP, double_result)])
+    assert user.call_f(1) == 4
+    assert funcs.f.__wrapped__ is original
+    engine.remove("feat")
+    assert funcs.f is original and user.f is original
+
+
+def test_wrap_methods_static_and_class_methods(fakemeg, engine):
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    raw = {name: vars(funcs.C)[name] for name in ("m", "s", "cm")}
+
+    def shout(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs).upper()
+
+    engine.apply("feat", [Patch(f"{PKG}.core.funcs.C.{n}", Kind.WRAP, shout) for n in raw])
+    assert (funcs.C().m(), funcs.C.s(), funcs.C.cm(), funcs.Child.cm()) == ("M", "S", "C", "CHILD")
+    engine.remove("feat")
+    assert all(vars(funcs.C)[name] is obj for name, obj in raw.items())
+
+
+def test_set_method_on_inherited_attribute_is_undone_by_deletion(fakemeg, engine):
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    engine.apply("feat", [Patch(f"{PKG}.core.funcs.Child.m", Kind.SET_METHOD, lambda self: "child")])
+    assert funcs.Child().m() == "child" and funcs.C().m() == "m"
+    engine.remove("feat")
+    assert "m" not in vars(funcs.Child) and funcs.Child().m() == "m"
+
+
+def test_set_method_needs_a_class(fakemeg, engine):
+    importlib.import_module(f"{PKG}.core.funcs")
+    with pytest.raises(PatchTargetError, match="class"):
+        engine.apply("feat", [Patch(f"{PKG}.core.funcs.f", Kind.SET_METHOD, plus_100)])
+
+
+def test_wrap_needs_a_callable(fakemeg, engine):
+    importlib.import_module(f"{PKG}.core.funcs")
+    with pytest.raises(PatchTargetError, match="callable"):
+        engine.apply("feat", [Patch(f"{PKG}.core.funcs.VALUE", Kind.WRAP, lambda *a: None)])
+
+
+def test_applying_twice_equals_once(fakemeg, engine):
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    original = funcs.f
+
+    def add_one(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs) + 1
+
+    patch = Patch(f"{PKG}.core.funcs.f", Kind.WRAP, add_one)
+    engine.apply("feat", [patch])
+    engine.apply("feat", [patch])
+    assert funcs.f(0) == 2  # wrapped once, not twice
+    assert len(engine.report()) == 1
+    engine.remove("feat")
+    engine.remove("feat")
+    assert funcs.f is original
+
+
+def test_stacked_features_remove_in_any_order(fakemeg, engine):
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    user = importlib.import_module(f"{PKG}.core.user")
+    original = funcs.f
+
+    def times(k):
+        def wrapper(wrapped, instance, args, kwargs):
+            return k * wrapped(*args, **kwargs)
+
+        return wrapper
+
+    engine.apply("a", [Patch(f"{PKG}.core.funcs.f", Kind.WRAP, times(2))])
+    engine.apply("b", [Patch(f"{PKG}.core.funcs.f", Kind.WRAP, times(3))])
+    assert user.call_f(0) == 6
+    engine.remove("a")  # the bottom one: b is peeled off and put back on the original
+    assert user.call_f(0) == 3
+    engine.remove("b")
+    assert funcs.f is original and user.f is original
+
+
+def test_targets_outside_the_scopes_must_be_declared_global(fakemeg, engine):
+    with pytest.raises(PatchError, match="global_change"):
+        engine.apply("feat", [Patch("json.dumps", Kind.REPLACE, plus_100)])
+    import json
+
+    original = json.dumps
+    engine.apply("feat", [Patch("json.dumps", Kind.REPLACE, plus_100, global_change=True, why="test")])
+    assert json.dumps is plus_100
+    assert engine.report()[0].global_change
+    engine.remove("feat")
+    assert json.dumps is original
+
+
+def test_explicit_module_waits_for_a_module_that_does_not_exist_yet(fakemeg, engine, tmp_path):
+    engine.apply(
+        "feat",
+        [Patch(f"{PKG}.training.args.parse", Kind.REPLACE, plus_100, optional=True, module=f"{PKG}.training.args")],
+    )
+    assert [r.status for r in engine.report()] == ["pending"]
+    (tmp_path / PKG / "training").mkdir()
+    (tmp_path / PKG / "training" / "__init__.py").write_text("")
+    (tmp_path / PKG / "training" / "args.py").write_text("def parse():\n    return 1\n")
+    importlib.invalidate_caches()
+    module = importlib.import_module(f"{PKG}.training.args")
+    assert module.parse is plus_100
