@@ -19,7 +19,7 @@ from packaging.specifiers import SpecifierSet
 from mindspeed_like import config as config_mod
 from mindspeed_like.config import Config, ConfigError
 from mindspeed_like.features.base import Feature
-from mindspeed_like.features.registry import FEATURES, feature_by_name
+from mindspeed_like.features import registry
 from mindspeed_like.megatron_version import TESTED_VERSION, describe, megatron_core_version
 from mindspeed_like.patching import PatchEngine, PatchRecord
 
@@ -35,7 +35,7 @@ _warned_version = False
 
 
 def flags() -> list:
-    return config_mod.all_flags(FEATURES)
+    return config_mod.all_flags(registry.FEATURES)
 
 
 def resolve_config(code: Mapping[str, Any] | None = None, argv: list[str] | None = None) -> Config:
@@ -67,7 +67,7 @@ def check_relations(config: Config, enabled: list[Feature]) -> None:
 
 
 def _how_to_enable(name: str) -> str:
-    feature = feature_by_name(name)
+    feature = registry.feature_by_name(name)
     bool_flags = [f.option for f in feature.flags if f.type is bool]
     return bool_flags[0] if bool_flags else "it is switched on by the device or other flags"
 
@@ -97,12 +97,12 @@ def apply(code: Mapping[str, Any] | None = None) -> Config:
     global _current
     with _lock:
         config = resolve_config(code)
-        enabled = [f for f in FEATURES if f.is_enabled(config)]
+        enabled = [f for f in registry.FEATURES if f.is_enabled(config)]
         check_relations(config, enabled)
         check_versions(enabled)
         if code:
             _code_overrides.update(config_mod.normalize_names(flags(), code, "configure()"))
-        for feature in FEATURES:
+        for feature in registry.FEATURES:
             if feature not in enabled:
                 ENGINE.remove(feature.name)
         for feature in enabled:
