@@ -1,0 +1,332 @@
+"""Run megatron's own functions on a CPU host: their CUDA calls see a host view of torch.
+
+Megatron-core spells "the accelerator" in three ways inside function bodies:
+
+1. ``torch.cuda.<fn>()`` (``current_device()`` as a device argument, ``Stream()``,
+   ``current_stream()``, ``get_rng_state()``, ``manual_seed()``, ``synchronize()``, ...);
+2. the string constant ``'cuda'`` (``device='cuda'``, ``torch.device('cuda')``);
+3. type strings compared with ``tensor.type()`` (``'torch.cuda.FloatTensor'`` ...).
+
+None of them works on a CPU-only torch, and changing torch itself (``torch.cuda.current_device``
+or ``torch.cuda.is_available`` for the whole process) breaks other users of torch, e.g.
+``torch.compile``/inductor. :func:`host_function` instead makes a twin of one megatron function
+that executes the *same bytecode* (no copied source: every megatron version brings its own)
+with
+
+* ``torch`` resolved to :data:`HOST_TORCH`, a read-through view of torch whose ``cuda``
+  namespace is :data:`HOST_CUDA` (host device, host RNG, no-op streams and events);
+* the constants of (2) and (3) rewritten to their host spelling (``'cpu'``, ``'torch.FloatTensor'``).
+
+Every other global name is read live from the function's own module (a dict overlay whose
+``__missing__`` reads the module's namespace), so later patches and module state stay visible.
+:func:`run_on_host` is the wrapt wrapper that calls the twin in place of the original; the
+patches that use it name each megatron function they adapt, so the report lists them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_HOST_CONSTANTS = {
+    "cuda": "cpu",
+    "torch.cuda.FloatTensor": "torch.FloatTensor",
+    "torch.cuda.HalfTensor": "torch.HalfTensor",
+    "torch.cuda.BFloat16Tensor": "torch.BFloat16Tensor",
+}
+
+
+class _NullEvent:
+    """A CUDA event on a host where every operation is already complete."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: _NullEvent) -> float:
+        return 0.0
+
+
+class _NullStream:
+    """The one host "stream": work runs in program order, so waits are no-ops."""
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NullEvent:
+        return event if event is not None else _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_HOST_STREAM = _NullStream()
+_HOST_DEVICE = torch.device("cpu")
+
+
+class _HostNvtx:
+    @staticmethod
+    def range_push(msg: str) -> None:
+        pass
+
+    @staticmethod
+    def range_pop() -> None:
+        pass
+
+
+class HostCuda(types.SimpleNamespace):
+    """``torch.cuda`` as megatron code sees it on a CPU host.
+
+    The device is the CPU, the "device" random generator is torch's CPU generator (so
+    ``torch.cuda.manual_seed`` seeds what CPU dropout draws from), streams and events are
+    no-ops. Anything not listed falls through to the real ``torch.cuda`` (e.g. ``FloatTensor``).
+    """
+
+    nvtx = _HostNvtx()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @property
+    def random(self) -> HostCuda:  # torch.cuda.random.get_rng_state(...)
+        return self
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return _HOST_DEVICE
+
+    @staticmethod
+    def device_count() -> int:
+        return 0
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(new_state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _NullStream:  # noqa: N802 - torch's spelling
+        return _HOST_STREAM
+
+    Event = _NullEvent
+
+    @staticmethod
+    def stream(stream: Any = None) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _NullStream:
+        return _HOST_STREAM
+
+    @staticmethod
+    def default_stream(device: Any = None) -> _NullStream:
+        return _HOST_STREAM
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+
+HOST_CUDA = HostCuda()
+
+
+class HostTorch(types.ModuleType):
+    """A read-through view of the ``torch`` module whose ``cuda`` is :data:`HOST_CUDA`."""
+
+    def __init__(self, **overrides: Any) -> None:
+        super().__init__("torch", "torch as megatron code sees it on a CPU host (mindspeed_like)")
+        self.cuda = HOST_CUDA
+        for name, value in overrides.items():
+            setattr(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+HOST_TORCH = HostTorch()
+
+
+class _Overlay(dict):
+    """Globals of a host twin: a few overrides, everything else read live from the module."""
+
+    __slots__ = ("_base", "_fallbacks")
+
+    def __init__(self, base: dict, overrides: dict, fallbacks: dict) -> None:
+        super().__init__(overrides)
+        self["__builtins__"] = base.get("__builtins__", __builtins__)
+        self._base = base
+        self._fallbacks = fallbacks
+
+    def __missing__(self, key: str) -> Any:
+        try:
+            return self._base[key]
+        except KeyError:
+            if key in self._fallbacks:
+                return self._fallbacks[key]
+            raise
+
+
+def _host_constant(value: Any) -> Any:
+    if isinstance(value, str):
+        return _HOST_CONSTANTS.get(value, value)
+    if isinstance(value, tuple):
+        return tuple(_host_constant(v) for v in value)
+    if isinstance(value, frozenset):
+        return frozenset(_host_constant(v) for v in value)
+    if isinstance(value, types.CodeType):
+        return _host_code(value)
+    return value
+
+
+def _host_code(code: types.CodeType) -> types.CodeType:
+    return code.replace(co_consts=tuple(_host_constant(c) for c in code.co_consts))
+
+
+def _cell_contents(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _decorated_function(func: Callable) -> Callable | None:
+    """The function a decorator's wrapper calls, if ``func`` is such a wrapper."""
+    inner = getattr(func, "__wrapped__", None)
+    if inner is None or not func.__closure__:
+        return None
+    if any(_cell_contents(c) is inner for c in func.__closure__):
+        return inner
+    return None
+
+
+def _redecorate(wrapper: Callable, inner: Callable, twin_inner: Callable) -> Callable:
+    """``wrapper`` rebuilt around ``twin_inner`` instead of ``inner`` (same code, same globals)."""
+    closure = tuple(types.CellType(twin_inner) if _cell_contents(c) is inner else c for c in wrapper.__closure__)
+    twin = types.FunctionType(wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, closure)
+    twin.__kwdefaults__ = wrapper.__kwdefaults__
+    twin.__dict__.update(wrapper.__dict__)
+    twin.__qualname__ = wrapper.__qualname__
+    twin.__module__ = wrapper.__module__
+    twin.__doc__ = wrapper.__doc__
+    twin.__wrapped__ = twin_inner
+    return twin
+
+
+def _refuse_global_writes(func: Callable) -> None:
+    """A twin's globals are an overlay: a ``global x; x = ...`` in it would write to the overlay,
+    not to the module (CPython stores into a dict subclass directly), and the module would never
+    see the change. No function adapted today does that; a future megatron version that does
+    must fail here, loudly, instead of silently losing the write."""
+    stack = [func.__code__]
+    while stack:
+        code = stack.pop()
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        for instruction in dis.get_instructions(code):
+            if instruction.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                raise TypeError(
+                    f"{func.__module__}.{func.__qualname__} assigns the module global {instruction.argval!r}; "
+                    "it cannot run as a host twin (the write would be lost). Adapt it with a dedicated patch."
+                )
+
+
+_twins: weakref.WeakKeyDictionary[Callable, Callable] = weakref.WeakKeyDictionary()
+
+
+def host_function(func: Callable, torch_view: HostTorch = HOST_TORCH, missing_globals: dict | None = None) -> Callable:
+    """A twin of ``func`` running its own bytecode with the host view of torch (see module doc).
+
+    A decorator's wrapper (``@contextlib.contextmanager``, ``@torch.amp.custom_bwd``, any
+    ``functools.wraps`` wrapper holding the function in its closure) is kept: the twin is the
+    same wrapper around the twin of the decorated function.
+    ``missing_globals`` supplies names the module does not define, e.g. one that megatron
+    binds only when an optional package imports (used only while the module lacks them).
+    """
+    decorated = _decorated_function(func)
+    if decorated is not None:
+        return _redecorate(func, decorated, host_function(decorated, torch_view, missing_globals))
+    _refuse_global_writes(func)
+    overlay = _Overlay(func.__globals__, {"torch": torch_view}, dict(missing_globals or {}))
+    twin = types.FunctionType(
+        _host_code(func.__code__),
+        overlay,
+        func.__name__,
+        tuple(_host_constant(d) for d in func.__defaults__) if func.__defaults__ else None,
+        func.__closure__,
+    )
+    twin.__kwdefaults__ = (
+        {k: _host_constant(v) for k, v in func.__kwdefaults__.items()} if func.__kwdefaults__ else None
+    )
+    twin.__qualname__ = func.__qualname__
+    twin.__module__ = func.__module__
+    twin.__doc__ = func.__doc__
+    twin.__wrapped__ = func
+    return twin
+
+
+def _twin(func: Callable, key: Any, factory: Callable[[Callable], Callable]) -> Callable:
+    cache = _twins.setdefault(func, {})  # type: ignore[arg-type]
+    twin = cache.get(key)
+    if twin is None:
+        twin = cache[key] = factory(func)
+    return twin
+
+
+def host_wrapper(torch_view: HostTorch = HOST_TORCH, missing_globals: dict | None = None) -> Callable:
+    """A wrapt wrapper that calls the host twin of the wrapped function (built once, cached).
+
+    Works for module functions, methods, static and class methods: the twin is made from the
+    underlying function and called with the instance the wrapped callable was bound to.
+    """
+    key = (id(torch_view), tuple(sorted((k, id(v)) for k, v in (missing_globals or {}).items())))
+
+    def wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        func = getattr(wrapped, "__func__", wrapped)
+        twin = _twin(func, key, lambda f: host_function(f, torch_view, missing_globals))
+        bound_to = getattr(wrapped, "__self__", None)
+        if bound_to is not None and not isinstance(wrapped, types.BuiltinFunctionType):
+            return twin(bound_to, *args, **kwargs)
+        return twin(*args, **kwargs)
+
+    wrapper.__name__ = "run_on_host"
+    return wrapper
+
+
+run_on_host = host_wrapper()

@@ -1,0 +1,37 @@
+"""The cpu-adapter feature: megatron-core trains on a CPU-only host.
+
+Switched on when the device resolves to cpu (``--device cpu``, or ``auto`` without an NPU or
+a GPU). It gathers the patches of ``cpu_rng``, ``cpu_norm``, ``cpu_devices``,
+``cpu_optimizer`` and ``cpu_moe``; each module's docstring says why each target is the right
+one. Almost all of them run megatron's own function bodies as host twins
+(``mindspeed_like.device.host_view``): ``torch.cuda`` seen as the CPU, ``'cuda'`` constants read
+``'cpu'``. Nothing in torch is changed: the feature makes no global change.
+"""
+
+from __future__ import annotations
+
+from mindspeed_like.config import Config
+from mindspeed_like.device import detect_device
+from mindspeed_like.features.base import Feature
+from mindspeed_like.patches import cpu_devices, cpu_moe, cpu_norm, cpu_optimizer, cpu_rng
+
+PATCHES = [
+    *cpu_rng.PATCHES,
+    *cpu_norm.PATCHES,
+    *cpu_devices.PATCHES,
+    *cpu_optimizer.PATCHES,
+    *cpu_moe.PATCHES,
+]
+
+
+def _patches(config: Config) -> list:
+    return PATCHES
+
+
+FEATURE = Feature(
+    name="cpu-adapter",
+    summary="megatron-core runs and trains on a CPU-only host (CUDA calls adapted at megatron's call sites)",
+    patches=_patches,
+    enabled=lambda feature, config: detect_device(config["device"]) == "cpu",
+    backend=lambda config: "cpu",
+)
