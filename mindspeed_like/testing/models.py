@@ -1,0 +1,101 @@
+"""Tiny megatron-core GPT models for tests (local spec: no TransformerEngine needed)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+# TransformerConfig defaults for tests. add_bias_linear=False on purpose: selective `mlp`
+# recompute with biases recurses without end in megatron-core 0.13-0.16, and MoE experts with
+# biases fail at TP=1 (notes/megatron-core-on-cpu.md).
+DEFAULTS: dict[str, Any] = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    ffn_hidden_size=None,
+    normalization="RMSNorm",
+    gated_linear_unit=True,
+    activation_func=None,  # swiglu when gated_linear_unit (see gpt_config)
+    add_bias_linear=False,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    use_cpu_initialization=True,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    persist_layer_norm=False,
+    init_method_std=0.02,
+)
+
+# GPTModel arguments that are not TransformerConfig fields.
+MODEL_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=256,
+    max_sequence_length=32,
+    position_embedding_type="rope",
+    share_embeddings_and_output_weights=False,
+)
+
+
+def gpt_config(**overrides: Any):
+    """A TransformerConfig for a tiny GPT; tensor/sequence/expert parallel sizes come from
+    ``parallel_state`` unless given. MoE: pass ``num_moe_experts`` (and ``moe_router_topk``,
+    ``moe_token_dispatcher_type``, ``moe_grouped_gemm``, ``moe_ffn_hidden_size``)."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    values = dict(DEFAULTS)
+    values.update(overrides)
+    if values.get("activation_func") is None:
+        values["activation_func"] = F.silu if values.get("gated_linear_unit") else F.gelu
+    if values.get("ffn_hidden_size") is None:
+        values["ffn_hidden_size"] = 2 * values["hidden_size"]
+    if parallel_state.model_parallel_is_initialized():
+        values.setdefault("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size())
+        values.setdefault("expert_model_parallel_size", parallel_state.get_expert_model_parallel_world_size())
+        values.setdefault("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())
+    if values.get("num_moe_experts"):
+        values.setdefault("moe_router_topk", 2)
+        values.setdefault("moe_token_dispatcher_type", "alltoall")
+        values.setdefault("moe_ffn_hidden_size", values["ffn_hidden_size"])
+        values.setdefault("moe_aux_loss_coeff", 0.0)
+    if values.get("bf16"):
+        values.setdefault("params_dtype", __import__("torch").bfloat16)
+        values.setdefault("pipeline_dtype", __import__("torch").bfloat16)
+    return TransformerConfig(**values)
+
+
+def tiny_gpt(*, wrap_float16: bool = True, **overrides: Any):
+    """A megatron-core GPTModel from ``get_gpt_layer_local_spec()`` with tiny sizes.
+
+    Overrides go to :func:`gpt_config` (TransformerConfig fields) or to GPTModel
+    (``vocab_size``, ``max_sequence_length`` alias ``seq_length``, ``position_embedding_type``,
+    ``share_embeddings_and_output_weights``). Defaults: 2 layers, hidden 64, 4 heads, seq 32,
+    vocab 256, RMSNorm, SwiGLU, RoPE, no biases, no dropout, CPU initialization.
+
+    ``bf16=True`` builds a bf16 config; with ``wrap_float16`` (default) the model is returned
+    wrapped in megatron's ``Float16Module`` (what megatron's training loop does), otherwise the
+    caller wraps it. ``model.config`` is the TransformerConfig in both cases.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    model_args = dict(MODEL_DEFAULTS)
+    if "seq_length" in overrides:
+        overrides["max_sequence_length"] = overrides.pop("seq_length")
+    for key in list(overrides):
+        if key in MODEL_DEFAULTS:
+            model_args[key] = overrides.pop(key)
+    config = gpt_config(**overrides)
+    spec_args = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
+    if "normalization" in inspect.signature(get_gpt_layer_local_spec).parameters:  # not in every version
+        spec_args["normalization"] = config.normalization
+    spec = get_gpt_layer_local_spec(**spec_args)
+    model = GPTModel(config=config, transformer_layer_spec=spec, **model_args)
+    if config.bf16 and wrap_float16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model

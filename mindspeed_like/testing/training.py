@@ -1,0 +1,123 @@
+"""A few deterministic training steps through megatron's DDP and optimizer (parity tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The innermost module under DDP / Float16Module wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def make_batches(steps: int, global_batch: int, seq_length: int, vocab_size: int, seed: int) -> torch.Tensor:
+    """Token ids ``[steps, global_batch, seq_length + 1]``, the same on every rank for a seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (steps, global_batch, seq_length + 1), generator=generator)
+
+
+def _optimizer_config(optimizer: str | Mapping[str, Any], *, lr: float, bf16: bool, use_distributed_optimizer: bool):
+    from megatron.core.optimizer import OptimizerConfig
+
+    values: dict[str, Any] = dict(
+        lr=lr, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0
+    )
+    if isinstance(optimizer, str):
+        values["optimizer"] = optimizer
+    else:
+        values.update(optimizer)
+    values.update(bf16=bf16, use_distributed_optimizer=use_distributed_optimizer)
+    return OptimizerConfig(**values)
+
+
+def train_steps(
+    model: torch.nn.Module,
+    steps: int,
+    *,
+    seed: int = 1234,
+    optimizer: str | Mapping[str, Any] = "adam",
+    use_distributed_optimizer: bool = False,
+    bf16: bool | None = None,
+    ddp: bool = True,
+    overlap_grad_reduce: bool = False,
+    lr: float = 1e-3,
+    micro_batch_size: int = 2,
+    seq_length: int | None = None,
+    data: torch.Tensor | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Train ``model`` for ``steps`` steps; return the loss of each step (before its update).
+
+    The model (a GPTModel, possibly in ``Float16Module``) is wrapped in megatron's
+    ``DistributedDataParallel`` (unless ``ddp=False``) and trained with
+    ``get_megatron_optimizer``: ``optimizer`` is ``'adam'``/``'sgd'`` or a dict of
+    ``OptimizerConfig`` fields; ``bf16`` defaults to ``model.config.bf16`` (then megatron picks
+    ``Float16OptimizerWithFloat16Params``, or ``DistributedOptimizer`` with
+    ``use_distributed_optimizer``).
+
+    Data: step ``i`` uses ``data[i]`` (``[global_batch, seq+1]`` token ids; a 2-D ``data`` is
+    used for every step) or, by default, ``make_batches(..., seed)``: random tokens of the
+    model's vocabulary, identical on every rank. ``global_batch = micro_batch_size * DP``;
+    each data-parallel rank trains on its own ``micro_batch_size`` rows. The loss is the mean
+    of GPTModel's per-token loss, averaged over the data-parallel group (so a DP=2 run is
+    comparable with a DP=1 run on the whole batch). ``on_step(step, loss)`` is called after
+    each step (progress output).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    gpt = unwrap(model)
+    config = gpt.config
+    bf16 = bool(config.bf16) if bf16 is None else bf16
+    seq_length = seq_length or gpt.max_sequence_length
+    dp_size = parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_group = parallel_state.get_data_parallel_group()
+    if data is None:
+        data = make_batches(steps, micro_batch_size * dp_size, seq_length, gpt.vocab_size, seed)
+    elif data.dim() == 2:
+        data = data.unsqueeze(0).expand(steps, *data.shape)
+
+    if ddp:
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=overlap_grad_reduce,
+            use_distributed_optimizer=use_distributed_optimizer,
+        )
+        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    opt = get_megatron_optimizer(
+        _optimizer_config(optimizer, lr=lr, bf16=bf16, use_distributed_optimizer=use_distributed_optimizer),
+        [model],
+    )
+    model.train()
+    losses: list[float] = []
+    for step in range(steps):
+        batch = data[step]
+        rows = batch.shape[0] // dp_size
+        batch = batch[dp_rank * rows : (dp_rank + 1) * rows]
+        tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        if ddp:
+            model.zero_grad_buffer()
+        opt.zero_grad()
+        per_token = model(tokens, position_ids, None, labels=labels)
+        loss = per_token.float().mean()
+        (loss * opt.get_loss_scale()).backward()
+        if ddp:
+            model.finish_grad_sync()
+        opt.step()
+        reported = loss.detach().clone()
+        if dp_size > 1:
+            dist.all_reduce(reported, group=dp_group)
+            reported /= dp_size
+        losses.append(reported.item())
+        if on_step is not None:
+            on_step(step, losses[-1])
+    return losses
