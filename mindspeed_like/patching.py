@@ -355,7 +355,12 @@ class PatchEngine:
         )
 
     def _scoped_modules(self) -> list[types.ModuleType]:
-        return [m for n, m in list(sys.modules.items()) if m is not None and self._in_scope(n)]
+        prefixes = tuple(s + "." for s in self.alias_scopes)
+        return [
+            m
+            for n, m in list(sys.modules.items())
+            if m is not None and (n.startswith(prefixes) or n in self.alias_scopes)
+        ]
 
     def _swap_aliases(self, old: Any, new: Any, skip: tuple[str, str] | None = None) -> None:
         for module in self._scoped_modules():

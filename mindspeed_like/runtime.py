@@ -18,8 +18,8 @@ from packaging.specifiers import SpecifierSet
 
 from mindspeed_like import config as config_mod
 from mindspeed_like.config import Config, ConfigError
-from mindspeed_like.features.base import Feature
 from mindspeed_like.features import registry
+from mindspeed_like.features.base import Feature
 from mindspeed_like.megatron_version import TESTED_VERSION, describe, megatron_core_version
 from mindspeed_like.patching import PatchEngine, PatchRecord
 

@@ -1,0 +1,123 @@
+"""The `mindspeed-like` command: list features, show the patch report, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from packaging.specifiers import SpecifierSet
+
+from mindspeed_like.config import ConfigError, add_flag
+
+
+def _feature_rows(config) -> list[tuple[str, ...]]:
+    from mindspeed_like.features import registry
+    from mindspeed_like.megatron_version import megatron_core_version
+
+    version = megatron_core_version()
+    rows = []
+    for feature in registry.FEATURES:
+        flags = ", ".join(" / ".join(f.option_strings) for f in feature.flags) or "(always on when it applies)"
+        state = "on" if feature.is_enabled(config) else "off"
+        if version is None:
+            support = f"{feature.megatron_versions} (megatron-core not found)"
+        else:
+            ok = version in SpecifierSet(feature.megatron_versions, prereleases=True)
+            support = f"{feature.megatron_versions} ({version}: {'supported' if ok else 'NOT supported'})"
+        rows.append((feature.name, state, feature.backend(config), support, flags))
+    return rows
+
+
+def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
+    for row in (header, ["-" * w for w in widths], *rows):
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def cmd_features(args: argparse.Namespace, flag_values: dict) -> int:
+    from mindspeed_like import runtime
+
+    config = runtime.resolve_config(code=flag_values, argv=[])
+    _print_table(("feature", "state", "backend here", "megatron-core", "flags"), _feature_rows(config))
+    from mindspeed_like.config import GLOBAL_FLAGS
+    from mindspeed_like.features import registry
+
+    print("global flags: " + ", ".join(f"{f.option} ({config[f.name]!r})" for f in GLOBAL_FLAGS))
+
+    if args.verbose:
+        print()
+        for feature in registry.FEATURES:
+            print(f"{feature.name}: {feature.summary}")
+            for flag in feature.flags:
+                spelling = " / ".join(flag.option_strings)
+                print(f"    {spelling} ({flag.type.__name__}, default {flag.default!r}): {flag.help}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace, flag_values: dict) -> int:
+    """Apply the adaptor with the given flags, import megatron.core, print every patch."""
+    import mindspeed_like
+    import mindspeed_like.megatron_adaptor  # noqa: F401
+
+    mindspeed_like.configure(**flag_values)
+    import megatron.core  # noqa: F401
+
+    rows = [
+        (r.feature, r.kind, r.status, r.target + (" [GLOBAL]" if r.global_change else ""), str(len(r.aliases)))
+        for r in mindspeed_like.report()
+    ]
+    _print_table(("feature", "kind", "status", "target", "aliases"), rows)
+    if args.verbose:
+        for r in mindspeed_like.report():
+            print(f"{r.target}: {r.why}")
+            for alias in r.aliases:
+                print(f"    also {alias}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace, flag_values: dict) -> int:
+    from mindspeed_like.demo import run_demo
+
+    return run_demo(args, flag_values)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mindspeed_like import runtime
+
+    parser = argparse.ArgumentParser(prog="mindspeed-like", description=__doc__, allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, handler, help_text in (
+        ("features", cmd_features, "list every feature: flags, on/off, backend on this host, megatron-core support"),
+        ("report", cmd_report, "apply the features for the given flags and print the patch report"),
+        ("demo", cmd_demo, "train a small GPT with megatron-core through the adaptor on this machine"),
+    ):
+        sub = commands.add_parser(name, help=help_text, allow_abbrev=False)
+        sub.set_defaults(handler=handler)
+        sub.add_argument("-v", "--verbose", action="store_true", help="more detail")
+        if name == "demo":
+            from mindspeed_like.demo import add_demo_arguments
+
+            add_demo_arguments(sub)
+        group = sub.add_argument_group("feature flags")
+        for flag in runtime.flags():
+            add_flag(group, flag)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from mindspeed_like import runtime
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    flag_names = {flag.name for flag in runtime.flags()}
+    flag_values = {k: v for k, v in vars(args).items() if k in flag_names}
+    try:
+        return args.handler(args, flag_values)
+    except ConfigError as error:
+        print(f"mindspeed-like: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
