@@ -11,6 +11,7 @@ import argparse
 import math
 import resource
 import time
+import warnings
 
 import torch
 
@@ -38,6 +39,11 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
         _positive(name, getattr(args, name))
     if args.hidden_size % args.num_attention_heads:
         raise SystemExit("mindspeed-like demo: --hidden-size must be divisible by --num-attention-heads")
+
+    # megatron-core tells at import that TransformerEngine/Apex are absent: true, and expected
+    # here; the demo hides only those lines so its own output stays readable.
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
     import mindspeed_like
     import mindspeed_like.megatron_adaptor  # noqa: F401  (the one line a user adds)
