@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,11 @@ class Flag:
         return (self.option, *self.aliases)
 
 
+def always_on(feature: Feature, config: Config) -> bool:
+    """For fixes and adapters with no flag of their own."""
+    return True
+
+
 def _first_bool_flag_on(feature: Feature, config: Config) -> bool:
     for flag in feature.flags:
         if flag.type is bool:
@@ -51,15 +56,15 @@ class Feature:
     """One switchable capability, implemented as a set of patches.
 
     enabled: whether the config switches it on (default: its first bool flag).
-    patches: the patches to apply for a config; called only when enabled.
+    patches: the patches to apply: a fixed list, or a function of the config (called only
+        when enabled).
     backend: which implementation this host would use (shown by the CLI).
     validate: extra checks of a config with the feature on; raise ConfigError.
-    always_on: a fix or adapter with no flag of its own (still listed and reversible).
     """
 
     name: str
     summary: str
-    patches: Callable[[Config], list[Patch]]
+    patches: Sequence[Patch] | Callable[[Config], list[Patch]]
     flags: tuple[Flag, ...] = ()
     requires: tuple[str, ...] = ()
     conflicts: tuple[str, ...] = ()
@@ -70,3 +75,6 @@ class Feature:
 
     def is_enabled(self, config: Config) -> bool:
         return self.enabled(self, config)
+
+    def patches_for(self, config: Config) -> list[Patch]:
+        return list(self.patches(config) if callable(self.patches) else self.patches)

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from mindspeed_like.config import Config
-from mindspeed_like.features.base import Feature
+from mindspeed_like.features.base import Feature, always_on
 from mindspeed_like.patching import Kind, Patch
 
 RANDOM_MODULE = "megatron.core.tensor_parallel.random"
@@ -39,14 +38,11 @@ PATCHES = [
 ]
 
 
-def _patches(config: Config) -> list[Patch]:
-    return PATCHES
-
 
 FEATURE = Feature(
     name="fix-checkpoint-without-output-fp8",
     summary="CheckpointWithoutOutput works without TransformerEngine (upstream default-argument bug)",
-    patches=_patches,
-    enabled=lambda feature, config: True,
+    patches=PATCHES,
+    enabled=always_on,
     backend=lambda config: "any",
 )

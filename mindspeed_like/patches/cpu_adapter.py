@@ -10,7 +10,6 @@ one. Almost all of them run megatron's own function bodies as host twins
 
 from __future__ import annotations
 
-from mindspeed_like.config import Config
 from mindspeed_like.device import detect_device
 from mindspeed_like.features.base import Feature
 from mindspeed_like.patches import cpu_devices, cpu_moe, cpu_norm, cpu_optimizer, cpu_rng
@@ -24,14 +23,11 @@ PATCHES = [
 ]
 
 
-def _patches(config: Config) -> list:
-    return PATCHES
-
 
 FEATURE = Feature(
     name="cpu-adapter",
     summary="megatron-core runs and trains on a CPU-only host (CUDA calls adapted at megatron's call sites)",
-    patches=_patches,
+    patches=PATCHES,
     enabled=lambda feature, config: detect_device(config["device"]) == "cpu",
     backend=lambda config: "cpu",
 )

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 
-from mindspeed_like.config import Config, add_flag
-from mindspeed_like.features.base import Feature
+from mindspeed_like.config import add_flag
+from mindspeed_like.features.base import Feature, always_on
 from mindspeed_like.patching import Kind, Patch
 
 ARGUMENTS_MODULE = "megatron.training.arguments"
@@ -78,14 +78,11 @@ PATCHES = [
 ]
 
 
-def _patches(config: Config) -> list[Patch]:
-    return PATCHES
-
 
 FEATURE = Feature(
     name="megatron-lm-arguments",
     summary="Megatron-LM's parse_args knows mindspeed_like flags (Megatron-LM checkouts only)",
-    patches=_patches,
-    enabled=lambda feature, config: True,
+    patches=PATCHES,
+    enabled=always_on,
     backend=lambda config: "any",
 )
