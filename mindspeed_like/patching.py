@@ -21,6 +21,7 @@ It knows nothing about megatron or kernels. A patch names a dotted target path
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib.machinery
 import importlib.metadata
@@ -29,7 +30,7 @@ import logging
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,9 @@ class Patch:
     module: the module part of `target`, when it must not be looked up on disk now
         (a module that may only become importable later, e.g. once a Megatron-LM
         checkout is put on sys.path). The patch then waits for that module's import.
+    update_aliases: replace the other modules' copies of a module-level object too
+        (default). False for a name that is deliberately module-local, e.g. giving one
+        module its own view of ``torch`` without touching every module that imports torch.
     """
 
     target: str
@@ -79,6 +83,7 @@ class Patch:
     why: str = ""
     global_change: bool = False
     module: str | None = None
+    update_aliases: bool = True
 
 
 @dataclass
@@ -186,17 +191,20 @@ class PatchEngine:
         self._skipped: dict[tuple[str, str], Patch] = {}
         self._order: list[tuple[str, str]] = []  # report order
         self._hooked_modules: set[str] = set()
+        self._queued_swaps: list[tuple[Any, Any, tuple[str, str] | None]] = []
+        self._batch_depth = 0
+        self._scoped_cache: tuple[Any, list[types.ModuleType]] = (None, [])
 
     # ------------------------------------------------------------------ public API
     def apply(self, feature: str, patches: Iterable[Patch]) -> None:
         """Apply `feature`'s patches; already-applied identical ones are left alone."""
-        with self._lock:
+        with self._lock, self._batch():
             for patch in patches:
                 self._apply_one(feature, patch)
 
     def remove(self, feature: str) -> None:
         """Undo every patch of `feature` (applied or pending), restoring originals by identity."""
-        with self._lock:
+        with self._lock, self._batch():
             for key in [k for k in self._pending if k[0] == feature]:
                 del self._pending[key]
             for key in [k for k in self._skipped if k[0] == feature]:
@@ -295,7 +303,7 @@ class PatchEngine:
         wrapt.register_post_import_hook(self._on_import, module_name)
 
     def _on_import(self, module: types.ModuleType) -> None:
-        with self._lock:
+        with self._lock, self._batch():
             self._hooked_modules.discard(module.__name__)  # wrapt fires a hook once, then drops it
             for (feature, target), patch in list(self._pending.items()):
                 module_name, attrs = _locate(patch)
@@ -328,7 +336,7 @@ class PatchEngine:
             installed = patch.new
         setattr(owner, attr, installed)
         entry = _Active(feature, patch, owner, attr, original, installed, had_own)
-        if isinstance(owner, types.ModuleType):
+        if isinstance(owner, types.ModuleType) and patch.update_aliases:
             self._swap_aliases(original, installed, skip=(owner.__name__, attr))
         self._active.setdefault(patch.target, []).append(entry)
         logger.debug("feature '%s': %s %s", feature, patch.kind.value, patch.target)
@@ -344,7 +352,7 @@ class PatchEngine:
     def _aliases_of(self, entry: _Active) -> list[tuple[str, str]]:
         """Live view: every scoped module global holding our object, whenever it got it
         (swapped at apply time, or copied by a module imported afterwards)."""
-        if not isinstance(entry.owner, types.ModuleType):
+        if not isinstance(entry.owner, types.ModuleType) or not entry.patch.update_aliases:
             return []
         home = (entry.owner.__name__, entry.attr)
         return sorted(
@@ -355,19 +363,56 @@ class PatchEngine:
         )
 
     def _scoped_modules(self) -> list[types.ModuleType]:
-        prefixes = tuple(s + "." for s in self.alias_scopes)
-        return [
-            m
-            for n, m in list(sys.modules.items())
-            if m is not None and (n.startswith(prefixes) or n in self.alias_scopes)
-        ]
+        # Cached while sys.modules is unchanged: same size and same newest entry (imports
+        # append; a module dropped and imported again becomes the newest entry).
+        newest = next(reversed(sys.modules), None)
+        key = (len(sys.modules), newest, id(sys.modules.get(newest)))
+        if self._scoped_cache[0] != key:
+            prefixes = tuple(s + "." for s in self.alias_scopes)
+            modules = [
+                m
+                for n, m in list(sys.modules.items())
+                if m is not None and (n.startswith(prefixes) or n in self.alias_scopes)
+            ]
+            self._scoped_cache = (key, modules)
+        return self._scoped_cache[1]
 
     def _swap_aliases(self, old: Any, new: Any, skip: tuple[str, str] | None = None) -> None:
+        """Every scoped module global holding `old` gets `new` (except `skip`, the owner's slot).
+
+        Inside a batch the swaps are queued and done in one scan of the modules at the end
+        (an import of megatron.core fires dozens of patches; one scan each cost seconds).
+        """
+        self._queued_swaps.append((old, new, skip))
+        if self._batch_depth == 0:
+            self._flush_swaps()
+
+    @contextlib.contextmanager
+    def _batch(self) -> Iterator[None]:
+        self._batch_depth += 1
+        try:
+            yield
+        finally:
+            self._batch_depth -= 1
+            if self._batch_depth == 0:
+                self._flush_swaps()
+
+    def _flush_swaps(self) -> None:
+        swaps, self._queued_swaps = self._queued_swaps, []
+        if not swaps:
+            return
+        olds = {id(old) for old, _, _ in swaps}
         for module in self._scoped_modules():
             namespace = vars(module)
             for name, value in list(namespace.items()):
-                if value is old and (module.__name__, name) != skip:
-                    namespace[name] = new
+                if id(value) not in olds:
+                    continue
+                current = value
+                for old, new, skip in swaps:  # in order: a later swap may move a value on again
+                    if current is old and (module.__name__, name) != skip:
+                        current = new
+                if current is not value:
+                    namespace[name] = current
 
     def _remove_entry(self, entry: _Active) -> None:
         stack = self._active[entry.patch.target]
@@ -388,7 +433,7 @@ class PatchEngine:
             setattr(entry.owner, entry.attr, entry.original)
         else:
             delattr(entry.owner, entry.attr)
-        if isinstance(entry.owner, types.ModuleType):
+        if isinstance(entry.owner, types.ModuleType) and entry.patch.update_aliases:
             # Every scoped reference to ours goes back: the aliases swapped at apply
             # time and the copies taken by modules imported while the patch was active.
             self._swap_aliases(entry.installed, entry.original)

@@ -288,3 +288,14 @@ def test_explicit_module_waits_for_a_module_that_does_not_exist_yet(fakemeg, eng
     importlib.invalidate_caches()
     module = importlib.import_module(f"{PKG}.training.args")
     assert module.parse is plus_100
+
+
+def test_module_local_replacement_leaves_other_modules_alone(fakemeg, engine):
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    user = importlib.import_module(f"{PKG}.core.user")
+    original = funcs.f
+    engine.apply("feat", [Patch(f"{PKG}.core.user.f", Kind.REPLACE, plus_100, update_aliases=False)])
+    assert user.f is plus_100 and funcs.f is original and user.g is original
+    assert engine.report()[0].aliases == ()
+    engine.remove("feat")
+    assert user.f is original
