@@ -91,8 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("features", cmd_features, "list every feature: flags, on/off, backend on this host, megatron-core support"),
         ("report", cmd_report, "apply the features for the given flags and print the patch report"),
         ("demo", cmd_demo, "train a small GPT with megatron-core through the adaptor on this machine"),
+        ("run", None, "run a training script with the adaptor imported first: run SCRIPT [ARGS...]"),
     ):
         sub = commands.add_parser(name, help=help_text, allow_abbrev=False)
+        if handler is None:
+            continue  # handled in main() before parsing
         sub.set_defaults(handler=handler)
         sub.add_argument("-v", "--verbose", action="store_true", help="more detail")
         if name == "demo":
@@ -108,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from mindspeed_like import runtime
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # everything after the script belongs to the script
+        from mindspeed_like.run import main as run_main
+
+        run_main(argv[1:])
+        return 0
     parser = build_parser()
     args = parser.parse_args(argv)
     flag_names = {flag.name for flag in runtime.flags()}

@@ -7,13 +7,22 @@ this list is the one place that says which ones exist.
 from __future__ import annotations
 
 from mindspeed_like.features.base import Feature
-from mindspeed_like.patches import checkpoint_fp8_default, cpu_adapter, megatron_lm_args, npu_adapter
+from mindspeed_like.patches import (
+    checkpoint_fp8_default,
+    cpu_adapter,
+    cpu_training,
+    dataset_helpers_build,
+    megatron_lm_args,
+    npu_adapter,
+)
 
 FEATURES: list[Feature] = [
     cpu_adapter.FEATURE,
+    cpu_training.FEATURE,
     npu_adapter.FEATURE,
     megatron_lm_args.FEATURE,
     checkpoint_fp8_default.FEATURE,
+    dataset_helpers_build.FEATURE,
 ]
 
 
