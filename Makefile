@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all lint megatron-lm-smoke bench clean
+.PHONY: install demo test test-all lint megatron-lm-smoke clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,9 +36,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check mindspeed_like tests benchmarks examples
 
 # Megatron-LM's own pretrain_gpt.py on CPU; needs a core_v0.16.1 checkout (see docs/megatron-lm.md).
+# megatron compiles its dataset helpers with the python3 on PATH: the venv's comes first.
 megatron-lm-smoke: $(STAMP)
-	@test -n "$(MEGATRON_LM_PATH)" || (echo "set MEGATRON_LM_PATH=/path/to/Megatron-LM (tag core_v0.16.1)"; exit 2)
-	MEGATRON_LM_PATH=$(MEGATRON_LM_PATH) $(PY) -m pytest -q -m '' tests/test_megatron_lm_integration.py
+	@test -f "$(MEGATRON_LM_PATH)/pretrain_gpt.py" || \
+		(echo "set MEGATRON_LM_PATH=/path/to/Megatron-LM (a checkout of tag core_v0.16.1)"; exit 2)
+	$(PY) -m pip install -q -e '.[test,megatron-lm]'
+	PATH="$(abspath $(VENV))/bin:$$PATH" MEGATRON_LM_PATH="$(MEGATRON_LM_PATH)" \
+		$(PY) -m pytest -q -m '' tests/test_megatron_lm_integration.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
