@@ -6,11 +6,13 @@ test_cpu_adapter_distributed.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
 import pytest
 import torch
+import wrapt
 
 import mindspeed_like
 from mindspeed_like.testing import destroy_parallel, init_parallel, make_batches, tiny_gpt, train_steps
@@ -174,3 +176,24 @@ def test_rng_tracker_fork_isolates_state():
     with get_cuda_rng_tracker().fork():
         b = torch.rand(3)
     assert not torch.equal(a, b)  # the tracked state advanced
+
+
+class _Cached:
+    calls = 0
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - the shape under test
+    def where(self, n):  # megatron-core 0.13-0.15 RotaryEmbedding.forward has this shape
+        type(self).calls += 1
+        return torch.zeros(n, device=torch.cuda.current_device()).device.type
+
+
+def test_host_twin_of_lru_cached_method_keeps_the_cache():
+    """The host twin of an ``lru_cache``d method runs on the host and still caches (same
+    maxsize/typed), as megatron's RotaryEmbedding.forward relies on in 0.13-0.15."""
+    from mindspeed_like.device.host_view import run_on_host
+
+    wrapped = wrapt.FunctionWrapper(_Cached.__dict__["where"], run_on_host)
+    obj = _Cached()
+    bound = wrapped.__get__(obj, _Cached)
+    assert bound(3) == "cpu" and bound(3) == "cpu" and bound(5) == "cpu"
+    assert _Cached.calls == 2  # (obj, 3) cached

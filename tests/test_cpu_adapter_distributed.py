@@ -5,6 +5,12 @@ seed and data. Tolerance rtol=2e-5 on each of 5 per-step losses: the parallel ru
 same math with reductions in a different order (row-parallel all-reduce of partial matmuls,
 reduce-scatter of gradients, loss averaged over 2 DP ranks instead of 4 rows at once), so they
 agree to float32 rounding, amplified a little by 5 Adam steps.
+
+Version note: "same model" at TP=2 relies on ``tiny_gpt`` giving each TP rank the [gate; up]
+rows of the SwiGLU fc1 master weight. megatron-core 0.16 initializes it so; 0.13-0.15 scatter
+contiguous rows (a different network than TP=1 from the same seed), and ``tiny_gpt`` re-lays
+them out (mindspeed_like.testing.models._gated_fc1_layout_of_tp1). The tolerance is the same
+for every version.
 """
 
 from __future__ import annotations

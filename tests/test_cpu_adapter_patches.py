@@ -30,20 +30,25 @@ def _raw(owner, attr):
     return vars(owner)[attr] if attr in vars(owner) else inspect.getattr_static(owner, attr)
 
 
-def test_every_cpu_target_exists_in_installed_megatron():
-    missing = []
-    for patch in cpu_adapter.PATCHES:
-        try:
-            owner, attr = _resolve(patch.target)
-            _raw(owner, attr)
-        except (AttributeError, ImportError):
-            missing.append(patch.target)
-    assert not missing
+def _present(patch) -> bool:
+    try:
+        owner, attr = _resolve(patch.target)
+        _raw(owner, attr)
+    except (AttributeError, ImportError):
+        return False
+    return True
+
+
+# Target existence per installed megatron-core version: tests/test_megatron_versions.py.
+# Optional targets absent from the installed version (e.g. get_sliding_window_causal_mask
+# before 0.15) are skipped by the engine; the tests below check the ones that exist.
+def _present_patches() -> list:
+    return [p for p in cpu_adapter.PATCHES if _present(p)]
 
 
 def test_reset_restores_every_original_by_identity():
     mindspeed_like.reset()
-    targets = [_resolve(p.target) for p in cpu_adapter.PATCHES]
+    targets = [_resolve(p.target) for p in _present_patches()]
     originals = [_raw(o, a) for o, a in targets]
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as dispatcher
@@ -70,7 +75,10 @@ def test_cpu_adapter_report_has_no_global_changes():
     try:
         records = [r for r in mindspeed_like.report() if r.feature == "cpu-adapter"]
         assert len(records) == len(cpu_adapter.PATCHES)
-        assert all(r.status == "applied" for r in records)
+        present = _present_patches()
+        status = {r.target: r.status for r in records}
+        assert status == {p.target: "applied" if p in present else "skipped" for p in cpu_adapter.PATCHES}
+        assert all(p.optional for p in cpu_adapter.PATCHES if p not in present)
         assert not [r for r in records if r.global_change]
         assert not any(m == "torch" or m.startswith("torch.") for r in records for m in [r.target])
     finally:

@@ -5,7 +5,8 @@ Megatron-core spells "the accelerator" in three ways inside function bodies:
 1. ``torch.cuda.<fn>()`` (``current_device()`` as a device argument, ``Stream()``,
    ``current_stream()``, ``get_rng_state()``, ``manual_seed()``, ``synchronize()``, ...);
 2. the string constant ``'cuda'`` (``device='cuda'``, ``torch.device('cuda')``);
-3. type strings compared with ``tensor.type()`` (``'torch.cuda.FloatTensor'`` ...).
+3. type strings compared with ``tensor.type()`` (``'torch.cuda.FloatTensor'`` ...);
+4. the method ``.cuda()`` (``weight.data.cuda()``, ``send_tensor.cuda()``) to move a tensor there.
 
 None of them works on a CPU-only torch, and changing torch itself (``torch.cuda.current_device``
 or ``torch.cuda.is_available`` for the whole process) breaks other users of torch, e.g.
@@ -15,7 +16,9 @@ with
 
 * ``torch`` resolved to :data:`HOST_TORCH`, a read-through view of torch whose ``cuda``
   namespace is :data:`HOST_CUDA` (host device, host RNG, no-op streams and events);
-* the constants of (2) and (3) rewritten to their host spelling (``'cpu'``, ``'torch.FloatTensor'``).
+* the constants of (2) and (3) rewritten to their host spelling (``'cpu'``, ``'torch.FloatTensor'``);
+* the method calls of (4) read as ``.cpu()`` (only method-call loads of the name ``cuda`` are
+  rewritten: ``torch.cuda.<fn>`` is an attribute load and keeps going to the host view).
 
 Every other global name is read live from the function's own module (a dict overlay whose
 ``__missing__`` reads the module's namespace), so later patches and module state stay visible.
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import functools
+import sys
 import types
 import weakref
 from collections.abc import Callable
@@ -216,7 +221,41 @@ def _host_constant(value: Any) -> Any:
     return value
 
 
+def _is_method_load(instruction: dis.Instruction) -> bool:
+    if instruction.opname == "LOAD_METHOD":  # Python 3.10, 3.11
+        return True
+    return instruction.opname == "LOAD_ATTR" and sys.version_info >= (3, 12) and bool(instruction.arg & 1)
+
+
+def _host_method_calls(code: types.CodeType) -> types.CodeType:
+    """``x.cuda()`` read as ``x.cpu()``: the name operand of each method-call load of ``cuda``
+    points at ``cpu`` instead (same instruction length, so no jump moves). A call passing
+    arguments ``cpu()`` does not take (``non_blocking=...``) raises a TypeError: loud, not wrong."""
+    if "cuda" not in code.co_names:
+        return code
+    sites = [i for i in dis.get_instructions(code) if i.argval == "cuda" and _is_method_load(i)]
+    if not sites:
+        return code
+    names = list(code.co_names)
+    if "cpu" not in names:
+        names.append("cpu")
+    index = names.index("cpu")
+    raw = bytearray(code.co_code)
+    for site in sites:
+        arg = index if site.opname == "LOAD_METHOD" else (index << 1) | 1
+        if arg > 0xFFFF or (arg > 0xFF) != (site.arg > 0xFF):
+            raise TypeError(
+                f"{code.co_name}: cannot rewrite .cuda() to .cpu() in place (operand width); "
+                "adapt it with a dedicated patch."
+            )
+        raw[site.offset + 1] = arg & 0xFF
+        if arg > 0xFF:
+            raw[site.offset - 1] = arg >> 8  # the operand byte of the preceding EXTENDED_ARG
+    return code.replace(co_code=bytes(raw), co_names=tuple(names))
+
+
 def _host_code(code: types.CodeType) -> types.CodeType:
+    code = _host_method_calls(code)
     return code.replace(co_consts=tuple(_host_constant(c) for c in code.co_consts))
 
 
@@ -230,7 +269,7 @@ def _cell_contents(cell: types.CellType) -> Any:
 def _decorated_function(func: Callable) -> Callable | None:
     """The function a decorator's wrapper calls, if ``func`` is such a wrapper."""
     inner = getattr(func, "__wrapped__", None)
-    if inner is None or not func.__closure__:
+    if inner is None or not getattr(func, "__closure__", None):
         return None
     if any(_cell_contents(c) is inner for c in func.__closure__):
         return inner
@@ -275,10 +314,15 @@ def host_function(func: Callable, torch_view: HostTorch = HOST_TORCH, missing_gl
 
     A decorator's wrapper (``@contextlib.contextmanager``, ``@torch.amp.custom_bwd``, any
     ``functools.wraps`` wrapper holding the function in its closure) is kept: the twin is the
-    same wrapper around the twin of the decorated function.
+    same wrapper around the twin of the decorated function. A ``functools.lru_cache`` wrapper
+    (C code, no closure; e.g. ``RotaryEmbedding.forward`` in megatron-core 0.13-0.15) becomes a
+    new cache of the same ``maxsize``/``typed`` around the twin, so caching behaves as megatron's.
     ``missing_globals`` supplies names the module does not define, e.g. one that megatron
     binds only when an optional package imports (used only while the module lacks them).
     """
+    if isinstance(func, functools._lru_cache_wrapper):
+        cached = host_function(func.__wrapped__, torch_view, missing_globals)
+        return functools.lru_cache(**func.cache_parameters())(cached)
     decorated = _decorated_function(func)
     if decorated is not None:
         return _redecorate(func, decorated, host_function(decorated, torch_view, missing_globals))

@@ -15,8 +15,13 @@ smallest enclosing functions (nested helpers are covered by their enclosing func
   _reduce_scatter_along_first_dim``: collective outputs (TP/SP);
 * ``tensor_parallel.mappings._AllToAll.forward``, ``tensor_parallel.utils`` 1-D split/gather;
 * ``models.gpt.gpt_model.GPTModel._preprocess`` (optional: not in every version),
-  ``RotaryEmbedding.__init__/get_emb``: rotary buffers;
-* ``transformer.utils.get_default_causal_mask`` (+ sliding-window variant): ``device="cuda"``;
+  ``RotaryEmbedding.__init__``: rotary buffers; the "move ``inv_freq`` to
+  ``torch.cuda.current_device()`` at the first forward" line is in ``RotaryEmbedding.get_emb``
+  from megatron-core 0.16 and in the ``lru_cache``-decorated ``RotaryEmbedding.forward`` before
+  (0.13-0.15, where ``get_emb`` does not exist): the patch targets the one the installed
+  version has (read when this module is imported); the host twin keeps the ``lru_cache``;
+* ``transformer.utils.get_sliding_window_causal_mask``: optional, megatron-core 0.15+ only;
+* ``transformer.utils.get_default_causal_mask``: ``device="cuda"``;
 * ``DotProductAttention.__init__``: softmax-offset buffers;
 * ``pipeline_parallel.schedules.forward_step/forward_backward_no_pipelining``: loss-scale and
   token-count tensors on ``'cuda'`` (users' training loops call these);
@@ -25,15 +30,29 @@ smallest enclosing functions (nested helpers are covered by their enclosing func
 
 from __future__ import annotations
 
+from packaging.version import Version
+
 from mindspeed_like.device.host_view import run_on_host
+from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.patching import Kind, Patch
 
 CORE = "megatron.core"
+ROTARY = "models.common.embeddings.rotary_pos_embedding.RotaryEmbedding"
 
 
 def on_host(target: str, why: str, optional: bool = False) -> Patch:
     """A patch running ``megatron.core.<target>`` as its host twin."""
     return Patch(f"{CORE}.{target}", Kind.WRAP, run_on_host, optional=optional, why=why)
+
+
+def _rotary_inv_freq_move(version: Version | None) -> Patch:
+    """The RotaryEmbedding method that moves ``inv_freq`` to ``torch.cuda.current_device()``:
+    ``get_emb`` from 0.16, the ``lru_cache``d ``forward`` in 0.13-0.15 (no ``get_emb`` there).
+    ``version`` None (megatron-core not found yet): the newest layout; the target is checked
+    when megatron-core is imported either way."""
+    if version is not None and version.release[:2] < (0, 16):
+        return on_host(f"{ROTARY}.forward", "moves inv_freq to torch.cuda.current_device() (lru_cache kept)")
+    return on_host(f"{ROTARY}.get_emb", "moves inv_freq to torch.cuda.current_device()")
 
 
 PATCHES = [
@@ -60,10 +79,8 @@ PATCHES = [
         "models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.__init__",
         "inv_freq on torch.cuda.current_device()",
     ),
-    on_host(
-        "models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.get_emb",
-        "moves inv_freq to torch.cuda.current_device()",
-    ),
+    # chosen for the megatron-core that `import megatron.core` finds when this module is imported
+    _rotary_inv_freq_move(megatron_core_version()),
     on_host("transformer.utils.get_default_causal_mask", "mask on device='cuda'"),
     on_host("transformer.utils.get_sliding_window_causal_mask", "mask on device='cuda'", optional=True),
     on_host(

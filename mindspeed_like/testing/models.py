@@ -75,6 +75,9 @@ def tiny_gpt(*, wrap_float16: bool = True, **overrides: Any):
     ``share_embeddings_and_output_weights``). Defaults: 2 layers, hidden 64, 4 heads, seq 32,
     vocab 256, RMSNorm, SwiGLU, RoPE, no biases, no dropout, CPU initialization.
 
+    The same seed gives the same model function at every tensor-parallel size, in every
+    supported megatron-core version (see :func:`_gated_fc1_layout_of_tp1`).
+
     ``bf16=True`` builds a bf16 config; with ``wrap_float16`` (default) the model is returned
     wrapped in megatron's ``Float16Module`` (what megatron's training loop does), otherwise the
     caller wraps it. ``model.config`` is the TransformerConfig in both cases.
@@ -94,8 +97,49 @@ def tiny_gpt(*, wrap_float16: bool = True, **overrides: Any):
         spec_args["normalization"] = config.normalization
     spec = get_gpt_layer_local_spec(**spec_args)
     model = GPTModel(config=config, transformer_layer_spec=spec, **model_args)
+    _gated_fc1_layout_of_tp1(model, config)
     if config.bf16 and wrap_float16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
     return model
+
+
+def _gated_fc1_layout_of_tp1(model, config) -> None:
+    """Give each TP rank the [gate shard; up shard] rows of the gated fc1 master weight.
+
+    A gated MLP's ``linear_fc1`` computes [gate; up] and each TP rank applies the GLU to its
+    own output chunk, so rank r must hold rows (gate_r; up_r) of the master weight. megatron-core
+    0.16 builds fc1 with ``stride=2`` so ``use_cpu_initialization`` scatters exactly that;
+    0.13-0.15 use stride 1 and scatter contiguous rows (rank 0 all of gate, rank 1 all of up at
+    TP=2): a valid but *different* network from the TP=1 one of the same seed, so "TP=2 equals
+    TP=1" cannot hold there for a reason that is megatron's init, not the parallel math.
+    For those versions (recognised by the weight's ``partition_stride`` of 1, not by version
+    number) the master weight is gathered from the ranks and re-scattered with stride 2, i.e.
+    what 0.16 does. Dense MLPs only (expert MLPs keep their layout); needs the CPU init, where
+    one master weight exists.
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.mlp import MLP
+
+    tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    if tp == 1 or not config.gated_linear_unit or not config.use_cpu_initialization:
+        return
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    for module in model.modules():
+        if not isinstance(module, MLP) or getattr(module, "is_expert", False):
+            continue
+        fc1 = module.linear_fc1
+        tensors = [fc1.weight] + ([fc1.bias] if getattr(fc1, "bias", None) is not None else [])
+        for tensor in tensors:
+            if getattr(tensor, "partition_stride", 1) != 1 or getattr(tensor, "partition_dim", 0) != 0:
+                continue
+            with torch.no_grad():
+                shards = [torch.empty_like(tensor) for _ in range(tp)]
+                dist.all_gather(shards, tensor.detach().contiguous(), group=group)
+                chunks = torch.cat(shards, dim=0).chunk(2 * tp, dim=0)  # the master weight
+                tensor.copy_(torch.cat([chunks[rank], chunks[rank + tp]], dim=0))
+            tensor.partition_stride = 2
