@@ -2,17 +2,26 @@
 
 Switched on when the device resolves to cpu (``--device cpu``, or ``auto`` without an NPU or
 a GPU). It gathers the patches of ``cpu_rng``, ``cpu_norm``, ``cpu_devices``,
-``cpu_optimizer`` and ``cpu_moe``; each module's docstring says why each target is the right
-one. Almost all of them run megatron's own function bodies as host twins
+``cpu_optimizer``, ``cpu_moe``, ``cpu_schedules`` (pipeline parallelism) and ``cpu_checkpointing``
+(``dist_checkpointing``); each module's docstring says why each target is the right one.
+Almost all of them run megatron's own function bodies as host twins
 (``mindspeed_like.device.host_view``): ``torch.cuda`` seen as the CPU, ``'cuda'`` constants read
-``'cpu'``. Nothing in torch is changed: the feature makes no global change.
+``'cpu'``, ``x.cuda()`` read ``x.cpu()``. Nothing in torch is changed: the feature makes no global change.
 """
 
 from __future__ import annotations
 
 from mindspeed_like.device import detect_device
 from mindspeed_like.features.base import Feature
-from mindspeed_like.patches import cpu_devices, cpu_moe, cpu_norm, cpu_optimizer, cpu_rng
+from mindspeed_like.patches import (
+    cpu_checkpointing,
+    cpu_devices,
+    cpu_moe,
+    cpu_norm,
+    cpu_optimizer,
+    cpu_rng,
+    cpu_schedules,
+)
 
 PATCHES = [
     *cpu_rng.PATCHES,
@@ -20,9 +29,9 @@ PATCHES = [
     *cpu_devices.PATCHES,
     *cpu_optimizer.PATCHES,
     *cpu_moe.PATCHES,
+    *cpu_schedules.PATCHES,
+    *cpu_checkpointing.PATCHES,
 ]
-
-
 
 FEATURE = Feature(
     name="cpu-adapter",

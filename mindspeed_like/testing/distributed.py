@@ -58,8 +58,11 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # children read it at interpreter start
     try:
+        # Not daemonic: megatron's dist_checkpointing.save starts helper processes (a
+        # multiprocessing Manager, the file writers), which a daemonic process may not have.
+        # The ``finally`` below kills any child still alive.
         procs = [
-            ctx.Process(target=_child, args=(rank, world_size, port, fn, args, kwargs, results), daemon=True)
+            ctx.Process(target=_child, args=(rank, world_size, port, fn, args, kwargs, results), daemon=False)
             for rank in range(world_size)
         ]
         for proc in procs:
