@@ -17,14 +17,17 @@ from packaging.specifiers import SpecifierSet
 
 from mindspeed_like.features import registry
 from mindspeed_like.megatron_version import megatron_core_version
-from mindspeed_like.patches import npu_adapter
+from mindspeed_like.patches import cpu_adapter, npu_adapter
 from mindspeed_like.patching import Kind, split_target
 
 VERSION = megatron_core_version()
 
 # Features whose patch list is a function of the config with side effects (npu-adapter imports
 # torch_npu to build it): their fixed list, as the module declares it.
-_BUILT_BY_FUNCTION = {npu_adapter.FEATURE.name: npu_adapter.PATCHES}
+_BUILT_BY_FUNCTION = {
+    npu_adapter.FEATURE.name: npu_adapter.PATCHES,
+    cpu_adapter.FEATURE.name: cpu_adapter.patches_for_installed_megatron(None),  # pure: version-chosen targets
+}
 
 
 def _patch_list(feature):

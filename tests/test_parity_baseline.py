@@ -37,7 +37,7 @@ def test_default_adaptor_equals_device_adapter_alone_bitwise(bf16):
         assert "cpu-adapter" in features
         mindspeed_like.reset()
 
-        runtime.ENGINE.apply(cpu_adapter.FEATURE.name, cpu_adapter.PATCHES)
+        runtime.ENGINE.apply(cpu_adapter.FEATURE.name, cpu_adapter.patches_for_installed_megatron(None))
         adapter_only = _run(bf16)
     finally:
         mindspeed_like.reset()

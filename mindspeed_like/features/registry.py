@@ -9,6 +9,7 @@ from __future__ import annotations
 from mindspeed_like.features.base import Feature
 from mindspeed_like.patches import (
     checkpoint_fp8_default,
+    checkpoint_writer_psutil,
     cpu_adapter,
     cpu_training,
     dataset_helpers_build,
@@ -23,6 +24,7 @@ FEATURES: list[Feature] = [
     megatron_lm_args.FEATURE,
     checkpoint_fp8_default.FEATURE,
     dataset_helpers_build.FEATURE,
+    checkpoint_writer_psutil.FEATURE,
 ]
 
 

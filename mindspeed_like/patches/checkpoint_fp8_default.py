@@ -38,7 +38,6 @@ PATCHES = [
 ]
 
 
-
 FEATURE = Feature(
     name="fix-checkpoint-without-output-fp8",
     summary="CheckpointWithoutOutput works without TransformerEngine (upstream default-argument bug)",

@@ -11,8 +11,10 @@ Almost all of them run megatron's own function bodies as host twins
 
 from __future__ import annotations
 
+from mindspeed_like.config import Config
 from mindspeed_like.device import detect_device
 from mindspeed_like.features.base import Feature
+from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.patches import (
     cpu_checkpointing,
     cpu_devices,
@@ -22,6 +24,7 @@ from mindspeed_like.patches import (
     cpu_rng,
     cpu_schedules,
 )
+from mindspeed_like.patching import Patch
 
 PATCHES = [
     *cpu_rng.PATCHES,
@@ -33,10 +36,19 @@ PATCHES = [
     *cpu_checkpointing.PATCHES,
 ]
 
+
+def patches_for_installed_megatron(config: Config) -> list[Patch]:
+    """PATCHES plus the targets that moved between versions, for the megatron-core that
+    ``import megatron.core`` finds now (a Megatron-LM checkout put on sys.path after our import
+    is seen when the feature is applied again, e.g. by Megatron-LM's parse_args)."""
+    version = megatron_core_version()
+    return [*PATCHES, *cpu_devices.versioned_patches(version), *cpu_schedules.versioned_patches(version)]
+
+
 FEATURE = Feature(
     name="cpu-adapter",
     summary="megatron-core runs and trains on a CPU-only host (CUDA calls adapted at megatron's call sites)",
-    patches=PATCHES,
+    patches=patches_for_installed_megatron,
     enabled=lambda feature, config: detect_device(config["device"]) == "cpu",
     backend=lambda config: "cpu",
 )

@@ -19,7 +19,7 @@ smallest enclosing functions (nested helpers are covered by their enclosing func
   ``torch.cuda.current_device()`` at the first forward" line is in ``RotaryEmbedding.get_emb``
   from megatron-core 0.16 and in the ``lru_cache``-decorated ``RotaryEmbedding.forward`` before
   (0.13-0.15, where ``get_emb`` does not exist): the patch targets the one the installed
-  version has (read when this module is imported); the host twin keeps the ``lru_cache``;
+  version has (chosen each time the feature is applied); the host twin keeps the ``lru_cache``;
 * ``transformer.utils.get_sliding_window_causal_mask``: optional, megatron-core 0.15+ only;
 * ``transformer.utils.get_default_causal_mask``: ``device="cuda"``;
 * ``DotProductAttention.__init__``: softmax-offset buffers;
@@ -33,7 +33,6 @@ from __future__ import annotations
 from packaging.version import Version
 
 from mindspeed_like.device.host_view import run_on_host
-from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.patching import Kind, Patch
 
 CORE = "megatron.core"
@@ -43,6 +42,11 @@ ROTARY = "models.common.embeddings.rotary_pos_embedding.RotaryEmbedding"
 def on_host(target: str, why: str, optional: bool = False) -> Patch:
     """A patch running ``megatron.core.<target>`` as its host twin."""
     return Patch(f"{CORE}.{target}", Kind.WRAP, run_on_host, optional=optional, why=why)
+
+
+def versioned_patches(version: Version | None) -> list[Patch]:
+    """The targets that moved between megatron-core versions (chosen when the feature is applied)."""
+    return [_rotary_inv_freq_move(version)]
 
 
 def _rotary_inv_freq_move(version: Version | None) -> Patch:
@@ -79,8 +83,6 @@ PATCHES = [
         "models.common.embeddings.rotary_pos_embedding.RotaryEmbedding.__init__",
         "inv_freq on torch.cuda.current_device()",
     ),
-    # chosen for the megatron-core that `import megatron.core` finds when this module is imported
-    _rotary_inv_freq_move(megatron_core_version()),
     on_host("transformer.utils.get_default_causal_mask", "mask on device='cuda'"),
     on_host("transformer.utils.get_sliding_window_causal_mask", "mask on device='cuda'", optional=True),
     on_host(

@@ -14,7 +14,8 @@ Targets (megatron/core/pipeline_parallel, 0.13-0.16):
 * ``p2p_communication.P2PCommunicator._communicate_shapes`` (variable sequence lengths) and
   ``P2PCommunicator._communicate`` (its nested ``create_tensor_recv_prev/next`` allocate the
   buffers and run in the twin's globals): every send/receive of the schedules goes through
-  these two (optional: older versions had module functions instead of the class);
+  these two. 0.13 has the same code as module functions ``p2p_communication._communicate`` and
+  ``_communicate_shapes`` (the class arrived in 0.14); the target follows the installed version;
 * ``models.common.language_module.language_module.LanguageModule.setup_embeddings_and_output_layer``:
   with PP>1 and tied embeddings the last stage's output-layer copy is moved with
   ``weight.data.cuda()`` before the all-reduce that makes it equal to the first stage's
@@ -24,7 +25,10 @@ Targets (megatron/core/pipeline_parallel, 0.13-0.16):
 
 from __future__ import annotations
 
+from packaging.version import Version
+
 from mindspeed_like.patches.cpu_devices import on_host
+from mindspeed_like.patching import Patch
 
 PIPE = "pipeline_parallel"
 
@@ -32,17 +36,22 @@ PATCHES = [
     on_host(f"{PIPE}.schedules.forward_backward_pipelining_without_interleaving", "device='cuda' token count"),
     on_host(f"{PIPE}.schedules.forward_backward_pipelining_with_interleaving", "device='cuda' token count"),
     on_host(
-        f"{PIPE}.p2p_communication.P2PCommunicator._communicate_shapes",
-        "shape tensors on torch.cuda.current_device(), torch.cuda.synchronize()",
-        optional=True,
-    ),
-    on_host(
-        f"{PIPE}.p2p_communication.P2PCommunicator._communicate",
-        "receive buffers on torch.cuda.current_device(), torch.cuda.synchronize()",
-        optional=True,
-    ),
-    on_host(
         "models.common.language_module.language_module.LanguageModule.setup_embeddings_and_output_layer",
         "tied output weight moved with .cuda() before the embedding-group all-reduce",
     ),
 ]
+
+
+def versioned_patches(version: Version | None) -> list[Patch]:
+    """p2p send/receive: P2PCommunicator methods from 0.14, module functions in 0.13.
+    ``version`` None (megatron-core not found yet): the newest layout."""
+    if version is not None and version.release[:2] < (0, 14):
+        owner = f"{PIPE}.p2p_communication"
+    else:
+        owner = f"{PIPE}.p2p_communication.P2PCommunicator"
+    return [
+        on_host(
+            f"{owner}._communicate_shapes", "shape tensors on torch.cuda.current_device(), torch.cuda.synchronize()"
+        ),
+        on_host(f"{owner}._communicate", "receive buffers on torch.cuda.current_device(), torch.cuda.synchronize()"),
+    ]

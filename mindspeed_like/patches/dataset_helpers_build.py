@@ -44,8 +44,20 @@ def make_command(directory: str) -> list[str]:
 
 
 def compile_helpers() -> None:
-    """Compile megatron's C++ dataset helpers for the running interpreter (single process)."""
+    """Compile megatron's C++ dataset helpers for the running interpreter (single process).
+
+    The megatron-core wheel ships the module prebuilt and no Makefile (megatron's own
+    compile_helpers then fails with "No targets specified"); a prebuilt module for this
+    interpreter is used as it is.
+    """
     directory = os.path.dirname(os.path.abspath(sys.modules[UTILS].__file__))
+    if not os.path.exists(os.path.join(directory, "Makefile")):
+        prebuilt = os.path.join(directory, "helpers_cpp" + sysconfig.get_config_var("EXT_SUFFIX"))
+        if os.path.exists(prebuilt):
+            logger.info("megatron dataset helpers: using the prebuilt %s", prebuilt)
+            return
+        logger.error("no Makefile and no prebuilt helpers_cpp for this Python in %s", directory)
+        sys.exit(1)
     if subprocess.run(make_command(directory)).returncode != 0:
         logger.error("Failed to compile the C++ dataset helper functions in %s", directory)
         sys.exit(1)

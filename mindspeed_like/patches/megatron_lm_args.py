@@ -78,7 +78,6 @@ PATCHES = [
 ]
 
 
-
 FEATURE = Feature(
     name="megatron-lm-arguments",
     summary="Megatron-LM's parse_args knows mindspeed_like flags (Megatron-LM checkouts only)",
