@@ -18,7 +18,7 @@ def _feature_rows(config) -> list[tuple[str, ...]]:
     version = megatron_core_version()
     rows = []
     for feature in registry.FEATURES:
-        flags = ", ".join(" / ".join(f.option_strings) for f in feature.flags) or "(always on when it applies)"
+        flags = ", ".join(" / ".join(f.option_strings) for f in feature.flags) or f"({feature.switched_by})"
         state = "on" if feature.is_enabled(config) else "off"
         if version is None:
             support = f"{feature.megatron_versions} (megatron-core not found)"

@@ -60,6 +60,7 @@ class Feature:
         when enabled).
     backend: which implementation this host would use (shown by the CLI).
     validate: extra checks of a config with the feature on; raise ConfigError.
+    switched_by: for a feature without flags of its own, what turns it on (for the CLI).
     """
 
     name: str
@@ -72,6 +73,7 @@ class Feature:
     enabled: Callable[[Feature, Config], bool] = _first_bool_flag_on
     backend: Callable[[Config], str] = field(default=lambda config: "portable")
     validate: Callable[[Config], None] | None = None
+    switched_by: str = "always on"
 
     def is_enabled(self, config: Config) -> bool:
         return self.enabled(self, config)

@@ -51,4 +51,5 @@ FEATURE = Feature(
     patches=patches_for_installed_megatron,
     enabled=lambda feature, config: detect_device(config["device"]) == "cpu",
     backend=lambda config: "cpu",
+    switched_by="--device cpu (auto: no NPU, no CUDA)",
 )

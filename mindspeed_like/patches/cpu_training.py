@@ -190,4 +190,5 @@ FEATURE = Feature(
     requires=("cpu-adapter",),
     enabled=lambda feature, config: detect_device(config["device"]) == "cpu",
     backend=lambda config: "cpu",
+    switched_by="--device cpu (auto: no NPU, no CUDA)",
 )

@@ -65,4 +65,5 @@ FEATURE = Feature(
     patches=_patches,
     enabled=lambda feature, config: detect_device(config["device"]) == "npu",
     backend=lambda config: "npu",
+    switched_by="--device npu (auto: torch_npu and an NPU)",
 )
