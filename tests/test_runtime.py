@@ -193,3 +193,13 @@ def test_megatron_lm_parser_keeps_the_users_extra_args_provider(megatron_trainin
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--my-own", "3"])
     args = parse_args(provider)
     assert args.my_own == 3 and args.use_divide_counter is False
+
+
+def test_newer_megatron_than_tested_warns_once_and_still_applies(features, monkeypatch):
+    from packaging.version import Version
+
+    monkeypatch.setattr(runtime, "megatron_core_version", lambda: Version("0.99.0"))
+    monkeypatch.setattr(runtime, "_warned_version", False)
+    with pytest.warns(UserWarning, match=r"tested with megatron-core 0\.16\.1; 0\.99\.0 is installed"):
+        runtime.apply()
+    assert any(r.feature == "fix-checkpoint-without-output-fp8" for r in mindspeed_like.report())
