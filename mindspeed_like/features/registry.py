@@ -13,6 +13,9 @@ from mindspeed_like.patches import (
     cpu_adapter,
     cpu_training,
     dataset_helpers_build,
+    fused_rmsnorm,
+    fused_rope,
+    fused_swiglu,
     megatron_lm_args,
     npu_adapter,
 )
@@ -25,6 +28,9 @@ FEATURES: list[Feature] = [
     checkpoint_fp8_default.FEATURE,
     dataset_helpers_build.FEATURE,
     checkpoint_writer_psutil.FEATURE,
+    fused_swiglu.FEATURE,
+    fused_rope.FEATURE,
+    fused_rmsnorm.FEATURE,
 ]
 
 

@@ -1,0 +1,93 @@
+"""SwiGLU fwd+bwd: megatron's eager GLU (``MLP.forward``'s inline ``silu(a) * b``, the path
+without ``bias_activation_fusion``) and megatron's ``bias_swiglu_impl`` vs ours (portable backend).
+
+Time: median of ``--repeats`` fwd+bwd runs, same inputs, same process. Saved: bytes autograd
+keeps for backward (saved-tensor hooks, storages counted once).
+
+    python benchmarks/fused_ops_swiglu.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import common  # benchmarks/ is the script directory (as in import_overhead.py)
+import torch
+import torch.nn.functional as F
+
+from mindspeed_like.kernels.backend import force_backend
+from mindspeed_like.kernels.swiglu import swiglu
+from mindspeed_like.testing import SavedBytesMeter
+
+MiB = 2**20
+
+
+def megatron_inline(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Exactly MLP.forward's non-fused gated branch (megatron-core 0.16)."""
+    if bias is not None:
+        x = x + bias
+    x_glu, x_linear = torch.chunk(x, 2, dim=-1)
+    return F.silu(x_glu) * (x_linear + 0.0)
+
+
+def megatron_fused(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    return bias_swiglu_impl(x, bias)
+
+
+def ours(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    with force_backend("portable"):
+        return swiglu(x, bias)
+
+
+def _fwd_bwd(fn, x, bias, grad):
+    def step():
+        x.grad = None
+        if bias is not None:
+            bias.grad = None
+        fn(x, bias).backward(grad)
+
+    return step
+
+
+def _saved_mib(fn, x, bias) -> float:
+    with SavedBytesMeter() as meter:
+        out = fn(x, bias)
+    del out
+    return meter.bytes / MiB
+
+
+def run(args, results: common.Results) -> None:
+    torch.manual_seed(0)
+    tokens, ffn = (1024, 1024) if args.quick else (4096, 4096)
+    dtypes = [torch.float32, torch.bfloat16]
+    for dtype in dtypes:
+        for with_bias in (False, True):
+            x = torch.randn(tokens, 2 * ffn, dtype=dtype, requires_grad=True)
+            bias = torch.randn(2 * ffn, dtype=dtype, requires_grad=True) if with_bias else None
+            grad = torch.randn(tokens, ffn, dtype=dtype)
+            ours_s = common.median_seconds(_fwd_bwd(ours, x, bias, grad), args.repeats)
+            ours_mib = _saved_mib(ours, x, bias)
+            for label, baseline in (("inline", megatron_inline), ("bias_swiglu_impl", megatron_fused)):
+                base_s = common.median_seconds(_fwd_bwd(baseline, x, bias, grad), args.repeats)
+                results.add(
+                    op=f"swiglu{'+bias' if with_bias else ''} vs {label}",
+                    dtype=str(dtype).replace("torch.", ""),
+                    shape=f"{tokens}x{2 * ffn}",
+                    megatron_ms=base_s * 1e3,
+                    ours_ms=ours_s * 1e3,
+                    speedup=base_s / ours_s,
+                    megatron_saved_MiB=_saved_mib(baseline, x, bias),
+                    ours_saved_MiB=ours_mib,
+                )
+
+
+def main() -> None:
+    args = common.parser(__doc__.splitlines()[0]).parse_args()
+    results = common.Results("fused_ops_swiglu")
+    run(args, results)
+    results.print_table()
+    results.write_json(args.json)
+
+
+if __name__ == "__main__":
+    main()

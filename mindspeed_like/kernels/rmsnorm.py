@@ -1,0 +1,146 @@
+"""Fused RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * gamma`` over gamma's (trailing) dims.
+
+Three backends (:func:`mindspeed_like.kernels.backend.backend_for`):
+
+- ``npu``: ``torch_npu.npu_rms_norm(input, gamma, epsilon) -> (y, rstd)``; its own autograd
+  (differentiable in y) gives dx and dgamma.
+- ``portable``: a hand-written :class:`torch.autograd.Function` that saves only ``x`` and the
+  fp32 ``rstd`` (one float per row) for backward. torch's eager ``rms_norm`` is a chain of
+  ~8 autograd ops that keeps the upcast input, the normalized output and more alive.
+- ``reference``: the plain eager math of ``torch.nn.RMSNorm`` (the oracle).
+
+Semantics follow ``torch.nn.RMSNorm`` of torch >= 2.8 (what megatron's local spec builds), so
+checkpoints and losses are interchangeable: everything computed in fp32 (x, rstd and gamma
+upcast) and rounded once to x's dtype, which is also the result dtype (as npu_rms_norm's y).
+``zero_centered_gamma``: the stored weight is ``gamma - 1`` (megatron's
+``layernorm_zero_centered_gamma``); the effective scale is ``weight + 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from mindspeed_like.kernels.backend import backend_for
+
+_NPU_GAMMA_DTYPES = {
+    torch.float16: (torch.float16, torch.float32),
+    torch.bfloat16: (torch.bfloat16, torch.float32),
+    torch.float32: (torch.float32,),
+}
+
+
+def _eps(eps: float | None, x: torch.Tensor) -> float:
+    # torch.nn.RMSNorm's default when eps is None.
+    return torch.finfo(x.dtype).eps if eps is None else float(eps)
+
+
+def _reduce_dims(x: torch.Tensor, weight: torch.Tensor) -> list[int]:
+    if weight.dim() == 0 or tuple(x.shape[x.dim() - weight.dim() :]) != tuple(weight.shape):
+        raise ValueError(
+            f"rms_norm: weight shape {tuple(weight.shape)} is not a suffix of input shape {tuple(x.shape)}"
+        )
+    return list(range(x.dim() - weight.dim(), x.dim()))
+
+
+def _scale(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
+    return weight + 1 if zero_centered_gamma else weight
+
+
+def reference_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float | None = 1e-5, zero_centered_gamma: bool = False
+) -> torch.Tensor:
+    """The eager math of ``torch.nn.functional.rms_norm`` (plus zero-centered gamma)."""
+    dims = _reduce_dims(x, weight)
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + _eps(eps, x))
+    return (xf * rstd * _scale(weight.float(), zero_centered_gamma)).to(x.dtype)
+
+
+class _PortableRMSNorm(torch.autograd.Function):
+    """Works on a [rows, hidden] view (hidden = gamma.numel()); backward in fp32.
+
+    Backward, with x_hat = x * rstd and gx = dy * x_hat:
+    dgamma = sum_rows(gx); dx = rstd * (dy * gamma - x_hat * mean_hidden(gx * gamma)),
+    where mean_hidden(gx * gamma) is one matrix-vector product (gx @ gamma / hidden). dy * rstd
+    is formed first so that x_hat is never materialised (one fewer full pass on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
+        _reduce_dims(x, weight)
+        hidden = weight.numel()
+        x2 = x.reshape(-1, hidden)
+        gamma = _scale(weight, zero_centered_gamma)
+        # Eager ops on purpose: aten._fused_rms_norm exists on CPU but measured slower here, and
+        # mixed bf16*fp32 elementwise ops are slow on CPU, hence the explicit upcast first.
+        xf = x2.float()  # no copy for fp32 input
+        rstd = torch.rsqrt(torch.mean(xf * xf, 1, keepdim=True).add_(eps))
+        normed = xf.mul_(rstd) if xf.data_ptr() != x2.data_ptr() else xf * rstd  # in place on the upcast copy
+        out = normed.mul_(gamma.reshape(hidden).float()).to(x.dtype)
+        # The minimum: x (needed for x_hat) and rstd (one fp32 per row). The weight is a
+        # parameter that lives anyway; it is kept on ctx rather than saved, so saved-tensor
+        # hooks (offloading, byte meters) see only the activations.
+        ctx.save_for_backward(x, rstd)
+        ctx.weight = weight
+        ctx.zero_centered_gamma = zero_centered_gamma
+        return out.reshape(x.shape)
+
+    @staticmethod
+    @once_differentiable  # no double backward: nothing in megatron's training needs it
+    def backward(ctx, grad_out: torch.Tensor):
+        x, rstd = ctx.saved_tensors
+        weight = ctx.weight
+        hidden = weight.numel()
+        gamma = _scale(weight.reshape(hidden).float(), ctx.zero_centered_gamma)
+        xf = x.reshape(-1, hidden).float()
+        g = grad_out.reshape(-1, hidden).float()  # upcast once: mixed-dtype ops are slow on CPU
+        # g_r = dy * rstd, so gx = g_r * x = dy * x_hat without materialising x_hat.
+        g_r = g.mul_(rstd) if g.data_ptr() != grad_out.data_ptr() else g * rstd
+        gx = g_r * xf
+        grad_weight = gx.sum(0).reshape(weight.shape).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            proj = torch.mv(gx, gamma).div_(hidden).unsqueeze(1)  # mean_hidden(gx * gamma)
+            # dx = rstd * (dy * gamma - x_hat * proj) = g_r * gamma - x * (rstd^2 * proj)
+            dx = torch.mul(g_r, gamma, out=gx)  # reuse gx's buffer
+            grad_x = dx.addcmul_(xf, proj.mul_(rstd).mul_(rstd), value=-1).to(x.dtype).reshape(x.shape)
+        return grad_x, grad_weight, None, None
+
+
+def _npu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
+    from mindspeed_like.kernels.backends.npu import torch_npu
+
+    gamma = _scale(weight, zero_centered_gamma)
+    if gamma.dtype not in _NPU_GAMMA_DTYPES.get(x.dtype, ()):
+        gamma = gamma.float()  # e.g. fp32 x with bf16 gamma: not an allowed pair; fp32 gamma always is
+    shape = x.shape
+    inp = x
+    if not 2 <= x.dim() <= 8:  # the op takes 2-8 dims: fold the leading dims into one
+        inp = x.reshape(-1, *weight.shape)
+    y, _rstd = torch_npu().npu_rms_norm(inp, gamma, epsilon=eps)
+    return y.reshape(shape)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float | None = 1e-5,
+    zero_centered_gamma: bool = False,
+    normalized_shape: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """RMSNorm of ``x`` over ``weight``'s dims (a suffix of x's shape); any leading shape.
+
+    ``eps=None`` means ``torch.finfo(x.dtype).eps`` (torch.nn.RMSNorm's default).
+    """
+    if normalized_shape is not None and tuple(normalized_shape) != tuple(weight.shape):
+        raise ValueError(f"normalized_shape {tuple(normalized_shape)} != weight shape {tuple(weight.shape)}")
+    eps = _eps(eps, x)
+    backend = backend_for(x)
+    if backend == "reference":
+        return reference_rms_norm(x, weight, eps, zero_centered_gamma)
+    if backend == "npu":
+        return _npu_rms_norm(x, weight, eps, zero_centered_gamma)
+    return _PortableRMSNorm.apply(x, weight, eps, zero_centered_gamma)

@@ -1,0 +1,147 @@
+"""Fused rotary position embedding (``--use-fused-rotary-pos-emb``, MindSpeed's flag).
+
+Target: ``megatron.core.models.common.embeddings.rope_utils.apply_rotary_pos_emb`` (WRAP).
+It is the single entry point of megatron's training-time RoPE: ``transformer.attention``
+(``Attention.forward``, q and k, sbhd or packed thd) calls it through its own by-name alias,
+as do ``multi_latent_attention``, ``models.common.embeddings``, ``rotary_pos_embedding``,
+``inference.contexts.dynamic_context`` and ``experimental_attention_variant.dsa``. The engine
+updates those aliases when it wraps a module-level function, so one patch covers them all.
+The private helpers (``_apply_rotary_pos_emb_bshd`` / ``_thd``) are not patched: they are also
+called from ``rotary_pos_embedding`` for other purposes, and the dispatcher is where ``config``,
+``cu_seqlens``, ``mscale`` and ``cp_group`` are all visible. A WRAP (not a REPLACE) so megatron's
+own function stays underneath for the cases we hand back to it.
+
+Handled here (megatron's signature ``(t, freqs, config, cu_seqlens=None, mscale=1.0,
+cp_group=None)``): sbhd and thd, half / interleaved rotation, multi-latent attention's
+de-interleaving (non-interleaved only), partial rotary, mscale.
+Handed back to megatron (logged once per reason; an error under ``strict``): context parallel
+> 1, ``config.apply_rope_fusion`` (megatron's TransformerEngine path, which the user chose),
+MLA with ``rotary_interleaved``, freqs that require grad, thd freqs with a batch dim, and
+shapes the kernel does not take.
+
+Not covered: ``apply_rotary_pos_emb_with_cos_sin`` (inference with precomputed cos/sin in
+``Attention._adjust_key_value_for_inference``) and TE's ``apply_fused_qkv_rotary_pos_emb``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mindspeed_like.features.base import Feature, Flag
+from mindspeed_like.patching import Kind, Patch
+
+logger = logging.getLogger(__name__)
+
+ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
+_logged: set[str] = set()
+
+
+class FusedRopeUnsupported(RuntimeError):
+    """``strict`` is on and a call cannot use the fused RoPE."""
+
+
+def _bind(args: tuple, kwargs: dict) -> dict:
+    names = ("t", "freqs", "config", "cu_seqlens", "mscale", "cp_group")
+    bound = dict(cu_seqlens=None, mscale=1.0, cp_group=None)
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _cp_size(cp_group) -> int:
+    if cp_group is not None:
+        return cp_group.size()
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return parallel_state.get_context_parallel_world_size()
+
+
+def _unsupported(call: dict) -> str | None:
+    """Why this call goes back to megatron, or None when the fused kernel takes it."""
+    t, freqs, config = call["t"], call["freqs"], call["config"]
+    if getattr(config, "apply_rope_fusion", False):
+        return "config.apply_rope_fusion selects megatron's TransformerEngine RoPE"
+    if _cp_size(call["cp_group"]) > 1:
+        return "context parallel > 1"
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    if mla and getattr(config, "rotary_interleaved", False):
+        return "multi_latent_attention with rotary_interleaved"
+    if freqs.requires_grad:
+        return "freqs require grad"
+    if not t.is_floating_point():
+        return f"input dtype {t.dtype}"
+    rot_dim = freqs.shape[-1]
+    if freqs.dim() != 4 or rot_dim % 2 or rot_dim > t.shape[-1]:
+        return f"freqs shape {tuple(freqs.shape)} for input {tuple(t.shape)}"
+    if call["cu_seqlens"] is None:
+        if t.dim() != 4 or freqs.shape[0] != t.shape[0] or freqs.shape[1] not in (1, t.shape[1]) or freqs.shape[2] != 1:
+            return f"sbhd input {tuple(t.shape)} with freqs {tuple(freqs.shape)}"
+    elif t.dim() != 3 or tuple(freqs.shape[1:3]) != (1, 1):
+        return f"thd input {tuple(t.shape)} with freqs {tuple(freqs.shape)}"
+    elif freqs.shape[0] == int(call["cu_seqlens"][-1]) and not _has_per_token_thd_freqs():
+        return "thd freqs with one row per packed token (megatron-core < 0.15 restarts each sequence at 0)"
+    return None
+
+
+def _has_per_token_thd_freqs() -> bool:
+    """megatron-core >= 0.15 maps packed token i to freqs row i when freqs has one row per token."""
+    from packaging.version import Version
+
+    from mindspeed_like.megatron_version import megatron_core_version
+
+    version = megatron_core_version()
+    return version is None or version >= Version("0.15")
+
+
+def _fall_back(reason: str) -> None:
+    import mindspeed_like
+
+    if mindspeed_like.current_config()["strict"]:
+        raise FusedRopeUnsupported(f"fused-rotary-pos-emb cannot run this call ({reason}) and strict is on")
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning("fused-rotary-pos-emb: using megatron's apply_rotary_pos_emb (%s)", reason)
+
+
+def _apply_rotary_pos_emb(wrapped, instance, args, kwargs):
+    from mindspeed_like.kernels.rope import apply_rope
+
+    call = _bind(args, kwargs)
+    reason = _unsupported(call)
+    if reason is not None:
+        _fall_back(reason)
+        return wrapped(*args, **kwargs)
+    config = call["config"]
+    if getattr(config, "multi_latent_attention", False):
+        mode = "mla"
+    else:
+        mode = "interleave" if getattr(config, "rotary_interleaved", False) else "half"
+    return apply_rope(call["t"], call["freqs"], mode=mode, mscale=call["mscale"], cu_seqlens=call["cu_seqlens"])
+
+
+PATCHES = [
+    Patch(
+        f"{ROPE_UTILS}.apply_rotary_pos_emb",
+        Kind.WRAP,
+        _apply_rotary_pos_emb,
+        why="megatron's RoPE dispatcher (sbhd/thd, used by Attention for q and k): fused rotation, shared cos/sin",
+    ),
+]
+
+
+FEATURE = Feature(
+    name="fused-rotary-pos-emb",
+    summary="rotary position embedding with shared cos/sin and a hand-written backward (npu_rotary_mul on NPU)",
+    patches=PATCHES,
+    flags=(
+        Flag(
+            "use_fused_rotary_pos_emb",
+            bool,
+            False,
+            "fused rotary position embedding (MindSpeed's flag; not megatron's TE-only --apply-rope-fusion)",
+        ),
+    ),
+    backend=lambda config: "npu" if config["device"] == "npu" else "portable",
+)
