@@ -14,18 +14,9 @@ import pytest
 import torch
 import wrapt
 
-import mindspeed_like
-from mindspeed_like.testing import destroy_parallel, init_parallel, make_batches, tiny_gpt, train_steps
+from mindspeed_like.testing import init_parallel, make_batches, tiny_gpt, train_steps
 
-
-@pytest.fixture(autouse=True)
-def adapter():
-    mindspeed_like.reset()
-    mindspeed_like.configure(device="cpu")
-    init_parallel()
-    yield
-    destroy_parallel()
-    mindspeed_like.reset()
+pytestmark = pytest.mark.usefixtures("adapter")  # tests/conftest.py
 
 
 def fixed_data(vocab=256, batch=2, seq=32, seed=7):

@@ -13,19 +13,8 @@ import math
 import pytest
 import torch
 
-import mindspeed_like
 from mindspeed_like.device.host_view import host_function
-from mindspeed_like.testing import destroy_parallel, init_parallel, run_distributed
-
-
-@pytest.fixture
-def adapter():
-    mindspeed_like.reset()
-    mindspeed_like.configure(device="cpu")
-    init_parallel()
-    yield
-    destroy_parallel()
-    mindspeed_like.reset()
+from mindspeed_like.testing import init_parallel, run_distributed
 
 
 def test_twin_reads_tensor_cuda_method_as_cpu():
