@@ -131,6 +131,10 @@ def set_megatron_args(values: Mapping[str, Any]) -> Config:
         return apply()
 
 
+def enabled_feature_names(config: Config) -> list[str]:
+    return [f.name for f in registry.FEATURES if f.is_enabled(config)]
+
+
 def current_config() -> Config:
     return _current if _current is not None else resolve_config()
 

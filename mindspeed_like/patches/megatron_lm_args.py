@@ -59,7 +59,19 @@ def _parse_args_with_our_flags(wrapped, instance, args, kwargs):
     config = runtime.set_megatron_args(given)
     for flag in ours:
         setattr(namespace, flag.name, config[flag.name])
+    _announce(runtime.enabled_feature_names(config), getattr(namespace, "rank", 0))
     return namespace
+
+
+_announced: list[list[str]] = []
+
+
+def _announce(names: list[str], rank: int) -> None:
+    """One line in Megatron's start-up log (rank 0), like its own; again only if it changes
+    (Megatron-LM may parse its arguments more than once per process)."""
+    if rank == 0 and (not _announced or _announced[-1] != names):
+        _announced.append(names)
+        print(f"> mindspeed_like features on: {', '.join(names)}", flush=True)
 
 
 def _bind(extra_args_provider=None, ignore_unknown_args=False) -> dict:
