@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mindspeed_like.device import detect_device
 from mindspeed_like.patching import Patch
 
 if TYPE_CHECKING:
@@ -42,6 +43,20 @@ class Flag:
 def always_on(feature: Feature, config: Config) -> bool:
     """For fixes and adapters with no flag of their own."""
     return True
+
+
+def on_device(device: str) -> Callable[[Feature, Config], bool]:
+    """For device adapters: on when ``--device`` resolves to ``device``."""
+
+    def enabled(feature: Feature, config: Config) -> bool:
+        return detect_device(config["device"]) == device
+
+    return enabled
+
+
+def kernel_backend(config: Config) -> str:
+    """The backend a fused kernel uses on this host: torch_npu's op on an NPU, else portable."""
+    return "npu" if detect_device(config["device"]) == "npu" else "portable"
 
 
 def _first_bool_flag_on(feature: Feature, config: Config) -> bool:

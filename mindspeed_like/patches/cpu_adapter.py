@@ -12,8 +12,7 @@ Almost all of them run megatron's own function bodies as host twins
 from __future__ import annotations
 
 from mindspeed_like.config import Config
-from mindspeed_like.device import detect_device
-from mindspeed_like.features.base import Feature
+from mindspeed_like.features.base import Feature, on_device
 from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.patches import (
     cpu_checkpointing,
@@ -49,7 +48,7 @@ FEATURE = Feature(
     name="cpu-adapter",
     summary="megatron-core runs and trains on a CPU-only host (CUDA calls adapted at megatron's call sites)",
     patches=patches_for_installed_megatron,
-    enabled=lambda feature, config: detect_device(config["device"]) == "cpu",
+    enabled=on_device("cpu"),
     backend=lambda config: "cpu",
     switched_by="--device cpu (auto: no NPU, no CUDA)",
 )

@@ -36,9 +36,8 @@ import os
 
 import torch
 
-from mindspeed_like.device import detect_device
 from mindspeed_like.device.host_training import TRAINING_HOST_TORCH, run_in_host_region, stay_on_host
-from mindspeed_like.features.base import Feature
+from mindspeed_like.features.base import Feature, on_device
 from mindspeed_like.patching import Kind, Patch
 
 logger = logging.getLogger("mindspeed_like")
@@ -188,7 +187,7 @@ FEATURE = Feature(
     summary="Megatron-LM's megatron.training loop (pretrain_gpt.py) runs on a CPU-only host",
     patches=PATCHES,
     requires=("cpu-adapter",),
-    enabled=lambda feature, config: detect_device(config["device"]) == "cpu",
+    enabled=on_device("cpu"),
     backend=lambda config: "cpu",
     switched_by="--device cpu (auto: no NPU, no CUDA)",
 )

@@ -24,8 +24,7 @@ import copy
 
 import torch
 
-from mindspeed_like.device import detect_device
-from mindspeed_like.features.base import Feature, Flag
+from mindspeed_like.features.base import Feature, Flag, kernel_backend
 from mindspeed_like.kernels.rmsnorm import rms_norm
 from mindspeed_like.patching import Kind, Patch
 
@@ -111,5 +110,5 @@ FEATURE = Feature(
             "run megatron's RMSNorm through the fused kernel (saves only x and rstd for backward)",
         ),
     ),
-    backend=lambda config: "npu" if detect_device(config["device"]) == "npu" else "portable",
+    backend=kernel_backend,
 )

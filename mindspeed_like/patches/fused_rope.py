@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 
-from mindspeed_like.features.base import Feature, Flag
+from mindspeed_like.features.base import Feature, Flag, kernel_backend
 from mindspeed_like.patching import Kind, Patch
 
 logger = logging.getLogger(__name__)
@@ -143,5 +143,5 @@ FEATURE = Feature(
             "fused rotary position embedding (MindSpeed's flag; not megatron's TE-only --apply-rope-fusion)",
         ),
     ),
-    backend=lambda config: "npu" if config["device"] == "npu" else "portable",
+    backend=kernel_backend,
 )

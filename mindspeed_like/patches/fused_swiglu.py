@@ -38,8 +38,7 @@ import copy
 
 import torch.nn.functional as F
 
-from mindspeed_like.device import detect_device
-from mindspeed_like.features.base import Feature, Flag
+from mindspeed_like.features.base import Feature, Flag, kernel_backend
 from mindspeed_like.patching import Kind, Patch
 
 SWIGLU_MODULE = "megatron.core.fusions.fused_bias_swiglu"
@@ -143,5 +142,5 @@ FEATURE = Feature(
             "(torch_npu.npu_swiglu on NPU, a portable fused autograd function elsewhere)",
         ),
     ),
-    backend=lambda config: "npu" if detect_device(config["device"]) == "npu" else "portable",
+    backend=kernel_backend,
 )

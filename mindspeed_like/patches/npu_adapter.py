@@ -21,8 +21,7 @@ import logging
 import sys
 
 from mindspeed_like.config import Config
-from mindspeed_like.device import detect_device
-from mindspeed_like.features.base import Feature
+from mindspeed_like.features.base import Feature, on_device
 from mindspeed_like.patching import Kind, Patch
 
 logger = logging.getLogger("mindspeed_like")
@@ -63,7 +62,7 @@ FEATURE = Feature(
     name="npu-adapter",
     summary="megatron-core on Ascend NPU via torch_npu.contrib.transfer_to_npu (declared global change)",
     patches=_patches,
-    enabled=lambda feature, config: detect_device(config["device"]) == "npu",
+    enabled=on_device("npu"),
     backend=lambda config: "npu",
     switched_by="--device npu (auto: torch_npu and an NPU)",
 )
