@@ -223,6 +223,10 @@ class PatchEngine:
         """Features with at least one patch applied, pending or skipped."""
         return list(dict.fromkeys(f for f, _ in self._order))
 
+    def targets(self, feature: str) -> set[str]:
+        """Targets of `feature`'s patches known to the engine (applied, pending or skipped)."""
+        return {target for f, target in self._order if f == feature}
+
     def is_applied(self, feature: str, target: str) -> bool:
         return any(e.feature == feature for e in self._active.get(target, []))
 

@@ -114,7 +114,7 @@ def apply(code: Mapping[str, Any] | None = None) -> Config:
 def _apply_feature(feature: Feature, config: Config) -> None:
     patches = feature.patches_for(config)
     wanted = {p.target for p in patches}
-    if any(r.target not in wanted for r in ENGINE.report() if r.feature == feature.name):
+    if ENGINE.targets(feature.name) - wanted:
         ENGINE.remove(feature.name)  # the config now asks for a different set of patches
     try:
         ENGINE.apply(feature.name, patches)

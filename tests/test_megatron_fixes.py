@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -39,7 +38,6 @@ def test_dataset_helpers_build_for_the_running_interpreter(adaptor):
     command = dataset_helpers_build.make_command(os.path.dirname(utils.__file__))
     assert f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}" in command
     assert any(part.startswith("CPPFLAGS=") and sysconfig.get_paths()["include"] in part for part in command)
-    assert sys.executable  # the running interpreter is the one the flags describe
 
 
 def test_wheel_without_makefile_uses_its_prebuilt_helpers(adaptor):
