@@ -51,10 +51,10 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
     config = mindspeed_like.configure(**flag_values)
     from mindspeed_like.demo_data import megatron_source_bytes, sample_windows
     from mindspeed_like.device import detect_device
-    from mindspeed_like.features import registry
+    from mindspeed_like.runtime import enabled_feature_names
     from mindspeed_like.testing import destroy_parallel, init_parallel, param_bytes, tiny_gpt, train_steps
 
-    features_on = [f.name for f in registry.FEATURES if f.is_enabled(config)]
+    features_on = enabled_feature_names(config)
     print(f"mindspeed_like demo on {detect_device(config['device'])}: features on: {', '.join(features_on)}")
     tokens = megatron_source_bytes()
     generator = torch.Generator().manual_seed(args.seed)
