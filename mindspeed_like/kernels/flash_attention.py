@@ -74,6 +74,14 @@ class Band:
             keep &= rel <= self.right
         return keep
 
+    def normalized(self, sq: int, sk: int) -> Band:
+        """The same band with sides that never bind for these lengths set to None (unbounded),
+        so e.g. MindSpeed's default ``pre_tockens=65536`` is recognised as plain causal."""
+        off = self.offset(sq, sk)
+        left = None if self.left is None or sq - 1 + off <= self.left else self.left
+        right = None if self.right is None or sk - 1 - off <= self.right else self.right
+        return Band(left, right, self.bottom_right)
+
     def is_full(self, sq: int, sk: int) -> bool:
         """True when the band keeps every key of every query (nothing to apply)."""
         off = self.offset(sq, sk)
@@ -139,6 +147,7 @@ def _portable_bnsd(
 ) -> torch.Tensor:
     """SDPA on ``[b, n, s, d]`` views; returns ``[b, nq, sq, d]``."""
     nq, nk, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    band = None if band is None else band.normalized(sq, sk)
     # SDPA's is_causal is top-left; it equals bottom-right when sq == sk.
     native = band is not None and band.is_causal and (sq == sk or not band.bottom_right)
     keep = _explicit_keep(mask, band, sq, sk, q.device, native_band=native)
@@ -180,6 +189,7 @@ def _portable_thd(q, k, v, scale, band, dropout_p, cu_q: list[int], cu_kv: list[
 
 def _reference_bnsd(q, k, v, scale, mask, band, dropout_p) -> torch.Tensor:
     nq, nk, sq, sk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    band = None if band is None else band.normalized(sq, sk)
     if nq != nk:
         k = k.repeat_interleave(nq // nk, dim=1)
         v = v.repeat_interleave(nq // nk, dim=1)
@@ -226,12 +236,15 @@ def npu_compressed_mask(device: torch.device) -> torch.Tensor:
     return _compressed[device]
 
 
-def _npu_band_args(band: Band | None, device: torch.device) -> dict:
-    """sparse_mode, compressed mask and pre/next_tockens for a band the op expresses natively."""
+def _npu_band_args(band: Band | None, device: torch.device, same_lengths: bool) -> dict:
+    """sparse_mode, compressed mask and pre/next_tockens for a band the op expresses natively:
+    causal as mode 2 (top-left; also when the lengths are equal, where both anchors agree) or 3
+    (bottom-right with sq != sk), any other band as mode 4 (bottom-right)."""
     if band is None:
         return {}
     if band.is_causal:
-        return dict(atten_mask=npu_compressed_mask(device), sparse_mode=3 if band.bottom_right else 2)
+        mode = 2 if same_lengths or not band.bottom_right else 3
+        return dict(atten_mask=npu_compressed_mask(device), sparse_mode=mode)
     return dict(
         atten_mask=npu_compressed_mask(device),
         sparse_mode=4,
@@ -255,6 +268,7 @@ def _npu_native(band: Band | None, sq: int, sk: int) -> bool:
 def _npu_sbhd(q, k, v, scale, mask, band, dropout_p) -> torch.Tensor:
     sq, b, nq, d = q.shape
     sk = k.shape[0]
+    band = None if band is None else band.normalized(sq, sk)
     native = _npu_native(band, sq, sk)
     keep = _explicit_keep(mask, band, sq, sk, q.device, native_band=native)
     empty = None if keep is None else _empty_rows(keep)
@@ -267,7 +281,7 @@ def _npu_sbhd(q, k, v, scale, mask, band, dropout_p) -> torch.Tensor:
             atten_mask = atten_mask.unsqueeze(0)
         kwargs.update(atten_mask=atten_mask.contiguous(), sparse_mode=1)
     elif band is not None and not band.is_full(sq, sk):
-        kwargs.update(_npu_band_args(Band(band.left, band.right, band.bottom_right or sq == sk), q.device))
+        kwargs.update(_npu_band_args(Band(band.left, band.right, band.bottom_right or sq == sk), q.device, sq == sk))
     npu = torch_npu()
     out = npu.npu_fusion_attention(
         q.reshape(sq, b, nq * d).contiguous(),
@@ -293,9 +307,11 @@ def _npu_thd(q, k, v, scale, band, dropout_p, cu_q: list[int], cu_kv: list[int])
         actual_seq_kvlen=cu_kv[1:],
     )
     if band is not None:
+        longest = max(b - a for a, b in zip(cu_q, cu_q[1:])), max(b - a for a, b in zip(cu_kv, cu_kv[1:]))
+        band = Band(band.left, band.right, band.bottom_right).normalized(*longest)
         if not band.bottom_right and cu_q != cu_kv:
             raise ValueError("flash_attention: a top-left band on packed sequences needs equal q and kv lengths")
-        kwargs.update(_npu_band_args(Band(band.left, band.right, True), q.device))
+        kwargs.update(_npu_band_args(Band(band.left, band.right, True), q.device, cu_q == cu_kv))
     out = torch_npu().npu_fusion_attention(q.contiguous(), k.contiguous(), v.contiguous(), nq, "TND", **kwargs)[0]
     return out.reshape(t, -1)
 
