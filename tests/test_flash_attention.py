@@ -271,12 +271,12 @@ def test_packed_sequences_match_megatron_per_sequence(flash, backend):
 def test_sliding_window_matches_megatron_math(flash):
     """config.window_size (megatron-core >= 0.14): the band replaces the causal mask, as in
     megatron's softmax. Oracle: megatron's masked-softmax math with its window mask, float64."""
-    from megatron.core.transformer.utils import is_layer_window_attention
+    from megatron.core.transformer import dot_product_attention
 
-    if "window_size" not in gpt_config.__code__.co_names and not hasattr(gpt_config(), "window_size"):
-        pytest.skip("this megatron-core has no window_size")
+    if "is_layer_window_attention" not in vars(dot_product_attention):
+        pytest.skip("megatron-core < 0.14: its DotProductAttention rejects window_size in __init__")
     dpa, _ = _dpa("causal", window_size=(3, 0))
-    assert is_layer_window_attention((3, 0), None, 1)
+    assert dpa.scale_mask_softmax.window_size == (3, 0)
     (q, k, v), _, grad = _dpa_inputs("window", 9, torch.float32, 4, {})
     flash(True)
     with force_backend("portable"):
