@@ -152,6 +152,27 @@ def test_portable_runs_the_cpu_flash_kernel_without_expanding_kv():
     assert not ops & {"aten::repeat_interleave", "aten::bmm", "aten::baddbmm", "aten::_softmax"}, ops
 
 
+def test_saves_no_score_matrix(flash):
+    """What autograd keeps for backward: megatron keeps [b, n, s, s] probabilities (and scores);
+    ours keeps q, k, v, the output and per-row softmax statistics: O(s)."""
+    from mindspeed_like.testing import SavedBytesMeter
+
+    dpa, _ = _dpa("causal")
+    s = 256
+    (q, k, v), _, _ = _dpa_inputs("saved", s, torch.float32, 4, {})
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    score_bytes = 2 * 4 * s * s * 4
+    flash(False)
+    with SavedBytesMeter() as megatron:
+        dpa(q, k, v, None)
+    flash(True)
+    with force_backend("portable"), SavedBytesMeter() as ours:
+        dpa(q, k, v, None)
+    assert megatron.bytes >= score_bytes
+    assert ours.bytes <= 5 * q.nbytes, (ours.bytes, q.nbytes)
+
+
 def test_kernel_rejects_bad_input():
     (q, k, v), _ = _qkv(4, 4, 1, 4, 3, 8, torch.float32, ("bad",))
     with pytest.raises(ValueError, match="multiple of key/value heads"):

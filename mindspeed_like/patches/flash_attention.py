@@ -28,8 +28,9 @@ Beyond megatron's local path: packed sequences (``PackedSeqParams`` with ``qkv_f
 per-sequence attention, causal per sequence), and causal attention with ``sq != sk``
 (bottom-right, where megatron asserts ``sq == sk``).
 Handed back to megatron (one log line per reason; an error under ``strict``): ``attention_bias``,
-``softmax_type`` other than vanilla, packed formats other than thd or with padded cu_seqlens
-that differ from the real ones, an ``attention_mask`` together with packed sequences.
+``softmax_type`` other than vanilla, a non-boolean ``attention_mask``, packed formats other than
+thd or with padded cu_seqlens that differ from the real ones, an ``attention_mask`` together with
+packed sequences.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def _unsupported(instance, call: dict) -> str | None:
         return "attention_bias is given"
     if getattr(instance, "softmax_offset", None) is not None:
         return f"softmax_type {getattr(instance.config, 'softmax_type', '?')!r}"
+    mask = call["attention_mask"]
+    if mask is not None and mask.dtype != torch.bool:
+        return f"attention_mask of dtype {mask.dtype} (megatron's masks are bool, True = masked out)"
     packed = call["packed_seq_params"]
     if packed is not None:
         if packed.qkv_format != "thd":
