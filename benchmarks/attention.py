@@ -104,6 +104,7 @@ def run(args, results: common.Results) -> None:
                     ours_peak_MiB=ours_b / MiB,
                     memory_ratio=base_b / max(ours_b, 1),
                 )
+                print("measured:", results.rows[-1], flush=True)  # long runs: progress before the table
     finally:
         mindspeed_like.configure(use_flash_attn=False)
         destroy_parallel()
