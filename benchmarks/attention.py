@@ -59,14 +59,19 @@ def _step(module, q, k, v, grad):
 
 
 def peak_bytes(fn) -> int:
-    """Peak of (bytes created - bytes destroyed) while ``fn`` runs, from the profiler's memory timeline."""
+    """Peak of (bytes created - bytes destroyed) while ``fn`` runs, from the profiler's memory
+    timeline. Only tensors created inside ``fn`` count: freeing an older tensor (last step's
+    gradients) must not lower the figure."""
     with profile(profile_memory=True, record_shapes=True, with_stack=True) as prof:
         fn()
     current = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
+    created: set = set()
+    for _, action, (key, _version), size in prof._memory_profile().timeline:
         if action == Action.CREATE:
+            created.add(key)
             current += size
-        elif action == Action.DESTROY:
+        elif action == Action.DESTROY and key in created:
+            created.discard(key)
             current -= size
         peak = max(peak, current)
     return peak
@@ -77,7 +82,7 @@ def run(args, results: common.Results) -> None:
     mindspeed_like.configure(device="cpu")
     init_parallel(seed=0)
     try:
-        lengths = (256, 512) if args.quick else (1024, 2048, 4096)
+        lengths = args.lengths or ((256, 512) if args.quick else (1024, 2048, 4096))
         for dtype in (torch.float32, torch.bfloat16):
             module = _module(dtype)
             for s in lengths:
@@ -131,7 +136,9 @@ def check_targets(results: common.Results) -> list[str]:
 
 
 def main() -> None:
-    args = common.parser(__doc__.splitlines()[0]).parse_args()
+    parser = common.parser(__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 1024 2048 4096)")
+    args = parser.parse_args()
     results = common.Results("attention")
     run(args, results)
     results.print_table()
