@@ -13,6 +13,7 @@ from mindspeed_like.patches import (
     cpu_adapter,
     cpu_training,
     dataset_helpers_build,
+    flash_attention,
     fused_rmsnorm,
     fused_rope,
     fused_swiglu,
@@ -31,6 +32,7 @@ FEATURES: list[Feature] = [
     fused_swiglu.FEATURE,
     fused_rope.FEATURE,
     fused_rmsnorm.FEATURE,
+    flash_attention.FEATURE,
 ]
 
 

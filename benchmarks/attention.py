@@ -1,0 +1,151 @@
+"""Core attention fwd+bwd: megatron-core's local ``DotProductAttention`` vs ours (``--use-flash-attn``,
+portable backend), causal, batch 1, 16 heads of 128, in one run on the same module and inputs.
+
+Time: median of ``--repeats`` forward+backward passes. Memory: peak bytes allocated during one
+forward+backward (torch.profiler with ``profile_memory``: every tensor created and destroyed in
+the pass, summed in time order; not RSS). The inputs exist before the pass and are not counted;
+megatron's score buffer (``GlobalMemoryBuffer``, which it keeps between calls) is re-created for
+the profiled pass so it is counted. Targets (checked here, at s = 4096): >= 10x less peak
+attention memory, >= 2x faster in fp32.
+
+    python benchmarks/attention.py [--quick] [--repeats N] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import common  # benchmarks/ is the script directory (as in fused_ops_swiglu.py)
+import torch
+from torch.profiler import profile
+from torch.profiler._memory_profiler import Action
+
+import mindspeed_like
+from mindspeed_like.kernels.backend import force_backend
+from mindspeed_like.testing import destroy_parallel, gpt_config, init_parallel
+
+MiB = 2**20
+HEADS, HEAD_DIM = 16, 128
+TARGET_SEQ, TARGET_MEMORY, TARGET_SPEEDUP = 4096, 10.0, 2.0
+
+
+def _module(dtype: torch.dtype):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = gpt_config(
+        num_layers=1,
+        hidden_size=HEADS * HEAD_DIM,
+        num_attention_heads=HEADS,
+        attention_dropout=0.0,
+        bf16=dtype == torch.bfloat16,
+    )
+    return DotProductAttention(config, 1, AttnMaskType.causal, "self").train()
+
+
+def _fresh_megatron_buffer() -> None:
+    """Drop megatron's cached score buffer so the profiled pass allocates (and counts) it."""
+    from megatron.core import parallel_state
+
+    parallel_state._GLOBAL_MEMORY_BUFFER = None
+    parallel_state._set_global_memory_buffer()
+
+
+def _step(module, q, k, v, grad):
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        module(q, k, v, None).backward(grad)
+
+    return run
+
+
+def peak_bytes(fn) -> int:
+    """Peak of (bytes created - bytes destroyed) while ``fn`` runs, from the profiler's memory
+    timeline. Only tensors created inside ``fn`` count: freeing an older tensor (last step's
+    gradients) must not lower the figure."""
+    with profile(profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    current = peak = 0
+    created: set = set()
+    for _, action, (key, _version), size in prof._memory_profile().timeline:
+        if action == Action.CREATE:
+            created.add(key)
+            current += size
+        elif action == Action.DESTROY and key in created:
+            created.discard(key)
+            current -= size
+        peak = max(peak, current)
+    return peak
+
+
+def run(args, results: common.Results) -> None:
+    mindspeed_like.reset()
+    mindspeed_like.configure(device="cpu")
+    init_parallel(seed=0)
+    try:
+        lengths = args.lengths or ((256, 512) if args.quick else (1024, 2048, 4096))
+        for dtype in (torch.float32, torch.bfloat16):
+            module = _module(dtype)
+            for s in lengths:
+                gen = torch.Generator().manual_seed(s)
+                q, k, v = (torch.randn(s, 1, HEADS, HEAD_DIM, generator=gen).to(dtype).requires_grad_() for _ in "qkv")
+                grad = torch.randn(s, 1, HEADS * HEAD_DIM, generator=gen).to(dtype)
+                step = _step(module, q, k, v, grad)
+                figures = {}
+                for name, on in (("megatron", False), ("ours", True)):
+                    mindspeed_like.configure(use_flash_attn=on)
+                    with force_backend("portable"):
+                        seconds = common.median_seconds(step, args.repeats)
+                        if not on:
+                            _fresh_megatron_buffer()
+                        figures[name] = (seconds, peak_bytes(step))
+                (base_s, base_b), (ours_s, ours_b) = figures["megatron"], figures["ours"]
+                results.add(
+                    s=s,
+                    dtype=str(dtype).replace("torch.", ""),
+                    megatron_ms=base_s * 1e3,
+                    ours_ms=ours_s * 1e3,
+                    speedup=base_s / ours_s,
+                    megatron_peak_MiB=base_b / MiB,
+                    ours_peak_MiB=ours_b / MiB,
+                    memory_ratio=base_b / max(ours_b, 1),
+                )
+                print("measured:", results.rows[-1], flush=True)  # long runs: progress before the table
+    finally:
+        mindspeed_like.configure(use_flash_attn=False)
+        destroy_parallel()
+        mindspeed_like.reset()
+
+
+def check_targets(results: common.Results) -> list[str]:
+    lines = []
+    for row in results.rows:
+        if row["s"] != TARGET_SEQ:
+            continue
+        memory_ok = row["memory_ratio"] >= TARGET_MEMORY
+        lines.append(
+            f"s={row['s']} {row['dtype']}: peak attention memory {row['memory_ratio']:.1f}x less "
+            f"(target >= {TARGET_MEMORY:g}x): {'met' if memory_ok else 'missed'}"
+        )
+        if row["dtype"] == "float32":
+            speed_ok = row["speedup"] >= TARGET_SPEEDUP
+            lines.append(
+                f"s={row['s']} float32 causal: {row['speedup']:.2f}x faster (target >= {TARGET_SPEEDUP:g}x): "
+                f"{'met' if speed_ok else 'missed'}"
+            )
+    return lines or [f"targets are checked at s={TARGET_SEQ} (not run with --quick)"]
+
+
+def main() -> None:
+    parser = common.parser(__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 1024 2048 4096)")
+    args = parser.parse_args()
+    results = common.Results("attention")
+    run(args, results)
+    results.print_table()
+    for line in check_targets(results):
+        print(line)
+    results.write_json(args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""``--use-flash-attn`` on Megatron-LM's own command line (pretrain_gpt.py, opt-in like
+test_megatron_lm_integration.py: runs when MEGATRON_LM_PATH points at a core_v0.16.1 checkout).
+
+Megatron-LM defines ``--use-flash-attn`` itself (and ignores it with ``--transformer-impl local``);
+its parsed value must switch our feature on, and the fp32 losses must match megatron's path.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_megatron_lm_integration import PRETRAIN_GPT, _launcher, _losses, _torchrun  # noqa: F401 (skip marker)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not __import__("os").path.isfile(PRETRAIN_GPT), reason="set MEGATRON_LM_PATH (see docs)"),
+]
+
+
+def test_use_flash_attn_from_megatrons_parser_switches_the_feature_on():
+    lines = _torchrun(1, _launcher(), ["--use-flash-attn"])
+    assert "flash-attention" in lines[0]
+    baseline = _torchrun(1, _launcher(), [])
+    assert "flash-attention" not in baseline[0]
+    assert _losses(lines) == pytest.approx(_losses(baseline), rel=1e-5)
