@@ -38,18 +38,28 @@ def _parallel_config(sequence_parallel: bool, dtype: torch.dtype, tp: int):
     )
 
 
-def build_layer(kind: str, sequence_parallel: bool, dtype: torch.dtype, tp: int, hidden: int, ffn: int, bias: bool,
-                skip_bias_add: bool = False):
+def build_layer(
+    kind: str,
+    sequence_parallel: bool,
+    dtype: torch.dtype,
+    tp: int,
+    hidden: int,
+    ffn: int,
+    bias: bool,
+    skip_bias_add: bool = False,
+):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     torch.manual_seed(SEED)
     config = _parallel_config(sequence_parallel, dtype, tp)
     init = torch.nn.init.normal_
     if kind == "column":
-        return ColumnParallelLinear(hidden, ffn, config=config, init_method=init, bias=bias, gather_output=False,
-                                    skip_bias_add=skip_bias_add)
-    return RowParallelLinear(ffn, hidden, config=config, init_method=init, bias=bias, input_is_parallel=True,
-                             skip_bias_add=skip_bias_add)
+        return ColumnParallelLinear(
+            hidden, ffn, config=config, init_method=init, bias=bias, gather_output=False, skip_bias_add=skip_bias_add
+        )
+    return RowParallelLinear(
+        ffn, hidden, config=config, init_method=init, bias=bias, input_is_parallel=True, skip_bias_add=skip_bias_add
+    )
 
 
 def _inputs(layer, kind: str, seq: int, batch: int, dtype: torch.dtype, tp: int, rank: int):
@@ -89,13 +99,27 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def compare_case(tp: int, kind: str, sp: bool, tiles: int, seq: int, batch: int, dtype=torch.float32, bias=False,
-                 skip_bias_add=False, hidden=32, ffn=48, mc2=False) -> dict:
+def compare_case(
+    tp: int,
+    kind: str,
+    sp: bool,
+    tiles: int,
+    seq: int,
+    batch: int,
+    dtype=torch.float32,
+    bias=False,
+    skip_bias_add=False,
+    hidden=32,
+    ffn=48,
+    mc2=False,
+    fresh_groups=True,
+) -> dict:
     """Errors of the patched layer vs megatron's on identical weights and inputs, and which
     autograd Function produced the patched output (proves the route)."""
     import torch.distributed as dist
 
-    _setup(tp)
+    if fresh_groups:
+        _setup(tp)
     layer = build_layer(kind, sp, dtype, tp, hidden, ffn, bias, skip_bias_add)
     x, grad = _inputs(layer, kind, seq, batch, dtype, tp, dist.get_rank())
     base, base_fn = _run(layer, x, grad)
@@ -213,8 +237,8 @@ def fusion_and_deferral_worker(tp: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mindspeed_like.kernels.tp_overlap.column import ColumnParallelTiled
-    from mindspeed_like.kernels.tp_overlap.row import RowParallelTiled
+    from mindspeed_like.kernels.tp_overlap.column import column_parallel_tiled
+    from mindspeed_like.kernels.tp_overlap.row import row_parallel_tiled
 
     _setup(tp)
     group = parallel_state.get_tensor_model_parallel_group()
@@ -225,13 +249,13 @@ def fusion_and_deferral_worker(tp: int) -> dict:
     grad = torch.randn(6 * tp, 2, 24, generator=gen)
     out = {}
     # reference weight grad (no fusion): plain autograd result of the Function
-    y = ColumnParallelTiled.apply(x, weight, None, False, False, True, None, 0, group, 4)
+    y = column_parallel_tiled(x, weight, None, False, False, True, None, 0, group, 4)
     y.backward(grad)
     plain = weight.grad.clone()
     weight.grad = None
     weight.main_grad = torch.full_like(weight, 0.5)
     weight.grad_added_to_main_grad = False
-    y = ColumnParallelTiled.apply(x, weight, None, True, False, True, None, 0, group, 4)
+    y = column_parallel_tiled(x, weight, None, True, False, True, None, 0, group, 4)
     y.backward(grad)
     out["main_grad_err"] = _rel(weight.main_grad - 0.5, plain)
     out["grad_added"] = bool(weight.grad_added_to_main_grad)
@@ -240,18 +264,18 @@ def fusion_and_deferral_worker(tp: int) -> dict:
     buffer: list = []
     weight.grad = None
     del weight.main_grad, weight.grad_added_to_main_grad
-    y = ColumnParallelTiled.apply(x, weight, None, False, False, True, buffer, 2, group, 4)
+    y = column_parallel_tiled(x, weight, None, False, False, True, buffer, 2, group, 4)
     y.backward(grad)
     out["deferred"] = (len(buffer), weight.grad is None, torch.equal(buffer[0], grad))
     # row with fusion
     xr = torch.randn(4 * tp, 2, 16, generator=gen)
     w_row = torch.nn.Parameter(torch.randn(24, 16, generator=gen))
     g_row = torch.randn(4, 2, 24, generator=gen)
-    RowParallelTiled.apply(xr, w_row, False, True, group, 2).backward(g_row)
+    row_parallel_tiled(xr, w_row, False, True, group, 2).backward(g_row)
     plain_row = w_row.grad.clone()
     w_row.grad = None
     w_row.main_grad = torch.zeros_like(w_row)
-    RowParallelTiled.apply(xr, w_row, True, True, group, 2).backward(g_row)
+    row_parallel_tiled(xr, w_row, True, True, group, 2).backward(g_row)
     out["row_main_grad_err"] = _rel(w_row.main_grad, plain_row)
     out["row_grad_none"] = w_row.grad is None  # no grad_added_to_main_grad attribute: megatron returns None
     mindspeed_like.reset()
@@ -278,9 +302,52 @@ def mc2_worker(tp: int) -> dict:
 
     out = {}
     with emulated_torch_npu() as npu, force_backend("npu"):
-        for kind in ("column", "row"):
-            out[kind] = compare_case(tp, kind, True, 4, 8 * tp, 2, dtype=torch.bfloat16, bias=True, hidden=256, ffn=256 * tp, mc2=True)  # every k >= 256
+        for kind in ("column", "row"):  # one TP group for both: all MC2 ops share one communicator
+            out[kind] = compare_case(
+                tp,
+                kind,
+                True,
+                4,
+                8 * tp,
+                2,
+                dtype=torch.bfloat16,
+                bias=True,
+                hidden=256,
+                ffn=256 * tp,
+                mc2=True,
+                fresh_groups=kind == "column",
+            )  # every k >= 256
         out["calls"] = dict(npu.calls)
         out["hcom"] = npu.__dict__.get("_mc2_hcom")
     mindspeed_like.reset()
+    return out
+
+
+def mc2_communicator_worker(tp: int) -> str:
+    """Two MC2 calls on two different communicators under one emulator: a ContractError."""
+    import torch.distributed as dist
+
+    from mindspeed_like.kernels.backends.npu import hccl_comm_name
+    from mindspeed_like.testing.npu_emulator import ContractError, emulated_torch_npu
+
+    other = dist.new_group(list(range(tp)))
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    w = torch.randn(256, 8, dtype=torch.bfloat16)
+    with emulated_torch_npu() as npu:
+        npu.npu_all_gather_base_mm(x, w, hccl_comm_name(dist.group.WORLD), tp)
+        try:
+            npu.npu_all_gather_base_mm(x, w, hccl_comm_name(other), tp)
+        except ContractError as error:
+            return str(error)
+    return ""
+
+
+def bundle_worker(tp: int, cases: list, mc2: bool) -> dict:
+    """Everything one world size checks, in one spawn (each spawn re-imports megatron)."""
+    out = {"cases": layer_cases_worker(tp, cases), "fallback": fallback_worker(tp)}
+    out["timeline"] = {tiles: timeline_worker(tp, tiles) for tiles in (2, 4)}
+    out["fusion"] = fusion_and_deferral_worker(tp)
+    if mc2:
+        out["mc2"] = mc2_worker(tp)
+        out["mc2_communicator"] = mc2_communicator_worker(tp)
     return out

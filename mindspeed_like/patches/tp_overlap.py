@@ -148,15 +148,15 @@ def _linear_with_grad_accumulation(wrapped, instance, args, kwargs):
         group,
     )
     if sequence_parallel and _mc2_plan(input, weight, group, column=True):
-        from mindspeed_like.kernels.tp_overlap.mc2 import ColumnParallelMC2
+        from mindspeed_like.kernels.tp_overlap.mc2 import column_parallel_mc2
 
-        return ColumnParallelMC2.apply(input, weight, call["bias"], *common)
+        return column_parallel_mc2(input, weight, call["bias"], *common)
     tiles = _tiles_or_none(_rows(input))
     if tiles is None:
         return wrapped(*args, **kwargs)
-    from mindspeed_like.kernels.tp_overlap.column import ColumnParallelTiled
+    from mindspeed_like.kernels.tp_overlap.column import column_parallel_tiled
 
-    return ColumnParallelTiled.apply(input, weight, call["bias"], *common, tiles)
+    return column_parallel_tiled(input, weight, call["bias"], *common, tiles)
 
 
 # ---------------------------------------------------------------- row-parallel
@@ -193,17 +193,17 @@ def _row_parallel_forward(wrapped, instance, args, kwargs):
     sequence_parallel = bool(instance.sequence_parallel)
     fusion = instance.gradient_accumulation_fusion
     if sequence_parallel and _mc2_plan(input, instance.weight, group, column=False):
-        from mindspeed_like.kernels.tp_overlap.mc2 import RowParallelMC2
+        from mindspeed_like.kernels.tp_overlap.mc2 import row_parallel_mc2
 
-        output_ = RowParallelMC2.apply(input, instance.weight, fusion, group)
+        output_ = row_parallel_mc2(input, instance.weight, fusion, group)
     else:
         local_rows = _rows(input) // (group.size() if sequence_parallel else 1)
         tiles = _tiles_or_none(local_rows)
         if tiles is None:
             return wrapped(*args, **kwargs)
-        from mindspeed_like.kernels.tp_overlap.row import RowParallelTiled
+        from mindspeed_like.kernels.tp_overlap.row import row_parallel_tiled
 
-        output_ = RowParallelTiled.apply(input, instance.weight, fusion, sequence_parallel, group, tiles)
+        output_ = row_parallel_tiled(input, instance.weight, fusion, sequence_parallel, group, tiles)
     if not instance.skip_bias_add:  # megatron's own tail of RowParallelLinear.forward
         output = (output_ + instance.bias) if instance.bias is not None else output_
         return output, None

@@ -107,11 +107,17 @@ def simulated_link(bandwidth_bytes_per_second: float) -> Iterator[LinkStats]:
     gather = _delayed(dist.all_gather_into_tensor, link, _gather_bytes)
     scatter = _delayed(dist.reduce_scatter_tensor, link, _scatter_bytes)
     reduce = _delayed(dist.all_reduce, link, _reduce_bytes)
-    swaps = [(dist, "all_gather_into_tensor", gather), (dist, "reduce_scatter_tensor", scatter), (dist, "all_reduce", reduce)]
+    swaps = [
+        (dist, "all_gather_into_tensor", gather),
+        (dist, "reduce_scatter_tensor", scatter),
+        (dist, "all_reduce", reduce),
+    ]
     for module_name in ("megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings"):
         module = importlib.import_module(module_name)
         swaps.append((module, "dist_all_gather_func", _delayed(module.dist_all_gather_func, link, _gather_bytes)))
-        swaps.append((module, "dist_reduce_scatter_func", _delayed(module.dist_reduce_scatter_func, link, _scatter_bytes)))
+        swaps.append(
+            (module, "dist_reduce_scatter_func", _delayed(module.dist_reduce_scatter_func, link, _scatter_bytes))
+        )
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in swaps]
     for owner, name, fn in swaps:
         setattr(owner, name, fn)

@@ -26,7 +26,7 @@ from mindspeed_like.kernels.tp_overlap.schedules import (
     matmul_reduce_scatter_tiled,
     wait_all,
 )
-from mindspeed_like.kernels.tp_overlap.wgrad import wgrad_is_computed, weight_gradient
+from mindspeed_like.kernels.tp_overlap.wgrad import weight_gradient, wgrad_is_computed
 
 
 class ColumnParallelTiled(torch.autograd.Function):
@@ -57,16 +57,19 @@ class ColumnParallelTiled(torch.autograd.Function):
         ctx.limit = wgrad_deferral_limit
         ctx.group = group
         ctx.tiles = tiles
+        ctx.out_shape = (
+            input.shape[0] * (group.size() if sequence_parallel else 1),
+            *input.shape[1:-1],
+            weight.shape[0],
+        )
         x2d = input.reshape(-1, input.shape[-1]).contiguous()
         if sequence_parallel:
-            out2d, _ = gather_tiled(x2d, weight.t(), tiles, group)
-            rows = input.shape[0] * group.size()
-            output = out2d.view(rows, *input.shape[1:-1], -1)
+            output, _ = gather_tiled(x2d, weight.t(), tiles, group)
         else:
-            output = torch.matmul(input, weight.t())
+            output = torch.matmul(x2d, weight.t())
         if bias is not None:
             output = output + bias
-        return output
+        return output  # 2-D [tokens, n]; column_parallel_tiled restores the leading dims
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -74,7 +77,8 @@ class ColumnParallelTiled(torch.autograd.Function):
         group = ctx.group
         if ctx.fusion:
             weight.main_grad = ctx.main_grad
-        compute = wgrad_is_computed(grad_output, ctx.buffer, ctx.limit)
+        # megatron buffers the layer-shaped gradient ([s, b, n]): its deferred wgrad reshapes it with the input
+        compute = wgrad_is_computed(grad_output.view(ctx.out_shape), ctx.buffer, ctx.limit)
         x2d = input.reshape(-1, input.shape[-1])
         gathered = None
         if ctx.sequence_parallel and compute:
@@ -96,3 +100,34 @@ class ColumnParallelTiled(torch.autograd.Function):
         grad_bias = g2d.sum(dim=0) if ctx.use_bias else None
         wait_all(pending)  # as megatron: the dgrad communication also runs under the wgrad matmul
         return grad_in.view(input.shape), grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def column_parallel_tiled(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gradient_accumulation_fusion: bool,
+    allreduce_dgrad: bool,
+    sequence_parallel: bool,
+    grad_output_buffer: list | None,
+    wgrad_deferral_limit: int | None,
+    group,
+    tiles: int,
+) -> torch.Tensor:
+    """Megatron's ``linear_with_grad_accumulation_and_async_allreduce`` contract, tiled.
+    Output ``[s * tp (SP) or s, ..., n]``; the reshape is outside the Function so the Function
+    never returns a view."""
+    output = ColumnParallelTiled.apply(
+        input,
+        weight,
+        bias,
+        gradient_accumulation_fusion,
+        allreduce_dgrad,
+        sequence_parallel,
+        grad_output_buffer,
+        wgrad_deferral_limit,
+        group,
+        tiles,
+    )
+    rows = input.shape[0] * (group.size() if sequence_parallel else 1)
+    return output.view(rows, *input.shape[1:-1], output.shape[-1])

@@ -60,14 +60,20 @@ class ColumnParallelMC2(torch.autograd.Function):
     ):
         ctx.save_for_backward(input, weight)
         ctx.main_grad = weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
-        ctx.use_bias, ctx.fusion, ctx.buffer, ctx.limit, ctx.group = bias is not None, gradient_accumulation_fusion, buffer, limit, group
+        ctx.use_bias, ctx.fusion, ctx.buffer, ctx.limit, ctx.group = (
+            bias is not None,
+            gradient_accumulation_fusion,
+            buffer,
+            limit,
+            group,
+        )
+        ctx.out_shape = (input.shape[0] * group.size(), *input.shape[1:-1], weight.shape[0])
         world = group.size()
         x2d = input.reshape(-1, input.shape[-1]).contiguous()
         out, _ = torch_npu().npu_all_gather_base_mm(
             x2d, weight.t(), hccl_comm_name(group), world, bias=None, gather_index=0, gather_output=False, comm_turn=0
         )
-        output = out.view(input.shape[0] * world, *input.shape[1:-1], -1)
-        return output + bias if bias is not None else output
+        return out + bias if bias is not None else out  # 2-D: column_parallel_mc2 reshapes
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -75,7 +81,8 @@ class ColumnParallelMC2(torch.autograd.Function):
         group = ctx.group
         if ctx.fusion:
             weight.main_grad = ctx.main_grad
-        compute = wgrad_is_computed(grad_output, ctx.buffer, ctx.limit)
+        # megatron buffers the layer-shaped gradient ([s, b, n]): its deferred wgrad reshapes it with the input
+        compute = wgrad_is_computed(grad_output.view(ctx.out_shape), ctx.buffer, ctx.limit)
         x2d = input.reshape(-1, input.shape[-1]).contiguous()
         total, gathered = None, None
         if compute:
@@ -108,7 +115,7 @@ class RowParallelMC2(torch.autograd.Function):
         out = torch_npu().npu_mm_reduce_scatter_base(
             x2d, weight.t(), hccl_comm_name(group), world, reduce_op="sum", bias=None, comm_turn=0
         )
-        return out.view(input.shape[0] // world, *input.shape[1:-1], -1)
+        return out  # 2-D: row_parallel_mc2 reshapes
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -125,3 +132,35 @@ class RowParallelMC2(torch.autograd.Function):
             weight, gathered, x2d, accumulation_fusion=ctx.fusion, compute=True, input_dtype=input.dtype
         )
         return grad_in.view(input.shape), grad_weight, None, None
+
+
+def column_parallel_mc2(
+    input,
+    weight,
+    bias,
+    gradient_accumulation_fusion,
+    allreduce_dgrad,
+    sequence_parallel,
+    grad_output_buffer,
+    wgrad_deferral_limit,
+    group,
+) -> torch.Tensor:
+    """Megatron's column contract (sequence-parallel) through MC2; output ``[s * tp, ..., n]``."""
+    output = ColumnParallelMC2.apply(
+        input,
+        weight,
+        bias,
+        gradient_accumulation_fusion,
+        allreduce_dgrad,
+        sequence_parallel,
+        grad_output_buffer,
+        wgrad_deferral_limit,
+        group,
+    )
+    return output.view(input.shape[0] * group.size(), *input.shape[1:-1], output.shape[-1])
+
+
+def row_parallel_mc2(input, weight, gradient_accumulation_fusion, group) -> torch.Tensor:
+    """The reduce-scattered row-parallel output ``[s / tp, ..., n]`` through MC2 (bias not added)."""
+    output = RowParallelMC2.apply(input, weight, gradient_accumulation_fusion, group)
+    return output.view(input.shape[0] // group.size(), *input.shape[1:-1], output.shape[-1])

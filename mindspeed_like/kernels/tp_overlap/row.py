@@ -54,15 +54,13 @@ class RowParallelTiled(torch.autograd.Function):
         ctx.group = group
         ctx.tiles = tiles
         world = group.size()
-        x2d = input.reshape(-1, input.shape[-1])
+        x2d = input.reshape(-1, input.shape[-1]).contiguous()
         if sequence_parallel:
             out, pending = matmul_reduce_scatter_tiled(x2d.view(world, -1, x2d.shape[1]), weight.t(), tiles, group)
-            rows = input.shape[0] // world
         else:
             out, pending = matmul_all_reduce_tiled(x2d, weight.t(), tiles, group)
-            rows = input.shape[0]
         wait_all(pending)
-        return out.view(rows, *input.shape[1:-1], -1)
+        return out  # 2-D [tokens, n]; row_parallel_tiled restores the leading dims
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -79,3 +77,17 @@ class RowParallelTiled(torch.autograd.Function):
             weight, g2d, x2d, accumulation_fusion=ctx.fusion, compute=True, input_dtype=input.dtype
         )
         return grad_in.view(input.shape), grad_weight, None, None, None, None
+
+
+def row_parallel_tiled(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    gradient_accumulation_fusion: bool,
+    sequence_parallel: bool,
+    group,
+    tiles: int,
+) -> torch.Tensor:
+    """The reduced row-parallel output ``[s / tp (SP) or s, ..., n]`` (bias not added)."""
+    output = RowParallelTiled.apply(input, weight, gradient_accumulation_fusion, sequence_parallel, group, tiles)
+    rows = input.shape[0] // (group.size() if sequence_parallel else 1)
+    return output.view(rows, *input.shape[1:-1], output.shape[-1])

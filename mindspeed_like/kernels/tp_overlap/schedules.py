@@ -29,14 +29,16 @@ def gather_tiled(
     for lo, hi in bounds:  # issue every gather first: they queue on the link in tile order
         buffer = torch.empty((world * (hi - lo), x2d.shape[1]), dtype=x2d.dtype, device=x2d.device)
         pending.append((buffer, ops.all_gather(buffer, x2d[lo:hi], group)))
-    out = torch.empty((world, rows, b.shape[1]), dtype=x2d.dtype, device=x2d.device)
-    gathered = torch.empty((world, rows, x2d.shape[1]), dtype=x2d.dtype, device=x2d.device) if keep_gathered else None
+    # 2-D results written through [world, rows, :] views: the returned tensors are not views
+    # (an autograd Function may not return a view of its own intermediate)
+    out = torch.empty((world * rows, b.shape[1]), dtype=x2d.dtype, device=x2d.device)
+    gathered = torch.empty((world * rows, x2d.shape[1]), dtype=x2d.dtype, device=x2d.device) if keep_gathered else None
     for (lo, hi), (buffer, work) in zip(bounds, pending, strict=True):
         work.wait()
-        out[:, lo:hi] = ops.matmul(buffer, b).view(world, hi - lo, -1)
+        out.view(world, rows, -1)[:, lo:hi] = ops.matmul(buffer, b).view(world, hi - lo, -1)
         if gathered is not None:
-            gathered[:, lo:hi] = buffer.view(world, hi - lo, -1)
-    return out.view(world * rows, -1), None if gathered is None else gathered.view(world * rows, -1)
+            gathered.view(world, rows, -1)[:, lo:hi] = buffer.view(world, hi - lo, -1)
+    return out, gathered
 
 
 def matmul_reduce_scatter_tiled(a3d: torch.Tensor, b: torch.Tensor, tiles: int, group) -> tuple[torch.Tensor, list]:

@@ -35,7 +35,11 @@ WORLD_SIZES = (2, 4, 8)
 @register("emulator_hccl_comm_name")
 def emulator_hccl_comm_name(group) -> str:
     """Stand-in for ``group._get_backend(npu).get_hccl_comm_name(rank)``: a name for a gloo group."""
-    name = "emulated_hccl_" + "_".join(str(r) for r in dist.get_process_group_ranks(group))
+    for name, known in _GROUPS.items():
+        if known is group:
+            return name
+    ranks = "_".join(str(r) for r in dist.get_process_group_ranks(group))
+    name = f"emulated_hccl_{len(_GROUPS)}_ranks_{ranks}"  # one name per group object, like HCCL
     _GROUPS[name] = group
     return name
 
