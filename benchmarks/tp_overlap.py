@@ -1,0 +1,183 @@
+"""Tiled TP comm/compute overlap on a simulated link: how much communication is hidden.
+
+On CPU the two ranks share two cores and gloo's loopback transfers cost almost nothing, so
+overlap cannot be timed on the real link. Every TP collective is instead delayed by
+``bytes / bandwidth`` on a simulated one-at-a-time link whose waits sleep (freeing the core;
+``mindspeed_like.testing.simulated_link``). The bandwidth is calibrated so the link time of
+one forward+backward of the block equals the time of the matmuls that share a pass with a
+collective (forward and dgrad matmuls of both linears): communication ~= computation.
+
+The block is megatron's ColumnParallelLinear (h -> f) + RowParallelLinear (f -> h) with
+TP=2 and sequence parallelism, forward + backward. For megatron's own path and for N = 2, 4,
+8 tiles, in the same run:
+- ``step_nolink``: step time without the simulated link (compute + our tiling overhead);
+- ``step_link``: step time with it;
+- ``exposed`` = step_link - step_nolink(megatron): communication time not hidden, plus any
+  extra cost of tiling (so overhead is charged against the feature);
+- ``hidden`` = 1 - exposed / link_time; ``predicted`` from the analytic model in
+  docs/features/tp-overlap.md: per pass, exposed = max(C / N, C - (N - 1) / N * M).
+Target: hidden >= 60% at N = 4.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from common import Results, parser  # benchmarks/ is the script directory (as in import_overhead.py)
+
+TP = 2
+TILES = (2, 4, 8)
+TARGET_HIDDEN_AT_4 = 0.60
+
+
+def _shapes(quick: bool) -> dict:
+    if quick:
+        return dict(seq=256, batch=2, hidden=256, ffn=1024)
+    return dict(seq=1024, batch=2, hidden=512, ffn=2048)
+
+
+def _median_step(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _paired_matmul_seconds(shape: dict, repeats: int) -> float:
+    """Forward and dgrad matmuls of both linears at one rank's shapes (what a tile can hide)."""
+    tokens, h, f = shape["seq"] * shape["batch"], shape["hidden"], shape["ffn"] // TP
+    x, w1, w2 = torch.randn(tokens, h), torch.randn(f, h), torch.randn(h, f)
+    g1, y = torch.randn(tokens, f), torch.randn(tokens, f)
+    g2 = torch.randn(tokens, h)
+
+    def four():
+        x @ w1.t()  # column forward
+        g1 @ w1  # column dgrad
+        y @ w2.t()  # row forward
+        g2 @ w2  # row dgrad
+
+    four()
+    return statistics.median(_time(four) for _ in range(repeats))
+
+
+def _time(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _agree(value: float) -> float:
+    """The largest value over ranks (so both ranks use one calibration)."""
+    tensor = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def predicted_hidden(comm: float, matmul: float, tiles: int | None) -> float:
+    """The analytic model: four passes with equal shares of communication C and paired matmul
+    time M; a pass cut into N tiles exposes max(C/N, C - (N-1)/N * M); megatron's serial
+    path (N = None) exposes all of it."""
+    if tiles is None:
+        return 0.0
+    exposed = max(comm / tiles, comm - (tiles - 1) / tiles * matmul)
+    return 1.0 - exposed / comm
+
+
+def rank_worker(quick: bool, repeats: int) -> list[dict]:
+    import mindspeed_like
+    from mindspeed_like.testing import init_parallel
+    from mindspeed_like.testing.simulated_link import simulated_link
+
+    mindspeed_like.reset()
+    mindspeed_like.configure(device="cpu")
+    init_parallel(tp=TP)
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    shape = _shapes(quick)
+    config = ModelParallelConfig(tensor_model_parallel_size=TP, sequence_parallel=True, use_cpu_initialization=True)
+    init = torch.nn.init.normal_
+    fc1 = ColumnParallelLinear(shape["hidden"], shape["ffn"], config=config, init_method=init, bias=False,
+                               gather_output=False)  # fmt: skip
+    fc2 = RowParallelLinear(shape["ffn"], shape["hidden"], config=config, init_method=init, bias=False,
+                            input_is_parallel=True, skip_bias_add=False)  # fmt: skip
+    x = torch.randn(shape["seq"] // TP, shape["batch"], shape["hidden"], requires_grad=True)
+
+    def step():
+        y, _ = fc1(x)
+        out, _ = fc2(y)
+        out.sum().backward()
+
+    matmul = _agree(_paired_matmul_seconds(shape, repeats))
+    nbytes = _count_bytes(step)
+    bandwidth = nbytes / matmul  # link time of one step == paired matmul time
+    rows = []
+    base_nolink = None
+    for tiles in (None, *TILES):
+        if tiles is None:
+            mindspeed_like.configure(use_tiled_tp_overlap=False)
+        else:
+            mindspeed_like.configure(use_tiled_tp_overlap=True, tiled_tp_overlap_chunks=tiles)
+        nolink = _agree(_median_step(step, repeats))
+        with simulated_link(bandwidth) as stats:
+            link = _agree(_median_step(step, repeats))
+            transfer = stats.transfer_seconds / (repeats + 1)
+        base_nolink = nolink if tiles is None else base_nolink
+        exposed = link - base_nolink
+        rows.append(
+            dict(
+                path="megatron" if tiles is None else f"tiled N={tiles}",
+                step_nolink_ms=1e3 * nolink,
+                step_link_ms=1e3 * link,
+                link_time_ms=1e3 * transfer,
+                exposed_ms=1e3 * exposed,
+                hidden=1.0 - exposed / transfer,
+                predicted=predicted_hidden(transfer, matmul, tiles),
+            )
+        )
+    mindspeed_like.reset()
+    return rows
+
+
+def _count_bytes(step) -> float:
+    """Bytes one step puts on the link (megatron's path), from a run on a very fast link."""
+    from mindspeed_like.testing.simulated_link import simulated_link
+
+    with simulated_link(1e15) as stats:
+        step()
+    return stats.transfer_seconds * 1e15
+
+
+def run(args, results: Results) -> None:
+    from mindspeed_like.testing import run_distributed
+
+    rows = run_distributed(rank_worker, TP, args.quick, args.repeats, timeout=1800)[0]
+    for row in rows:
+        results.add(**row)
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    results = Results("tp_overlap (TP=2 + SP, column+row linear block, fwd+bwd, simulated link)")
+    run(args, results)
+    results.print_table()
+    by_path = {row["path"]: row for row in results.rows}
+    base = by_path["megatron"]
+    for tiles in TILES:
+        row = by_path[f"tiled N={tiles}"]
+        print(f"N={tiles}: step time with link {row['step_link_ms'] / base['step_link_ms']:.3f}x megatron's, "
+              f"hidden {row['hidden']:.0%} (model {row['predicted']:.0%})")  # fmt: skip
+    hidden = by_path["tiled N=4"]["hidden"]
+    verdict = "met" if hidden >= TARGET_HIDDEN_AT_4 else "missed"
+    print(f"target: >= {TARGET_HIDDEN_AT_4:.0%} of communication hidden at N=4: {hidden:.0%} -> {verdict}")
+    results.write_json(args.json, target_hidden_at_4=TARGET_HIDDEN_AT_4, hidden_at_4=hidden, verdict=verdict)
+
+
+if __name__ == "__main__":
+    main()
