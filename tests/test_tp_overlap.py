@@ -17,6 +17,7 @@ gloo group named by the communicator and enforces the kernels' contract.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -249,3 +250,22 @@ def test_gpt_parity_tp2_sp_fp32():
     for losses in ranks:
         assert len(losses[True]) == 10
         assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses[True], losses[False], strict=True)), losses
+
+
+# ---------------------------------------------------------------- Megatron-LM's command line (opt-in)
+
+
+@pytest.mark.skipif(
+    not os.path.isfile(os.path.join(os.environ.get("MEGATRON_LM_PATH", ""), "pretrain_gpt.py")),
+    reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1) to run",
+)
+def test_megatron_lm_command_line_switches_it_on():
+    """pretrain_gpt.py TP=2 + SP with MindSpeed's spellings: the feature is on and the losses
+    equal megatron's own path (the same math, tile by tile)."""
+    from test_megatron_lm_integration import _launcher, _losses, _torchrun
+
+    common = ["--use-cpu-initialization", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    reference = _torchrun(2, _launcher(), common)
+    ours = _torchrun(2, _launcher(), [*common, "--use-ascend-coc", "--coc-parallel-num", "4"])
+    assert "tp-overlap" in ours[0] and "tp-overlap" not in reference[0]
+    assert _losses(ours) == pytest.approx(_losses(reference), rel=1e-5)
