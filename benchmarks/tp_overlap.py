@@ -10,6 +10,8 @@ collective (forward and dgrad matmuls of both linears): communication ~= computa
 The block is megatron's ColumnParallelLinear (h -> f) + RowParallelLinear (f -> h) with
 TP=2 and sequence parallelism, forward + backward. For megatron's own path and for N = 2, 4,
 8 tiles, in the same run:
+Each path is timed in interleaved rounds (``--repeats``) and the minimum is kept (the least
+disturbed run on a shared machine), the maximum over ranks.
 - ``step_nolink``: step time without the simulated link (compute + our tiling overhead);
 - ``step_link``: step time with it;
 - ``exposed`` = step_link - step_nolink of the same path: communication time not hidden;
@@ -22,7 +24,6 @@ Target: hidden >= 60% at N = 4.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -39,15 +40,11 @@ def _shapes(quick: bool) -> dict:
     return dict(seq=1024, batch=2, hidden=512, ffn=2048)
 
 
-def _median_step(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _timed(fn) -> float:
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def _paired_matmul_seconds(shape: dict, repeats: int) -> float:
@@ -64,13 +61,12 @@ def _paired_matmul_seconds(shape: dict, repeats: int) -> float:
         g2 @ w2  # row dgrad
 
     four()
-    return statistics.median(_time(four) for _ in range(repeats))
-
-
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        four()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def _agree(value: float) -> float:
@@ -81,11 +77,15 @@ def _agree(value: float) -> float:
 
 
 def predicted_hidden(comm: float, matmul: float, tiles: int | None) -> float:
-    """The analytic model: four passes with equal shares of communication C and paired matmul
-    time M; a pass cut into N tiles exposes max(C/N, C - (N-1)/N * M); megatron's serial
-    path (N = None) exposes all of it."""
+    """The analytic model (docs/features/tp-overlap.md). One step has five equal collectives
+    (column: forward all-gather, backward all-gather of x + reduce-scatter of dgrad; row:
+    forward reduce-scatter, backward all-gather), total C, and four paired matmuls (forward and
+    dgrad of each linear), total M; a wgrad matmul equals a dgrad one.
+    Megatron (``tiles=None``) hides only the column backward's two collectives, under dgrad
+    and wgrad: ``2 min(C/5, M/4)``. Tiled: a pass cut into N tiles exposes
+    ``max(C/N, C - (N-1)/N * M)``, summed over passes (equal shares: the same formula on totals)."""
     if tiles is None:
-        return 0.0
+        return 2 * min(comm / 5, matmul / 4) / comm
     exposed = max(comm / tiles, comm - (tiles - 1) / tiles * matmul)
     return 1.0 - exposed / comm
 
@@ -115,32 +115,40 @@ def rank_worker(quick: bool, repeats: int) -> list[dict]:
         out, _ = fc2(y)
         out.sum().backward()
 
+    def use(tiles):
+        mindspeed_like.configure(use_tiled_tp_overlap=tiles is not None, tiled_tp_overlap_chunks=tiles or 4)
+
     matmul = _agree(_paired_matmul_seconds(shape, repeats))
-    nbytes = _count_bytes(step)
-    bandwidth = nbytes / matmul  # link time of one step == paired matmul time
+    bandwidth = _count_bytes(step) / matmul  # link time of one step == paired matmul time
+    paths = (None, *TILES)
+    transfer, nolink, link = {}, {t: [] for t in paths}, {t: [] for t in paths}
+    for tiles in paths:
+        use(tiles)
+        step()  # warm-up
+        transfer[tiles] = _count_bytes(step) / bandwidth
+    # Interleaved rounds, minimum per path: on a shared machine load drifts over minutes;
+    # interleaving spreads it over all paths and the minimum is the least disturbed run.
+    for _ in range(repeats):
+        for tiles in paths:
+            use(tiles)
+            nolink[tiles].append(_timed(step))
+            with simulated_link(bandwidth):
+                link[tiles].append(_timed(step))
     rows = []
-    base_nolink = None
-    for tiles in (None, *TILES):
-        if tiles is None:
-            mindspeed_like.configure(use_tiled_tp_overlap=False)
-        else:
-            mindspeed_like.configure(use_tiled_tp_overlap=True, tiled_tp_overlap_chunks=tiles)
-        nolink = _agree(_median_step(step, repeats))
-        with simulated_link(bandwidth) as stats:
-            link = _agree(_median_step(step, repeats))
-            transfer = stats.transfer_seconds / (repeats + 1)
-        base_nolink = nolink if tiles is None else base_nolink
-        exposed = link - nolink  # communication this path leaves on the critical path
+    base_nolink = _agree(min(nolink[None]))
+    for tiles in paths:
+        best_nolink, best_link = _agree(min(nolink[tiles])), _agree(min(link[tiles]))
+        exposed = best_link - best_nolink  # communication this path leaves on the critical path
         rows.append(
             dict(
                 path="megatron" if tiles is None else f"tiled N={tiles}",
-                step_nolink_ms=1e3 * nolink,
-                step_link_ms=1e3 * link,
-                link_time_ms=1e3 * transfer,
+                step_nolink_ms=1e3 * best_nolink,
+                step_link_ms=1e3 * best_link,
+                link_time_ms=1e3 * transfer[tiles],
                 exposed_ms=1e3 * exposed,
-                hidden=1.0 - exposed / transfer,
-                predicted=predicted_hidden(transfer, matmul, tiles),
-                tiling_overhead_ms=1e3 * (nolink - base_nolink),
+                hidden=1.0 - exposed / transfer[tiles],
+                predicted=predicted_hidden(transfer[tiles], matmul, tiles),
+                tiling_overhead_ms=1e3 * (best_nolink - base_nolink),
             )
         )
     mindspeed_like.reset()
