@@ -31,7 +31,7 @@ import torch.distributed as dist
 @dataclass
 class LinkStats:
     transfer_seconds: float = 0.0  # sum of bytes / bandwidth over all collectives
-    blocked_seconds: float = 0.0  # time spent sleeping in wait() for the link: the exposed part
+    blocked_seconds: float = 0.0  # time callers slept waiting for the link: the exposed part
     collectives: int = 0
 
 
@@ -50,10 +50,10 @@ class _Link:
         return self.busy_until
 
     def block_until(self, done: float) -> None:
-        remaining = done - time.perf_counter()
-        if remaining > 0:
-            self.stats.blocked_seconds += remaining
-            time.sleep(remaining)
+        start = time.perf_counter()
+        if done > start:
+            time.sleep(done - start)
+            self.stats.blocked_seconds += time.perf_counter() - start  # as slept, overshoot included
 
 
 class _DelayedWork:
