@@ -187,8 +187,7 @@ def _row_parallel_forward(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)  # megatron reduces nothing here (experts) or TP is 1
     reason = _row_unsupported(instance, input)
     if reason is not None:
-        if _config()["use_tiled_tp_overlap"] or _config()["use_fused_tp_comm_matmul"]:
-            _fall_back(reason)
+        _fall_back(reason)
         return wrapped(*args, **kwargs)
     sequence_parallel = bool(instance.sequence_parallel)
     fusion = instance.gradient_accumulation_fusion
