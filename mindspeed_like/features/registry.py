@@ -19,6 +19,7 @@ from mindspeed_like.patches import (
     fused_swiglu,
     megatron_lm_args,
     npu_adapter,
+    tp_overlap,
 )
 
 FEATURES: list[Feature] = [
@@ -33,6 +34,7 @@ FEATURES: list[Feature] = [
     fused_rope.FEATURE,
     fused_rmsnorm.FEATURE,
     flash_attention.FEATURE,
+    tp_overlap.FEATURE,
 ]
 
 
