@@ -6,6 +6,9 @@ fc2's backward needs it (a hook on fc2's output), with the RNG states of the for
 The mechanism is megatron-core's own ``tensor_parallel.CheckpointWithoutOutput`` (0.13+,
 used upstream for ``recompute_modules`` ``moe_act``/``layernorm``); we construct it so that
 its no-TransformerEngine default-argument bug (``fp8=False`` taken as "fp8 on") cannot bite.
+On 0.13-0.15 a subclass is used instead (``hook_safe_checkpoint_class``): there, under any
+saved-tensor hooks, the recompute's input gradients land on tensor objects that backward
+never reads, and fc1 silently gets no gradient (fixed upstream in 0.16).
 
 Targets, and why each is the right symbol:
 
@@ -112,19 +115,117 @@ def _unsupported(config) -> str | None:
 
 
 def new_checkpoint():
-    """megatron's ``CheckpointWithoutOutput``, with its fp8 switch off where TE is absent.
+    """megatron's ``CheckpointWithoutOutput`` (on 0.13-0.15 the hook-safe subclass below), with
+    its fp8 switch off where TE is absent.
 
     Upstream ``__init__`` sets ``fp8 = fp8 is not None`` (True for the default), which takes
     TransformerEngine's FP8 path and dies with ``NameError`` without TE.
     """
     import sys
 
-    from megatron.core import tensor_parallel
-
-    checkpoint = tensor_parallel.CheckpointWithoutOutput()
+    checkpoint = checkpoint_class()()
     if not getattr(sys.modules[RANDOM_MODULE], "HAVE_TE", False):
         checkpoint.fp8 = False
     return checkpoint
+
+
+_hook_safe_class = None
+
+
+def checkpoint_class() -> type:
+    """megatron's class where it keeps input gradients under saved-tensor hooks (0.16+), else
+    :func:`hook_safe_checkpoint_class`."""
+    from megatron.core import tensor_parallel
+    from packaging.version import Version
+
+    from mindspeed_like.megatron_version import megatron_core_version
+
+    version = megatron_core_version()
+    if version is None or version >= Version("0.16"):
+        return tensor_parallel.CheckpointWithoutOutput
+    return hook_safe_checkpoint_class()
+
+
+def hook_safe_checkpoint_class() -> type:
+    """``CheckpointWithoutOutput`` as megatron-core 0.16 fixed it, for 0.13-0.15.
+
+    There ``_recompute`` runs on ``ctx.saved_tensors`` and the Function's backward unpacks
+    ``ctx.saved_tensors`` again to read the inputs' ``.grad``. Under any saved-tensor hooks
+    (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``, memory meters, offloading)
+    every unpack is a new tensor object, so the gradients accumulated during the recompute
+    are not on the objects backward reads: the inputs get no gradient, silently. The
+    subclass keeps megatron's RNG capture/restore and ``discard_output_and_register_recompute``
+    and hands the recompute's own input objects to backward (0.16's protocol). fp8 is not
+    handled here (the feature falls back for fp8).
+    """
+    global _hook_safe_class
+    if _hook_safe_class is not None:
+        return _hook_safe_class
+    from megatron.core.tensor_parallel import random as mrandom
+    from torch.utils.checkpoint import detach_variable
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, run_function, owner, *args):
+            with torch.no_grad():
+                outputs = run_function(*args)
+            ctx.save_for_backward(*detach_variable(args))
+            owner.ctx = ctx
+            return outputs
+
+        @staticmethod
+        def backward(ctx, *grads):
+            inputs, outputs = ctx.inputs, ctx.outputs
+            torch.autograd.backward(outputs, grads)
+            ctx.inputs = ctx.outputs = None
+            return (None, None) + tuple(t.grad if isinstance(t, torch.Tensor) else t for t in inputs)
+
+    def detach(tensor):
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        requires_grad = tensor.requires_grad
+        return tensor.detach().requires_grad_(requires_grad)
+
+    class HookSafeCheckpointWithoutOutput(mrandom.CheckpointWithoutOutput):
+        def checkpoint(self, run_function, *args):
+            self.run_function = run_function
+            self.rng_states = mrandom._get_all_rng_states()
+            outputs = Function.apply(run_function, self, *args)
+            self.outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+            return outputs
+
+        def _recompute(self, _):
+            if self.ctx is None:
+                return
+            if not torch.autograd._is_checkpoint_valid():
+                raise RuntimeError("Checkpointing is not compatible with .grad(), please use .backward() if possible")
+            with mrandom._fork_rng():
+                mrandom._set_all_rng_states(*self.rng_states)
+                inputs = tuple(detach(t) for t in self.ctx.saved_tensors)
+                with torch.enable_grad():
+                    outputs = self.run_function(*inputs)
+            self.run_function = self.rng_states = None
+            if isinstance(outputs, torch.Tensor):
+                outputs = (outputs,)
+            with torch.no_grad():
+                for output, recomputed in zip(self.outputs, outputs):
+                    output.untyped_storage().resize_(recomputed.untyped_storage().size())
+                    output.untyped_storage().copy_(recomputed.untyped_storage())
+            self.ctx.outputs, self.ctx.inputs = outputs, inputs
+            self.outputs = self.ctx = None
+
+    _hook_safe_class = HookSafeCheckpointWithoutOutput
+    return _hook_safe_class
+
+
+def _megatron_checkpoint_class() -> type:
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.CheckpointWithoutOutput
+
+
+def saved_tensor_hooks_active() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 def _megatron_activation(wrapped, instance, config):
@@ -194,6 +295,8 @@ def _grouped_mlp_forward(wrapped, instance, args, kwargs):
     if instance is None or instance.activation_recompute or not _wants_recompute(instance):
         return wrapped(*args, **kwargs)  # megatron's moe_act already recomputes: no double
     reason = _unsupported(instance.config)
+    if reason is None and saved_tensor_hooks_active() and checkpoint_class() is not _megatron_checkpoint_class():
+        reason = "saved-tensor hooks are active and this megatron-core's moe_act recompute loses gradients under them"
     if reason is not None:
         _fall_back(reason)
         return wrapped(*args, **kwargs)
