@@ -125,16 +125,21 @@ def test_activation_aliasing_its_input_is_not_freed(adapter, caplog):
     assert "shares storage" in caplog.text
 
 
-def _gpt_grads(on: bool, flags: dict | None = None, **model_kwargs):
-    """One fwd+bwd of the whole GPTModel (no DDP): loss and every parameter's gradient."""
+def _gpt_grads(on: bool, flags: dict | None = None, *, meter: bool = True, **model_kwargs):
+    """One fwd+bwd of the whole GPTModel (no DDP): loss, every parameter's gradient, and the
+    bytes held for backward (None with ``meter=False``: no saved-tensor hooks)."""
     _configure(on, **(flags or {}))
     init_parallel(seed=1234)
     model = tiny_gpt(**model_kwargs)
     tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    with SavedBytesMeter() as meter:
+    held = None
+    if meter:
+        with SavedBytesMeter() as saved:
+            loss = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).float().mean()
+        held = saved.current_bytes(exclude=model.parameters())
+    else:
         loss = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).float().mean()
-    held = meter.current_bytes(exclude=model.parameters())
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, held
 
@@ -256,10 +261,13 @@ def reference_grouped_gemm(monkeypatch):
     monkeypatch.setattr(gg, "ops", ops)
 
 
-def test_grouped_mlp_experts(adapter, reference_grouped_gemm, monkeypatch):
+def test_grouped_mlp_experts(adapter, reference_grouped_gemm, monkeypatch, caplog):
     """GroupedMLP (bf16, as megatron requires): the feature switches on megatron's own
     moe_act recompute: bitwise equal to the baseline, holds exactly what moe_act holds,
-    and with moe_act already on nothing is added (no double recompute)."""
+    and with moe_act already on nothing is added (no double recompute).
+
+    megatron-core < 0.16's moe_act loses gradients under saved-tensor hooks (the byte meter
+    uses them), so there the bytes are not measured and the meter's run must fall back."""
     from megatron.core import tensor_parallel
 
     made: list = []
@@ -270,7 +278,8 @@ def test_grouped_mlp_experts(adapter, reference_grouped_gemm, monkeypatch):
         return original(self, *args)
 
     monkeypatch.setattr(tensor_parallel.CheckpointWithoutOutput, "checkpoint", counting)
-    moe = dict(bf16=True, num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True)
+    hook_safe = ra.checkpoint_class() is tensor_parallel.CheckpointWithoutOutput
+    moe = dict(bf16=True, num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, meter=hook_safe)
     moe_act = dict(recompute_granularity="selective", recompute_modules=["moe_act"])
     base = _gpt_grads(False, **moe)
     assert len(made) == 0
@@ -282,9 +291,16 @@ def test_grouped_mlp_experts(adapter, reference_grouped_gemm, monkeypatch):
     _assert_same_grads(base, ours)
     _assert_same_grads(base, megatron_only)
     _assert_same_grads(base, both)
-    routed = SEQ * BATCH * 2
-    assert base[2] - ours[2] >= 2 * routed * FFN * 2  # at least the bf16 activation outputs
-    assert ours[2] == megatron_only[2] == both[2]
+    if hook_safe:
+        routed = SEQ * BATCH * 2
+        assert base[2] - ours[2] >= 2 * routed * FFN * 2  # at least the bf16 activation outputs
+        assert ours[2] == megatron_only[2] == both[2]
+    else:
+        ra._logged.clear()
+        made.clear()
+        with caplog.at_level("WARNING"):
+            _gpt_grads(True, **dict(moe, meter=True))
+        assert len(made) == 0 and "saved-tensor hooks" in caplog.text
 
 
 def test_flags_and_errors(adapter):
