@@ -67,17 +67,28 @@ def _assert_same(a, b) -> None:
         assert torch.equal(a[2][name], b[2][name]), f"gradient of {name} differs"
 
 
+def _inline_glu_units() -> int:
+    """Megatron's inline GLU keeps ``silu(gate)`` and, where it has ``glu_linear_offset`` (0.15+),
+    ``up + offset`` too, each the output's size: freed as well, so 3 (else 2) outputs."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return 3 if "glu_linear_offset" in names else 2
+
+
 SILU, GELU = F.silu, F.gelu
+GLU = _inline_glu_units()
 # name -> (TransformerConfig overrides, extra flags, saved bytes dropped in units of the
-# activation output's size). Megatron's inline GLU ``silu(gate) * (up + offset)`` also
-# saves ``silu(gate)`` and ``up + offset`` (both the output's size): freed too, so 3x there.
+# activation output's size; GLU for megatron's inline GLU, see _inline_glu_units).
 CASES = {
-    "swiglu": (dict(), {}, 3),
-    "swiglu-bias": (dict(add_bias_linear=True), {}, 3),
+    "swiglu": (dict(), {}, GLU),
+    "swiglu-bias": (dict(add_bias_linear=True), {}, GLU),
     "swiglu-bias-fusion": (dict(add_bias_linear=True, bias_activation_fusion=True), {}, 1),
     "swiglu-fusion": (dict(bias_activation_fusion=True), {}, 1),
     "swiglu-fused-kernel": (dict(), {"use_fused_swiglu": True}, 1),
-    "geglu": (dict(activation_func=GELU), {}, 3),
+    "geglu": (dict(activation_func=GELU), {}, GLU),
     "geglu-bias-fusion": (dict(activation_func=GELU, add_bias_linear=True, bias_activation_fusion=True), {}, 1),
     "gelu": (dict(gated_linear_unit=False), {}, 1),
     "gelu-bias": (dict(gated_linear_unit=False, add_bias_linear=True), {}, 1),
@@ -169,7 +180,7 @@ def test_gpt_training_bitwise(adapter, dropout):
     _assert_same_grads(grads_off, grads_on)
     assert losses_off == losses_on
     assert all(torch.equal(a, b) for a, b in zip(weights_off, weights_on))
-    per_layer = SEQ * BATCH * FFN * 4 * 3  # inline swiglu: output + silu(gate) + up
+    per_layer = SEQ * BATCH * FFN * 4 * GLU  # inline swiglu
     assert grads_off[2] - grads_on[2] == 2 * per_layer
 
 
@@ -213,7 +224,7 @@ def test_composes_with_megatron_recompute(adapter, monkeypatch, recompute, ours_
     ours = _gpt_grads(True, **kwargs)
     _assert_same_grads(base, ours)
     assert len(made) == ours_made
-    assert base[2] - ours[2] == ours_made * SEQ * BATCH * FFN * 4 * 3
+    assert base[2] - ours[2] == ours_made * SEQ * BATCH * FFN * 4 * GLU
 
 
 def test_composes_with_the_fused_kernels(adapter):
