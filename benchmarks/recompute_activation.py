@@ -11,7 +11,7 @@ sizes) whole-model peak for one micro-batch fwd+bwd.
 Targets (checked, printed as met/missed): held bytes drop by at least tokens x ffn x dtype
 size per layer (the activation output); time overhead under 5% of the block's fwd+bwd.
 
-    python benchmarks/recompute_activation.py [--quick] [--repeats N] [--json out.json]
+    python benchmarks/recompute_activation.py [--quick] [--repeats N] [--hidden H --ffn F --seq S] [--json out.json]
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ def run(args, results: common.Results) -> None:
     mindspeed_like.configure(device="cpu")
     init_parallel(seed=1234)
     hidden, ffn, seq = (1024, 2752, 512) if args.quick else (4096, 11008, 2048)
+    hidden, ffn, seq = args.hidden or hidden, args.ffn or ffn, args.seq or seq
     bench_mlp(args, results, "swiglu", hidden, ffn, seq)
     bench_mlp(args, results, "swiglu fused", hidden, ffn, seq, bias_activation_fusion=True)
     bench_demo_gpt(args, results)
@@ -183,7 +184,11 @@ def run(args, results: common.Results) -> None:
 
 
 def main() -> None:
-    args = common.parser(__doc__.splitlines()[0]).parse_args()
+    parser = common.parser(__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, help="MLP hidden size (default 4096; --quick 1024)")
+    parser.add_argument("--ffn", type=int, help="MLP ffn size (default 11008; --quick 2752)")
+    parser.add_argument("--seq", type=int, help="tokens (sequence length, batch 1; default 2048; --quick 512)")
+    args = parser.parse_args()
     results = common.Results("recompute_activation")
     run(args, results)
     results.print_table()
