@@ -381,6 +381,8 @@ def test_hook_safe_checkpoint_for_megatron_before_0_16(adapter, monkeypatch, cas
     any version, under the meter's hooks: bitwise equal, same bytes freed."""
     monkeypatch.setattr(ra, "checkpoint_class", ra.hook_safe_checkpoint_class)
     model_kwargs, flags, units = CASES[case]
+    _configure(True)
+    assert type(ra.new_checkpoint()) is ra.hook_safe_checkpoint_class()
     base = _mlp_pass(False, model_kwargs, flags)
     ours = _mlp_pass(True, model_kwargs, flags)
     _assert_same(base, ours)
