@@ -387,3 +387,19 @@ def test_hook_safe_checkpoint_for_megatron_before_0_16(adapter, monkeypatch, cas
     ours = _mlp_pass(True, model_kwargs, flags)
     _assert_same(base, ours)
     assert base[3] - ours[3] == units * SEQ * BATCH * FFN * 4
+
+
+def test_meter_keeps_a_retired_storage_when_its_address_is_reused():
+    """SavedBytesMeter keys storages by address; after a feature frees a saved storage the
+    allocator may hand that address to a new one. Two storages over one buffer
+    (``torch.frombuffer``) stand in for that: both are counted, neither overwrites the other."""
+    buffer = bytearray(4096)
+    first = torch.frombuffer(buffer, dtype=torch.float32)
+    second = torch.frombuffer(buffer, dtype=torch.float32)
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    meter = SavedBytesMeter()
+    meter._pack(first)
+    meter._pack(second)
+    meter._pack(second)  # the same storage again: still one
+    assert meter.count == 2 and meter.bytes == 2 * 4096
+    assert meter.current_bytes() == 2 * 4096
