@@ -20,6 +20,7 @@ from mindspeed_like.patches import (
     megatron_lm_args,
     npu_adapter,
     tp_overlap,
+    recompute_activation,
 )
 
 FEATURES: list[Feature] = [
@@ -35,6 +36,7 @@ FEATURES: list[Feature] = [
     fused_rmsnorm.FEATURE,
     flash_attention.FEATURE,
     tp_overlap.FEATURE,
+    recompute_activation.FEATURE,
 ]
 
 

@@ -39,11 +39,18 @@ class SavedBytesMeter:
     def __init__(self) -> None:
         self._sizes: dict[int, int] = {}  # data_ptr -> nbytes at save time
         self._storages: dict[int, torch.UntypedStorage] = {}
+        self._retired: list[tuple[int, torch.UntypedStorage]] = []  # (nbytes at save, storage)
         self._ctx = None
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = _storage(tensor)
         ptr = storage.data_ptr()
+        known = self._storages.get(ptr)
+        if known is not None and known._cdata != storage._cdata:
+            # A storage saved earlier was resized (freed) since, and the allocator gave its
+            # address to this new one: both are real, keep counting the old one aside.
+            # (Held storages cannot be freed otherwise, so this happens only after a resize.)
+            self._retired.append((self._sizes.pop(ptr), self._storages.pop(ptr)))
         if ptr not in self._sizes or storage.nbytes() > self._sizes[ptr]:
             self._sizes[ptr] = storage.nbytes()
             self._storages[ptr] = storage
@@ -66,16 +73,22 @@ class SavedBytesMeter:
     @property
     def bytes(self) -> int:
         """Bytes of distinct storages saved for backward, sized when saved."""
-        return sum(self._sizes.values())
+        return sum(self._sizes.values()) + sum(size for size, _ in self._retired)
 
     @property
     def count(self) -> int:
         """Number of distinct storages saved."""
-        return len(self._sizes)
+        return len(self._sizes) + len(self._retired)
 
-    def current_bytes(self) -> int:
-        """Bytes of the saved storages as they are now (after any resize)."""
-        return sum(s.nbytes() for s in self._storages.values())
+    def current_bytes(self, exclude: Iterable[torch.Tensor] = ()) -> int:
+        """Bytes of the saved storages as they are now (after any resize).
+
+        ``exclude``: tensors whose storages are not counted, e.g. the model's parameters
+        (held for the whole run anyway, so not activation memory).
+        """
+        skip = {_storage(t).data_ptr() for t in exclude if t is not None}
+        held = sum(s.nbytes() for ptr, s in self._storages.items() if ptr not in skip)
+        return held + sum(s.nbytes() for _, s in self._retired)
 
     def storage_sizes(self) -> dict[int, int]:
         """data_ptr -> bytes at save time."""
