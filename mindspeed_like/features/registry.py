@@ -19,8 +19,8 @@ from mindspeed_like.patches import (
     fused_swiglu,
     megatron_lm_args,
     npu_adapter,
-    tp_overlap,
     recompute_activation,
+    tp_overlap,
 )
 
 FEATURES: list[Feature] = [
