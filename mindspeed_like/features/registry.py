@@ -16,6 +16,7 @@ from mindspeed_like.patches import (
     fused_rmsnorm,
     fused_rope,
     fused_swiglu,
+    grouped_gemm,
     megatron_lm_args,
     npu_adapter,
 )
@@ -31,6 +32,7 @@ FEATURES: list[Feature] = [
     fused_swiglu.FEATURE,
     fused_rope.FEATURE,
     fused_rmsnorm.FEATURE,
+    grouped_gemm.FEATURE,
 ]
 
 
