@@ -52,7 +52,11 @@ def _inputs(counts, k, n, dtype, trans_b, seed):
 def _reference64(a, b, counts, grad, trans_b):
     """Per-expert float64 math, written independently of the kernel module."""
     a64, b64, g64 = a.detach().double(), b.detach().double(), grad.double()
-    out, da, db = torch.zeros(a.shape[0], grad.shape[1], dtype=torch.float64), torch.zeros_like(a64), torch.zeros_like(b64)
+    out, da, db = (
+        torch.zeros(a.shape[0], grad.shape[1], dtype=torch.float64),
+        torch.zeros_like(a64),
+        torch.zeros_like(b64),
+    )
     start = 0
     for e, count in enumerate(counts):
         rows = slice(start, start + count)
@@ -79,7 +83,9 @@ def _run(backend, engine, a, b, counts, grad, trans_b):
 @pytest.mark.parametrize("case", COUNTS, ids=[c[0] for c in COUNTS])
 def test_gmm_matches_float64(backend, engine, dtype, trans_b, case):
     name, counts, k, n = case
-    a, b, grad = _inputs(counts, k, n, dtype, trans_b, zlib.crc32(repr((backend, engine, dtype, trans_b, name)).encode()))
+    a, b, grad = _inputs(
+        counts, k, n, dtype, trans_b, zlib.crc32(repr((backend, engine, dtype, trans_b, name)).encode())
+    )
     out = _run(backend, engine, a, b, counts, grad, trans_b)
     ref, da, db = _reference64(a, b, counts, grad, trans_b)
     assert out.dtype == dtype and out.shape == ref.shape
@@ -247,7 +253,10 @@ def test_emulator_rejects_wrong_structure():
             npu.npu_grouped_matmul([x[0].t()], [torch.randn(8, 6)], **{**ok, "group_type": 2})
         with pytest.raises(ContractError):  # too many groups
             npu.npu_grouped_matmul(
-                [torch.randn(2, 4)], [torch.randn(1025, 4, 2)], group_list=torch.full((1025,), 2), group_type=0,
+                [torch.randn(2, 4)],
+                [torch.randn(1025, 4, 2)],
+                group_list=torch.full((1025,), 2),
+                group_type=0,
                 split_item=2,
             )
 
@@ -256,9 +265,15 @@ def test_emulator_documented_calls_and_no_autograd():
     x, w = _good()
     x[0].requires_grad_(True)
     with emulated_torch_npu() as npu:
-        (y,) = npu.npu_grouped_matmul(x, w, group_list=torch.tensor([3, 3, 8]), group_list_type=0, group_type=0, split_item=2)
-        (y1,) = npu.npu_grouped_matmul(x, w, group_list=torch.tensor([3, 0, 5]), group_list_type=1, group_type=0, split_item=3)
-        (dw,) = npu.npu_grouped_matmul([x[0].t()], [torch.ones(8, 6)], group_list=torch.tensor([3, 3, 8]), group_type=2, split_item=3)
+        (y,) = npu.npu_grouped_matmul(
+            x, w, group_list=torch.tensor([3, 3, 8]), group_list_type=0, group_type=0, split_item=2
+        )
+        (y1,) = npu.npu_grouped_matmul(
+            x, w, group_list=torch.tensor([3, 0, 5]), group_list_type=1, group_type=0, split_item=3
+        )
+        (dw,) = npu.npu_grouped_matmul(
+            [x[0].t()], [torch.ones(8, 6)], group_list=torch.tensor([3, 3, 8]), group_type=2, split_item=3
+        )
     torch.testing.assert_close(y, torch.cat([x[0][:3] @ w[0][0], x[0][3:] @ w[0][2]]))
     torch.testing.assert_close(y1, y)
     assert y.grad_fn is None  # torch_npu has no autograd for this op: the caller writes the backward

@@ -99,7 +99,9 @@ def npu_grouped_matmul(*args, **kwargs) -> list[torch.Tensor]:
                     f"npu_grouped_matmul group_type=2: x [K, M], weight [M, N]; got {tuple(x.shape)}, {tuple(w.shape)}"
                 )
             if split_item != 3:
-                raise ContractError(f"npu_grouped_matmul group_type=2 returns one stacked tensor: split_item=3, got {split_item!r}")
+                raise ContractError(
+                    f"npu_grouped_matmul group_type=2 returns one stacked tensor: split_item=3, got {split_item!r}"
+                )
             counts = _counts(group_list, group_list_type, x.shape[1])
             out = torch.zeros(len(counts), x.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
             start = 0
