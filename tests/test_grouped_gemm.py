@@ -180,6 +180,18 @@ def test_moe_act_recompute_parity(cpu_config):
     assert _rel_close(ours, base, 1e-5), (ours, base)
 
 
+def test_gpu_style_init_builds_on_cpu(cpu_config):
+    """Without use_cpu_initialization GroupedMLP puts its weights on torch.cuda.current_device();
+    on a CPU host its constructor runs as the host twin and the model trains."""
+    cpu_config()
+    init_parallel(seed=SEED)
+    model = tiny_gpt(num_moe_experts=EXPERTS, moe_grouped_gemm=True, use_cpu_initialization=False)
+    experts = unwrap(model).decoder.layers[0].mlp.experts
+    assert experts.weight1.device.type == "cpu" and experts.weight1.std() > 0
+    losses = train_steps(model, 3, seed=SEED, data=make_batches(1, 2, 32, 256, SEED)[0])
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
 # ---------------------------------------------------------------- flags and reversibility
 
 

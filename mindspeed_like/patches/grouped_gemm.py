@@ -31,6 +31,17 @@ Targets, and why each is the right symbol:
   nothing else in ``forward`` reads ``bf16``. With the CUDA package in charge
   (``--grouped-gemm auto`` and the package present) the assertion stays.
 
+- ``megatron.core.transformer.moe.experts.GroupedMLP.__init__`` (WRAP, CPU host only): without
+  ``use_cpu_initialization`` it allocates the weights on ``torch.cuda.current_device()``; it
+  runs as its host twin (the cpu-adapter's ``on_host``, as for ColumnParallelLinear). The
+  cpu-adapter never needed it: megatron's assertion stopped GroupedMLP before that line.
+- ``megatron.training.arguments.validate_args`` (WRAP, optional: megatron.training exists only
+  in Megatron-LM checkouts; waits for its import): for ``--moe-grouped-gemm`` it asserts
+  ``torch.cuda.get_device_capability() >= 8``, a requirement of the CUTLASS kernels we replace
+  (and a crash on a host without CUDA). That check is the only use of ``moe_grouped_gemm`` in
+  ``validate_args`` (Megatron-LM core_v0.16.1), so validation runs with it hidden (False) and
+  the parsed value is put back afterwards, logged once. Nothing else is faked.
+
 ``--gemm-gradient-accumulation-fusion`` (MindSpeed's flag): the expert weights' gradients are
 accumulated straight into megatron DDP's fp32 ``main_grad`` per expert (megatron's
 gradient-accumulation-fusion contract: ``grad_added_to_main_grad`` is set and a dummy
@@ -46,8 +57,10 @@ import importlib.util
 import logging
 import types
 
-from mindspeed_like.config import ConfigError
+from mindspeed_like.config import Config, ConfigError
+from mindspeed_like.device import detect_device
 from mindspeed_like.features.base import Feature, Flag, kernel_backend
+from mindspeed_like.patches.cpu_devices import on_host
 from mindspeed_like.patching import Kind, Patch
 
 logger = logging.getLogger(__name__)
@@ -126,6 +139,22 @@ def _grouped_mlp_forward(wrapped, instance, args, kwargs):
         instance.config = original
 
 
+def _validate_args(wrapped, instance, args, kwargs):
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    parsed = args[0] if args else kwargs.get("args")
+    if parsed is None or not getattr(parsed, "moe_grouped_gemm", False) or gg.ops is not OPS:
+        return wrapped(*args, **kwargs)
+    if "capability" not in _logged:
+        _logged.add("capability")
+        logger.info("grouped-gemm: Megatron-LM's GroupedGEMM compute-capability check skipped (the kernel is ours)")
+    parsed.moe_grouped_gemm = False
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        parsed.moe_grouped_gemm = True
+
+
 PATCHES = [
     Patch(
         f"{GG}.ops",
@@ -146,10 +175,26 @@ PATCHES = [
         _grouped_mlp_forward,
         why="megatron-core 0.16 asserts bf16 in forward; our gmm computes fp32/fp16 too",
     ),
+    Patch(
+        "megatron.training.arguments.validate_args",
+        Kind.WRAP,
+        _validate_args,
+        optional=True,
+        module="megatron.training.arguments",
+        why="Megatron-LM asserts a CUDA compute capability >= 8 for --moe-grouped-gemm (CUTLASS)",
+    ),
 ]
 
 
-def _enabled(feature: Feature, config) -> bool:
+HOST_INIT = on_host("transformer.moe.experts.GroupedMLP.__init__", "weights on torch.cuda.current_device()")
+
+
+def patches_for(config: Config) -> list[Patch]:
+    """PATCHES, plus GroupedMLP's host-twin constructor on a CPU host."""
+    return [*PATCHES, HOST_INIT] if detect_device(config["device"]) == "cpu" else list(PATCHES)
+
+
+def _enabled(feature: Feature, config: Config) -> bool:
     mode = config["grouped_gemm"]
     on = mode == "on" or (mode == "auto" and not grouped_gemm_package_installed())
     if config["gemm_gradient_accumulation_fusion"] and not on:
@@ -165,7 +210,7 @@ FEATURE = Feature(
     name="grouped-gemm",
     summary="megatron's moe_grouped_gemm (GroupedMLP) without the CUDA grouped_gemm package "
     "(torch_npu.npu_grouped_matmul on NPU, a portable grouped GEMM elsewhere)",
-    patches=PATCHES,
+    patches=patches_for,
     flags=(
         Flag(
             "grouped_gemm",
