@@ -251,6 +251,29 @@ def test_fusion_without_main_grad_logs_once_or_fails_strict(cpu_config, caplog):
         _forward_backward(model, tokens)
 
 
+def test_more_than_1024_experts_on_npu_fall_back_to_the_loop(cpu_config, caplog):
+    """npu_grouped_matmul takes at most 1024 groups: more experts use the portable loop, logged
+    once; under --strict that is an error."""
+    from mindspeed_like.kernels.backend import force_backend
+    from mindspeed_like.patches import grouped_gemm as feature
+
+    cpu_config()
+    feature._logged.clear()
+    counts = torch.zeros(1025, dtype=torch.int64)
+    counts[::100] = 2
+    a, b = torch.randn(int(counts.sum()), 4), torch.randn(1025, 4, 3)
+    with emulated_torch_npu() as npu, force_backend("npu"), caplog.at_level(logging.WARNING, logger=feature.__name__):
+        out = feature.OPS.gmm(a, b, counts)
+        feature.OPS.gmm(a, b, counts)
+    assert npu.calls["npu_grouped_matmul"] == 0
+    assert sum("at most 1024 groups" in r.getMessage() for r in caplog.records) == 1
+    experts = torch.repeat_interleave(torch.arange(1025), counts)
+    torch.testing.assert_close(out, torch.einsum("tk,tkn->tn", a, b[experts]))
+    mindspeed_like.configure(strict=True)
+    with emulated_torch_npu(), force_backend("npu"), pytest.raises(feature.GroupedGemmUnsupported, match="1024"):
+        feature.OPS.gmm(a, b, counts)
+
+
 # ---------------------------------------------------------------- EP=2 on gloo (one spawn)
 
 
