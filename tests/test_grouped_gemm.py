@@ -232,6 +232,18 @@ def test_installed_package_is_kept_unless_asked(cpu_config, monkeypatch):
         cpu_config(grouped_gemm="off", gemm_gradient_accumulation_fusion=True)
 
 
+def test_a_single_file_module_named_grouped_gemm_is_not_the_package(tmp_path, monkeypatch):
+    from mindspeed_like.patches import grouped_gemm as feature
+
+    (tmp_path / "grouped_gemm.py").write_text("ops = None\n")  # e.g. benchmarks/grouped_gemm.py
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not feature.grouped_gemm_package_installed()
+    (tmp_path / "grouped_gemm.py").unlink()
+    (tmp_path / "grouped_gemm").mkdir()
+    (tmp_path / "grouped_gemm" / "__init__.py").write_text("")
+    assert feature.grouped_gemm_package_installed()
+
+
 def test_fusion_without_main_grad_logs_once_or_fails_strict(cpu_config, caplog):
     from mindspeed_like.patches import grouped_gemm as feature
 

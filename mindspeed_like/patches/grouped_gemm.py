@@ -75,8 +75,11 @@ class GroupedGemmUnsupported(RuntimeError):
 
 
 def grouped_gemm_package_installed() -> bool:
-    """Whether the CUDA ``grouped_gemm`` package megatron looks for is importable."""
-    return importlib.util.find_spec("grouped_gemm") is not None
+    """Whether the CUDA ``grouped_gemm`` package megatron looks for is importable: a package
+    (directory with ``ops``), not a stray single-file module of that name on ``sys.path`` such
+    as ``benchmarks/grouped_gemm.py`` when a script in that directory runs."""
+    spec = importlib.util.find_spec("grouped_gemm")
+    return spec is not None and spec.submodule_search_locations is not None
 
 
 def _note(reason: str) -> None:
