@@ -17,6 +17,7 @@ from mindspeed_like.patches import (
     fused_rmsnorm,
     fused_rope,
     fused_swiglu,
+    grouped_gemm,
     megatron_lm_args,
     npu_adapter,
     recompute_activation,
@@ -37,6 +38,7 @@ FEATURES: list[Feature] = [
     flash_attention.FEATURE,
     tp_overlap.FEATURE,
     recompute_activation.FEATURE,
+    grouped_gemm.FEATURE,
 ]
 
 
