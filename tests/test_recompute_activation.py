@@ -250,29 +250,16 @@ def test_sequential_mlp_experts(adapter, monkeypatch):
     assert len(made) == 2 * 4  # every expert of both layers
 
 
-def _reference_gmm(a, b, batch_sizes, trans_b=False):
-    """Test-local stand-in for grouped_gemm's ``gmm`` (absent here; the grouped-GEMM
-    feature of issue 7 provides the real one): one matmul per expert, eager autograd."""
-    outputs, start = [], 0
-    for i, n in enumerate(batch_sizes.tolist()):
-        w = b[i].t() if trans_b else b[i]
-        outputs.append(a[start : start + n] @ w)
-        start += n
-    return torch.cat(outputs)
-
-
 @pytest.fixture
-def reference_grouped_gemm(monkeypatch):
-    from types import SimpleNamespace
+def grouped_gemm_op():
+    """GroupedMLP needs a ``gmm``: the grouped-gemm feature (on by default where the CUDA
+    ``grouped_gemm`` package is absent) provides it."""
+    from mindspeed_like import runtime
 
-    from megatron.core.transformer.moe import grouped_gemm_util as gg
-
-    ops = SimpleNamespace(gmm=_reference_gmm)
-    monkeypatch.setattr(gg, "grouped_gemm", SimpleNamespace(ops=ops))
-    monkeypatch.setattr(gg, "ops", ops)
+    assert "grouped-gemm" in runtime.enabled_feature_names(runtime.current_config())
 
 
-def test_grouped_mlp_experts(adapter, reference_grouped_gemm, monkeypatch, caplog):
+def test_grouped_mlp_experts(adapter, grouped_gemm_op, monkeypatch, caplog):
     """GroupedMLP (bf16, as megatron requires): the feature switches on megatron's own
     moe_act recompute: bitwise equal to the baseline, holds exactly what moe_act holds,
     and with moe_act already on nothing is added (no double recompute).
