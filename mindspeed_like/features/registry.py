@@ -18,6 +18,7 @@ from mindspeed_like.patches import (
     fused_swiglu,
     megatron_lm_args,
     npu_adapter,
+    reuse_fp32_param,
 )
 
 FEATURES: list[Feature] = [
@@ -31,6 +32,7 @@ FEATURES: list[Feature] = [
     fused_swiglu.FEATURE,
     fused_rope.FEATURE,
     fused_rmsnorm.FEATURE,
+    reuse_fp32_param.FEATURE,
 ]
 
 
