@@ -74,11 +74,10 @@ def train(
     losses = train_steps(model, steps, seed=SEED, on_optimizer=on_optimizer, data=data, **train_args)
     opt = box["opt"]
     result = dict(losses=losses, masters=masters_of(opt), weights=weights_of(opt))
-    tensors = []
-    for inner in inner_optimizers(opt):
-        groups = getattr(inner, "float16_groups", [])
-        tensors += [p for g in groups for p in g] + [p for g in getattr(inner, "fp32_from_float16_groups", []) for p in g]
-    result["numel"] = sum(p.numel() for inner in inner_optimizers(opt) for g in getattr(inner, "float16_groups", []) for p in g)
+    weights = [p for inner in inner_optimizers(opt) for g in getattr(inner, "float16_groups", []) for p in g]
+    masters = [p for inner in inner_optimizers(opt) for g in getattr(inner, "fp32_from_float16_groups", []) for p in g]
+    tensors = weights + masters
+    result["numel"] = sum(p.numel() for p in weights)
     result["bytes"] = param_bytes(tensors)
     if after is not None:
         result["after"] = after(box["model"], opt)

@@ -8,12 +8,12 @@ value, so there is no tolerance to state.
 from __future__ import annotations
 
 import pytest
+import reuse_fp32_workers as W
 import torch
 
 import mindspeed_like
 from mindspeed_like.config import ConfigError
 from mindspeed_like.testing import destroy_parallel, init_parallel, run_distributed, tiny_gpt, train_steps
-import reuse_fp32_workers as W
 
 STEPS = 20
 

@@ -150,8 +150,8 @@ def test_workspace_is_bounded_by_the_chunk():
     for n in (1 << 12, 1 << 16):
         buf = torch.randn(n).view(torch.int16)
         side = K.to_split(buf, chunk)
-        peaks.append(peak_extra_bytes(lambda: K.to_fp32(buf, side, chunk)))
-        peaks.append(peak_extra_bytes(lambda: K.to_split(buf, chunk)))
+        peaks.append(peak_extra_bytes(lambda buf=buf, side=side: K.to_fp32(buf, side, chunk)))
+        peaks.append(peak_extra_bytes(lambda buf=buf: K.to_split(buf, chunk)))
     # int64 temporaries of one chunk (~26 B/element of a chunk), never a buffer-sized copy
     # (the 2^16-element buffer is 256 KiB; 32 B * 1024 = 32 KiB)
     assert max(peaks) <= 32 * chunk, peaks

@@ -133,6 +133,10 @@ class ReuseState:
     def side_table_bytes(self) -> int:
         return sum(e.side.numel() * e.side.element_size() for e in self.entries)
 
+    def extra_bytes(self) -> int:
+        """Bytes held outside the shared param storages (the side tables)."""
+        return self.side_table_bytes()
+
 
 def state_of(optimizer) -> ReuseState | None:
     """The feature's state on a megatron optimizer, or None when it keeps megatron's layout."""
