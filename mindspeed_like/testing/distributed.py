@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -18,7 +20,9 @@ class DistributedError(RuntimeError):
     """A rank failed or timed out; the message carries the child tracebacks."""
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict, results) -> None:
+def _child(
+    rank: int, world_size: int, port: int, store_path: str, fn: Callable, args: tuple, kwargs: dict, results
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -33,7 +37,9 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwa
     try:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # A file rendezvous, not MASTER_PORT: a port chosen free by the parent can be taken by
+        # another suite before rank 0 binds it (EADDRINUSE when test runs overlap).
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         try:
             value = fn(*args, **kwargs)
         finally:
@@ -46,15 +52,18 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwa
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120, **kwargs: Any) -> list:
     """Call ``fn(*args, **kwargs)`` in ``world_size`` spawned processes; return per-rank results.
 
-    Each child gets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``RANK``/``WORLD_SIZE``,
-    ``OMP_NUM_THREADS=1`` and an initialized gloo default process group (destroyed after
-    ``fn`` returns). ``fn`` must be importable (module level) and its return value picklable.
+    Each child gets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT`` (for code that starts its
+    own rendezvous), ``RANK``/``WORLD_SIZE``, ``OMP_NUM_THREADS=1`` and an initialized gloo
+    default process group, rendezvoused through a private file (destroyed after ``fn``
+    returns). ``fn`` must be importable (module level) and its return value picklable.
     A child's exception is raised here as :class:`DistributedError` with its traceback;
     after ``timeout`` seconds the remaining children are killed.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    store_dir = tempfile.mkdtemp(prefix="mindspeed_like_rendezvous_")
+    store_path = os.path.join(store_dir, "store")
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # children read it at interpreter start
     try:
@@ -62,7 +71,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         # multiprocessing Manager, the file writers), which a daemonic process may not have.
         # The ``finally`` below kills any child still alive.
         procs = [
-            ctx.Process(target=_child, args=(rank, world_size, port, fn, args, kwargs, results), daemon=False)
+            ctx.Process(
+                target=_child, args=(rank, world_size, port, store_path, fn, args, kwargs, results), daemon=False
+            )
             for rank in range(world_size)
         ]
         for proc in procs:
@@ -100,6 +111,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        shutil.rmtree(store_dir, ignore_errors=True)
     if failures:
         text = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items()))
         raise DistributedError(f"{len(failures)} of {world_size} ranks failed:\n{text}")
