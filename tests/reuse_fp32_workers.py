@@ -169,3 +169,33 @@ def parallel_parity(steps: int) -> dict:
         train(True, steps, tp=2, model_args=sp, features=fused),
     )
     return plain(out)
+
+
+def distributed_optimizer(steps: int) -> dict:
+    """DP=2 DistributedOptimizer: flag off vs on, with and without overlapped grad reduce."""
+    out = {}
+    for overlap in (False, True):
+        args = dict(use_distributed_optimizer=True, overlap_grad_reduce=overlap)
+        out[f"overlap={overlap}"] = (
+            train(False, steps, after=_dist_after, **args),
+            train(True, steps, after=_dist_after, **args),
+        )
+    return plain(out)
+
+
+def _dist_after(model, opt) -> dict:
+    """Masters (decoded) and held bytes of a DistributedOptimizer."""
+    from mindspeed_like.patches.reuse_fp32_param import state_of
+    from mindspeed_like.testing import param_bytes
+
+    inner = inner_optimizers(opt)[0]
+    state = state_of(inner)
+    mains = [p for g in inner.shard_fp32_from_float16_groups for p in g]
+    params = [p for g in inner.model_float16_groups for p in g]
+    held = param_bytes(params + mains) + (state.extra_bytes() if state is not None else 0)
+    layout = None if state is None else state.layout  # "split": every step ran in the scratch layout
+    if state is not None:
+        state.materialize()
+    masters = [p.detach().clone().view(torch.int32) for p in mains]
+    numel = sum(p.numel() for p in model.parameters())
+    return dict(masters=masters, bytes=held, numel=numel, layout=layout)

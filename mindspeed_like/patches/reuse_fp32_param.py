@@ -40,9 +40,24 @@ Targets (all on ``megatron.core.optimizer.optimizer``), and why each is the righ
 - ``megatron.training.arguments.validate_args`` (WRAP, optional: Megatron-LM only): the same
   error at start-up when ``--reuse-fp32-param`` is given without ``--bf16``.
 
-Not covered (megatron's path, one log line; an error under ``strict``): ``DistributedOptimizer``
-(its masters are shards of DDP's contiguous param buffer, a different layout), parameters that
-already live inside a shared buffer, and fp16 (a bf16-only scheme: the error names the fix).
+DistributedOptimizer (``mindspeed_like.patches.reuse_fp32_distopt`` holds the layout):
+
+- ``DistributedOptimizer.__init__`` (WRAP): the master shards are cloned inline; afterwards they
+  become residual shards beside DDP's bf16 param buffer (the masters' high halves are the
+  rank's own bf16 shard already there) and the clones are freed.
+- ``DistributedOptimizer._copy_main_params_to_model_params`` (WRAP): megatron copies the
+  masters into the param buffer before its all-gather; ours splits them back into the bf16
+  shard + residuals (the step itself goes through ``step_with_ready_grads`` above).
+- the checkpoint / reload methods that read or write masters (``state_dict``,
+  ``sharded_state_dict``, ``get_parameter_state_*``, ``load_parameter_state_from_*``,
+  ``_get/_set_main_param_and_optimizer_states``, ``_copy_model_params_to_main_params``; WRAP,
+  optional because the set differs by version): real fp32 masters are materialized first
+  (megatron's own memory for them, until the next step splits them again).
+
+Not covered (megatron's path, one log line; an error under ``strict``): DistributedOptimizer at
+DP=1 (no room for the masters in the param buffer), with FSDP, a precision-aware optimizer or
+several optimizer instances; parameters that already live inside a shared buffer. fp16 is a
+clear error (a bf16-only scheme).
 """
 
 from __future__ import annotations
@@ -60,6 +75,26 @@ from mindspeed_like.patching import Kind, Patch
 logger = logging.getLogger(__name__)
 OPTIMIZER = "megatron.core.optimizer.optimizer"
 FLOAT16 = f"{OPTIMIZER}.Float16OptimizerWithFloat16Params"
+DISTRIB = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
+# Methods that read or write the master shards outside the step (checkpoint formats, reload);
+# optional: not every name exists in every supported megatron-core version.
+DISTRIB_MASTER_READERS = (
+    "state_dict",
+    "load_state_dict",
+    "sharded_state_dict",
+    "get_parameter_state_dp_zero",
+    "get_parameter_state_dp_reshardable",
+    "get_parameter_state_fs_bucket_space",
+    "load_parameter_state_from_dp_zero",
+    "load_parameter_state_from_dp_zero_legacy",
+    "load_parameter_state_from_dp_reshardable",
+    "load_parameter_state_from_fs_model_space",
+    "load_parameter_state_from_fs_bucket_space",
+    "load_parameter_state_from_fully_reshardable",
+    "_copy_model_params_to_main_params",
+    "_get_main_param_and_optimizer_states",
+    "_set_main_param_and_optimizer_states",
+)
 ARGUMENTS_MODULE = "megatron.training.arguments"
 STATE_ATTR = "_mindspeed_reuse_fp32"
 _logged: set[str] = set()
@@ -189,10 +224,28 @@ def _fp32_init(wrapped, instance, args, kwargs):
 
 
 def _distributed_init(wrapped, instance, args, kwargs):
+    from mindspeed_like.patches import reuse_fp32_distopt
+
     result = wrapped(*args, **kwargs)
-    if _flag_on():
-        _fall_back("DistributedOptimizer is not supported")
+    if not _flag_on() or instance.is_stub_optimizer:
+        return result
+    if not instance.config.bf16:
+        raise ConfigError(bf16_required_message("the optimizer is configured for fp16 (OptimizerConfig.fp16=True)"))
+    state = reuse_fp32_distopt.build(instance)
+    if isinstance(state, str):
+        _fall_back(f"DistributedOptimizer: {state}")
+    else:
+        setattr(instance, STATE_ATTR, state)
     return result
+
+
+def _materialize_first(wrapped, instance, args, kwargs):
+    """DistributedOptimizer methods that read or write masters directly (checkpoints, reload)."""
+    state = state_of(instance)
+    if state is not None:
+        with torch.no_grad():
+            state.materialize()
+    return wrapped(*args, **kwargs)
 
 
 def _step_with_ready_grads(wrapped, instance, args, kwargs):
@@ -302,11 +355,21 @@ PATCHES = [
     Patch(f"{FLOAT16}.load_state_dict", Kind.WRAP, _load_state_dict, why="loaded fp32 masters re-split in place"),
     Patch(f"{OPTIMIZER}.FP32Optimizer.__init__", Kind.WRAP, _fp32_init, why="flag needs bf16: clear error"),
     Patch(
-        "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.__init__",
+        f"{DISTRIB}.__init__",
         Kind.WRAP,
         _distributed_init,
-        why="not supported: megatron's layout, one log line (error under strict)",
+        why="master shards become residual shards beside the bf16 param buffer",
     ),
+    Patch(
+        f"{DISTRIB}._copy_main_params_to_model_params",
+        Kind.WRAP,
+        _copy_main_params_to_model_params,
+        why="copy into the param buffer replaced by the split back to bf16 shard + residual",
+    ),
+    *[
+        Patch(f"{DISTRIB}.{name}", Kind.WRAP, _materialize_first, optional=True, why="reads/writes fp32 masters")
+        for name in DISTRIB_MASTER_READERS
+    ],
     Patch(
         f"{ARGUMENTS_MODULE}.validate_args",
         Kind.WRAP,
