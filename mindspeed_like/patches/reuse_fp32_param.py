@@ -50,8 +50,9 @@ DistributedOptimizer (``mindspeed_like.patches.reuse_fp32_distopt`` holds the la
   shard + residuals (the step itself goes through ``step_with_ready_grads`` above).
 - the checkpoint / reload methods that read or write masters (``state_dict``,
   ``sharded_state_dict``, ``get_parameter_state_*``, ``load_parameter_state_from_*``,
-  ``_get/_set_main_param_and_optimizer_states``, ``_copy_model_params_to_main_params``; WRAP,
-  optional because the set differs by version): real fp32 masters are materialized first
+  ``_get/_set_main_param_and_optimizer_states``, ``_copy_model_params_to_main_params``; WRAP;
+  the bucket-space format before 0.15, the DP-reshardable ones since): real fp32 masters are
+  materialized first
   (megatron's own memory for them, until the next step splits them again).
 
 Not covered (megatron's path, one log line; an error under ``strict``): DistributedOptimizer at
@@ -76,24 +77,25 @@ logger = logging.getLogger(__name__)
 OPTIMIZER = "megatron.core.optimizer.optimizer"
 FLOAT16 = f"{OPTIMIZER}.Float16OptimizerWithFloat16Params"
 DISTRIB = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
-# Methods that read or write the master shards outside the step (checkpoint formats, reload);
-# optional: not every name exists in every supported megatron-core version.
+# Methods that read or write the master shards outside the step (checkpoint formats, reload).
 DISTRIB_MASTER_READERS = (
     "state_dict",
     "load_state_dict",
     "sharded_state_dict",
     "get_parameter_state_dp_zero",
-    "get_parameter_state_dp_reshardable",
-    "get_parameter_state_fs_bucket_space",
     "load_parameter_state_from_dp_zero",
     "load_parameter_state_from_dp_zero_legacy",
-    "load_parameter_state_from_dp_reshardable",
     "load_parameter_state_from_fs_model_space",
-    "load_parameter_state_from_fs_bucket_space",
-    "load_parameter_state_from_fully_reshardable",
     "_copy_model_params_to_main_params",
     "_get_main_param_and_optimizer_states",
     "_set_main_param_and_optimizer_states",
+)
+# The bucket-space format was replaced by the DP-reshardable ones in megatron-core 0.15.
+DISTRIB_READERS_BEFORE_0_15 = ("get_parameter_state_fs_bucket_space", "load_parameter_state_from_fs_bucket_space")
+DISTRIB_READERS_SINCE_0_15 = (
+    "get_parameter_state_dp_reshardable",
+    "load_parameter_state_from_dp_reshardable",
+    "load_parameter_state_from_fully_reshardable",
 )
 ARGUMENTS_MODULE = "megatron.training.arguments"
 STATE_ATTR = "_mindspeed_reuse_fp32"
@@ -331,6 +333,26 @@ def _validate_args(wrapped, instance, args, kwargs):
     return result
 
 
+def _reader_patch(name: str) -> Patch:
+    return Patch(f"{DISTRIB}.{name}", Kind.WRAP, _materialize_first, why="reads/writes fp32 masters: materialize")
+
+
+_VERSIONED_READERS = {
+    True: [_reader_patch(name) for name in DISTRIB_READERS_SINCE_0_15],
+    False: [_reader_patch(name) for name in DISTRIB_READERS_BEFORE_0_15],
+}
+
+
+def patches_for_installed_megatron(config) -> list[Patch]:
+    """PATCHES plus the DistributedOptimizer checkpoint methods of the installed megatron-core."""
+    from packaging.version import Version
+
+    from mindspeed_like.megatron_version import megatron_core_version
+
+    version = megatron_core_version()
+    return [*PATCHES, *_VERSIONED_READERS[version is None or version >= Version("0.15")]]
+
+
 PATCHES = [
     Patch(f"{FLOAT16}.__init__", Kind.WRAP, _float16_init, why="masters move into shared bf16/residual buffers"),
     Patch(
@@ -366,10 +388,7 @@ PATCHES = [
         _copy_main_params_to_model_params,
         why="copy into the param buffer replaced by the split back to bf16 shard + residual",
     ),
-    *[
-        Patch(f"{DISTRIB}.{name}", Kind.WRAP, _materialize_first, optional=True, why="reads/writes fp32 masters")
-        for name in DISTRIB_MASTER_READERS
-    ],
+    *[_reader_patch(name) for name in DISTRIB_MASTER_READERS],
     Patch(
         f"{ARGUMENTS_MODULE}.validate_args",
         Kind.WRAP,
@@ -384,7 +403,7 @@ PATCHES = [
 FEATURE = Feature(
     name="reuse-fp32-param",
     summary="bf16 weights live inside their fp32 masters' storage: 4 B/param instead of 6, bitwise exact",
-    patches=PATCHES,
+    patches=patches_for_installed_megatron,
     flags=(
         Flag(
             "reuse_fp32_param",
