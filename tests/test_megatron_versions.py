@@ -17,7 +17,7 @@ from packaging.specifiers import SpecifierSet
 
 from mindspeed_like.features import registry
 from mindspeed_like.megatron_version import megatron_core_version
-from mindspeed_like.patches import cpu_adapter, grouped_gemm, npu_adapter
+from mindspeed_like.patches import cpu_adapter, grouped_gemm, npu_adapter, reuse_fp32_param
 from mindspeed_like.patching import Kind, split_target
 
 VERSION = megatron_core_version()
@@ -28,6 +28,7 @@ _BUILT_BY_FUNCTION = {
     npu_adapter.FEATURE.name: npu_adapter.PATCHES,
     cpu_adapter.FEATURE.name: cpu_adapter.patches_for_installed_megatron(None),  # pure: version-chosen targets
     grouped_gemm.FEATURE.name: [*grouped_gemm.PATCHES, grouped_gemm.HOST_INIT],  # HOST_INIT on a CPU host only
+    reuse_fp32_param.FEATURE.name: reuse_fp32_param.patches_for_installed_megatron(None),  # pure, as above
 }
 
 

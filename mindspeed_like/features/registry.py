@@ -21,6 +21,7 @@ from mindspeed_like.patches import (
     megatron_lm_args,
     npu_adapter,
     recompute_activation,
+    reuse_fp32_param,
     tp_overlap,
 )
 
@@ -39,6 +40,7 @@ FEATURES: list[Feature] = [
     tp_overlap.FEATURE,
     recompute_activation.FEATURE,
     grouped_gemm.FEATURE,
+    reuse_fp32_param.FEATURE,
 ]
 
 

@@ -50,6 +50,7 @@ def train_steps(
     seq_length: int | None = None,
     data: torch.Tensor | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    on_optimizer: Callable[[torch.nn.Module, Any], None] | None = None,
 ) -> list[float]:
     """Train ``model`` for ``steps`` steps; return the loss of each step (before its update).
 
@@ -66,7 +67,9 @@ def train_steps(
     each data-parallel rank trains on its own ``micro_batch_size`` rows. The loss is the mean
     of GPTModel's per-token loss, averaged over the data-parallel group (so a DP=2 run is
     comparable with a DP=1 run on the whole batch). ``on_step(step, loss)`` is called after
-    each step (progress output).
+    each step (progress output). ``on_optimizer(model, optimizer)`` is called once, after the
+    (DDP-wrapped) model and megatron's optimizer are built and before the first step (load a
+    checkpoint into them, or keep references to read masters or save state afterwards).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -96,6 +99,8 @@ def train_steps(
         _optimizer_config(optimizer, lr=lr, bf16=bf16, use_distributed_optimizer=use_distributed_optimizer),
         [model],
     )
+    if on_optimizer is not None:
+        on_optimizer(model, opt)
     model.train()
     losses: list[float] = []
     for step in range(steps):
