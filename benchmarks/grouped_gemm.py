@@ -27,13 +27,15 @@ import common  # benchmarks/ is the script directory (as in import_overhead.py)
 import torch
 
 # This file is named grouped_gemm.py (the name) and its directory is sys.path[0]:
-# megatron's ``import grouped_gemm`` would find THIS script. Drop the directory now that
-# ``common`` is imported. Should megatron still import it (another script of this directory
-# running), it finds ``ops = None``, i.e. "no CUDA package", and the grouped-gemm feature
-# (which does not take a single-file module for the package) provides the op.
+# megatron's ``import grouped_gemm`` would find THIS script. When it runs as the script, drop
+# the directory now that ``common`` is imported. When megatron imports it (another script of
+# this directory running), the path is left alone (that script's spawned children need it to
+# find ``common``); megatron then finds ``ops = None``, i.e. "no CUDA package", and the
+# grouped-gemm feature (which does not take a single-file module for the package) provides the op.
 ops = None
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+if __name__ == "__main__":
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 
 MiB = 2**20
 TARGET = 1.3

@@ -43,13 +43,13 @@ import torch
 
 from mindspeed_like.config import ConfigError
 from mindspeed_like.features.base import Feature, Flag, kernel_backend
+from mindspeed_like.features.fallback import Fallback
 from mindspeed_like.patching import Kind, Patch
 
 logger = logging.getLogger(__name__)
 
 DPA_FORWARD = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
 SPARSE_MODES = (0, 2, 3, 4)
-_logged: set[str] = set()
 
 
 class FlashAttentionUnsupported(RuntimeError):
@@ -67,14 +67,8 @@ def _bind(query, key, value, attention_mask, attn_mask_type=None, attention_bias
     )
 
 
-def _fall_back(reason: str) -> None:
-    import mindspeed_like
-
-    if mindspeed_like.current_config()["strict"]:
-        raise FlashAttentionUnsupported(f"flash-attention cannot run this call ({reason}) and strict is on")
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.warning("flash-attention: using megatron's DotProductAttention (%s)", reason)
+_fall_back = Fallback("flash-attention", FlashAttentionUnsupported, "using megatron's DotProductAttention", logger)
+_logged = _fall_back.logged  # reasons already logged
 
 
 def _unsupported(instance, call: dict) -> str | None:

@@ -28,12 +28,12 @@ from __future__ import annotations
 import logging
 
 from mindspeed_like.features.base import Feature, Flag, kernel_backend
+from mindspeed_like.features.fallback import Fallback
 from mindspeed_like.patching import Kind, Patch
 
 logger = logging.getLogger(__name__)
 
 ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
-_logged: set[str] = set()
 
 
 class FusedRopeUnsupported(RuntimeError):
@@ -95,14 +95,8 @@ def _has_per_token_thd_freqs() -> bool:
     return version is None or version >= Version("0.15")
 
 
-def _fall_back(reason: str) -> None:
-    import mindspeed_like
-
-    if mindspeed_like.current_config()["strict"]:
-        raise FusedRopeUnsupported(f"fused-rotary-pos-emb cannot run this call ({reason}) and strict is on")
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.warning("fused-rotary-pos-emb: using megatron's apply_rotary_pos_emb (%s)", reason)
+_fall_back = Fallback("fused-rotary-pos-emb", FusedRopeUnsupported, "using megatron's apply_rotary_pos_emb", logger)
+_logged = _fall_back.logged  # reasons already logged
 
 
 def _apply_rotary_pos_emb(wrapped, instance, args, kwargs):

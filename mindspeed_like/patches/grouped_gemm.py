@@ -60,6 +60,7 @@ import types
 from mindspeed_like.config import Config, ConfigError
 from mindspeed_like.device import detect_device
 from mindspeed_like.features.base import Feature, Flag, kernel_backend
+from mindspeed_like.features.fallback import Fallback
 from mindspeed_like.patches.cpu_devices import on_host
 from mindspeed_like.patching import Kind, Patch
 
@@ -67,7 +68,6 @@ logger = logging.getLogger(__name__)
 
 GG = "megatron.core.transformer.moe.grouped_gemm_util"
 GROUPED_MLP_FORWARD = "megatron.core.transformer.moe.experts.GroupedMLP.forward"
-_logged: set[str] = set()
 
 
 class GroupedGemmUnsupported(RuntimeError):
@@ -82,14 +82,8 @@ def grouped_gemm_package_installed() -> bool:
     return spec is not None and spec.submodule_search_locations is not None
 
 
-def _note(reason: str) -> None:
-    import mindspeed_like
-
-    if mindspeed_like.current_config()["strict"]:
-        raise GroupedGemmUnsupported(f"grouped-gemm: {reason} and strict is on")
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.warning("grouped-gemm: %s", reason)
+_note = Fallback("grouped-gemm", GroupedGemmUnsupported, "falling back", logger)
+_logged = _note.logged  # reasons already logged
 
 
 def _gmm(a, b, batch_sizes, trans_b=False):
@@ -148,9 +142,11 @@ def _validate_args(wrapped, instance, args, kwargs):
     parsed = args[0] if args else kwargs.get("args")
     if parsed is None or not getattr(parsed, "moe_grouped_gemm", False) or gg.ops is not OPS:
         return wrapped(*args, **kwargs)
-    if "capability" not in _logged:
-        _logged.add("capability")
-        logger.info("grouped-gemm: Megatron-LM's GroupedGEMM compute-capability check skipped (the kernel is ours)")
+    _note.once(
+        "capability",
+        "grouped-gemm: Megatron-LM's GroupedGEMM compute-capability check skipped (the kernel is ours)",
+        logging.INFO,
+    )
     parsed.moe_grouped_gemm = False
     try:
         return wrapped(*args, **kwargs)

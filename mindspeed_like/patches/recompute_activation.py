@@ -53,6 +53,7 @@ import torch
 
 from mindspeed_like.config import Config, ConfigError
 from mindspeed_like.features.base import Feature, Flag
+from mindspeed_like.features.fallback import Fallback
 from mindspeed_like.patching import Kind, Patch
 
 logger = logging.getLogger(__name__)
@@ -63,21 +64,16 @@ LAYER_INIT = "megatron.core.transformer.transformer_layer.TransformerLayer.__ini
 RANDOM_MODULE = "megatron.core.tensor_parallel.random"
 
 STAGE_LAYER_ATTR = "_mindspeed_like_stage_layer"  # 1-based layer number within the model chunk
-_logged: set[str] = set()
 
 
 class RecomputeActivationUnsupported(RuntimeError):
     """``strict`` is on and an MLP call cannot recompute its activation."""
 
 
-def _fall_back(reason: str) -> None:
-    import mindspeed_like
-
-    if mindspeed_like.current_config()["strict"]:
-        raise RecomputeActivationUnsupported(f"recompute-activation-function cannot run this call ({reason})")
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.warning("recompute-activation-function: keeping the activation output (%s)", reason)
+_fall_back = Fallback(
+    "recompute-activation-function", RecomputeActivationUnsupported, "keeping the activation output", logger
+)
+_logged = _fall_back.logged  # reasons already logged
 
 
 def in_backward() -> bool:

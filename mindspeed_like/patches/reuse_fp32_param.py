@@ -70,6 +70,7 @@ import torch
 
 from mindspeed_like.config import ConfigError
 from mindspeed_like.features.base import Feature, Flag
+from mindspeed_like.features.fallback import Fallback
 from mindspeed_like.kernels import bf16_residual as kernel
 from mindspeed_like.patching import Kind, Patch
 
@@ -99,7 +100,6 @@ DISTRIB_READERS_SINCE_0_15 = (
 )
 ARGUMENTS_MODULE = "megatron.training.arguments"
 STATE_ATTR = "_mindspeed_reuse_fp32"
-_logged: set[str] = set()
 
 
 class ReuseFp32ParamUnsupported(RuntimeError):
@@ -121,14 +121,8 @@ def _flag_on() -> bool:
     return bool(mindspeed_like.current_config()["reuse_fp32_param"])
 
 
-def _fall_back(reason: str) -> None:
-    import mindspeed_like
-
-    if mindspeed_like.current_config()["strict"]:
-        raise ReuseFp32ParamUnsupported(f"reuse-fp32-param cannot run here ({reason}) and strict is on")
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.warning("reuse-fp32-param: keeping megatron's separate fp32 masters (%s)", reason)
+_fall_back = Fallback("reuse-fp32-param", ReuseFp32ParamUnsupported, "keeping megatron's separate fp32 masters", logger)
+_logged = _fall_back.logged  # reasons already logged
 
 
 @dataclass

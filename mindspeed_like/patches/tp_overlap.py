@@ -43,6 +43,7 @@ import math
 
 from mindspeed_like.config import ConfigError
 from mindspeed_like.features.base import Feature, Flag, kernel_backend
+from mindspeed_like.features.fallback import Fallback
 from mindspeed_like.patching import Kind, Patch
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,6 @@ logger = logging.getLogger(__name__)
 LAYERS = "megatron.core.tensor_parallel.layers"
 FEATURE_NAME = "tp-overlap"
 CHUNK_CHOICES = (1, 2, 4, 8)
-_logged: set[str] = set()
 
 
 class TpOverlapUnsupported(RuntimeError):
@@ -63,13 +63,8 @@ def _config():
     return mindspeed_like.current_config()
 
 
-def _fall_back(reason: str) -> None:
-    """Log ``reason`` once (or raise under strict); the caller then runs megatron's path."""
-    if _config()["strict"]:
-        raise TpOverlapUnsupported(f"{FEATURE_NAME} cannot run this call ({reason}) and strict is on")
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.warning("%s: using megatron's path (%s)", FEATURE_NAME, reason)
+_fall_back = Fallback(FEATURE_NAME, TpOverlapUnsupported, "using megatron's path", logger)
+_logged = _fall_back.logged  # reasons already logged
 
 
 def _rows(tensor) -> int:
@@ -83,9 +78,8 @@ def _tiles_or_none(local_rows: int) -> int | None:
         return None
     tiles = config["tiled_tp_overlap_chunks"]
     if tiles == 1:
-        if "tiles=1" not in _logged:  # the user's choice: logged, never an error
-            _logged.add("tiles=1")
-            logger.warning("%s: tiled_tp_overlap_chunks=1, using megatron's path", FEATURE_NAME)
+        # the user's choice: logged, never an error
+        _fall_back.once("tiles=1", f"{FEATURE_NAME}: tiled_tp_overlap_chunks=1, using megatron's path")
         return None
     if local_rows < tiles:
         _fall_back(f"{local_rows} token rows per rank < {tiles} tiles")
