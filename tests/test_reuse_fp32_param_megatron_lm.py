@@ -1,0 +1,28 @@
+"""``--reuse-fp32-param`` on Megatron-LM's own command line (pretrain_gpt.py; opt-in like
+test_megatron_lm_integration.py: runs when MEGATRON_LM_PATH points at a core_v0.16.1 checkout).
+
+Megatron-LM does not define the flag; the adaptor adds it to its parser. bf16 training with the
+flag must print exactly megatron's losses (the scheme is exact), with the Float16 optimizer in one
+process and with the DistributedOptimizer over DP=2.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_megatron_lm_integration import PRETRAIN_GPT, _launcher, _losses, _torchrun
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not __import__("os").path.isfile(PRETRAIN_GPT), reason="set MEGATRON_LM_PATH (see docs)"),
+]
+
+
+@pytest.mark.parametrize(
+    ("nproc", "extra"), [(1, ["--bf16"]), (2, ["--bf16", "--use-distributed-optimizer"])], ids=["float16", "distopt"]
+)
+def test_reuse_fp32_param_prints_megatrons_losses(nproc, extra):
+    lines = _torchrun(nproc, _launcher(), [*extra, "--reuse-fp32-param"], {"MINDSPEED_LIKE_ARGS": "--strict"})
+    assert "reuse-fp32-param" in lines[0]
+    baseline = _torchrun(nproc, _launcher(), extra)
+    assert "reuse-fp32-param" not in baseline[0]
+    assert _losses(lines) == _losses(baseline)
