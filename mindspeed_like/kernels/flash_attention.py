@@ -163,16 +163,16 @@ def _portable_bnsd(
     return out
 
 
-def _portable_sbhd(q, k, v, scale, mask, band, dropout_p) -> torch.Tensor:
-    sq, b, nq, _ = q.shape
-    out = _portable_bnsd(
-        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), scale, mask, band, dropout_p
-    )
+def _as_sbhd(attend_bnsd, q, k, v, scale, mask, band, dropout_p) -> torch.Tensor:
+    """megatron's [s, b, n, d] through a [b, n, s, d] attention; output [s, b, n * d]."""
+    sq, b = q.shape[:2]
+    out = attend_bnsd(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), scale, mask, band, dropout_p)
     return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
-def _portable_thd(q, k, v, scale, band, dropout_p, cu_q: list[int], cu_kv: list[int]) -> torch.Tensor:
-    """Packed sequences: one SDPA call per sequence (each a [1, n, s_i, d] view)."""
+def _per_sequence(attend_bnsd, q, k, v, scale, band, dropout_p, cu_q: list[int], cu_kv: list[int]) -> torch.Tensor:
+    """Packed [t, n, d] sequences: one [b, n, s, d] attention call per sequence (each a
+    [1, n, s_i, d] view); empty sequences are skipped. Output [t, n * d]."""
     outs = []
     for i in range(len(cu_q) - 1):
         if cu_q[i + 1] == cu_q[i]:
@@ -180,8 +180,17 @@ def _portable_thd(q, k, v, scale, band, dropout_p, cu_q: list[int], cu_kv: list[
         qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1).unsqueeze(0)
         ki = k[cu_kv[i] : cu_kv[i + 1]].transpose(0, 1).unsqueeze(0)
         vi = v[cu_kv[i] : cu_kv[i + 1]].transpose(0, 1).unsqueeze(0)
-        outs.append(_portable_bnsd(qi, ki, vi, scale, None, band, dropout_p)[0].transpose(0, 1))
+        outs.append(attend_bnsd(qi, ki, vi, scale, None, band, dropout_p)[0].transpose(0, 1))
     return torch.cat(outs, dim=0).reshape(q.shape[0], -1)
+
+
+def _portable_sbhd(q, k, v, scale, mask, band, dropout_p) -> torch.Tensor:
+    return _as_sbhd(_portable_bnsd, q, k, v, scale, mask, band, dropout_p)
+
+
+def _portable_thd(q, k, v, scale, band, dropout_p, cu_q: list[int], cu_kv: list[int]) -> torch.Tensor:
+    """Packed sequences: one SDPA call per sequence."""
+    return _per_sequence(_portable_bnsd, q, k, v, scale, band, dropout_p, cu_q, cu_kv)
 
 
 # ---------------------------------------------------------------- reference (megatron's eager math)
@@ -204,23 +213,11 @@ def _reference_bnsd(q, k, v, scale, mask, band, dropout_p) -> torch.Tensor:
 
 
 def _reference_sbhd(q, k, v, scale, mask, band, dropout_p) -> torch.Tensor:
-    sq, b = q.shape[:2]
-    out = _reference_bnsd(
-        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), scale, mask, band, dropout_p
-    )
-    return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+    return _as_sbhd(_reference_bnsd, q, k, v, scale, mask, band, dropout_p)
 
 
 def _reference_thd(q, k, v, scale, band, dropout_p, cu_q, cu_kv) -> torch.Tensor:
-    outs = []
-    for i in range(len(cu_q) - 1):
-        if cu_q[i + 1] == cu_q[i]:
-            continue
-        qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1).unsqueeze(0)
-        ki = k[cu_kv[i] : cu_kv[i + 1]].transpose(0, 1).unsqueeze(0)
-        vi = v[cu_kv[i] : cu_kv[i + 1]].transpose(0, 1).unsqueeze(0)
-        outs.append(_reference_bnsd(qi, ki, vi, scale, None, band, dropout_p)[0].transpose(0, 1))
-    return torch.cat(outs, dim=0).reshape(q.shape[0], -1)
+    return _per_sequence(_reference_bnsd, q, k, v, scale, band, dropout_p, cu_q, cu_kv)
 
 
 # ---------------------------------------------------------------- npu (npu_fusion_attention)
