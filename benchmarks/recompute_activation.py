@@ -88,6 +88,38 @@ def _interleaved_times(step_off, step_on, repeats: int) -> tuple[float, float]:
     return statistics.median(off), statistics.median(on)
 
 
+def _measure_off_on(
+    args, results: common.Results, case: str, forward, step, params, *, output_bytes: int, time_target: bool
+) -> None:
+    """Held/peak bytes and interleaved fwd+bwd times with the flag off and on; one result row.
+    ``output_bytes``: the activation outputs the flag should free (the saved-bytes target)."""
+    figures = {}
+    for on in (False, True):
+        _set_flag(on)
+        step()  # warm-up
+        figures[on] = _measure(forward, params)
+    t_off, t_on = _interleaved_times(step, step, args.repeats)
+    drop = figures[False][0] - figures[True][0]
+    if time_target:
+        timing = "met" if t_on / t_off - 1 < TIME_TARGET else "missed"
+    else:
+        timing = "(not a target)"
+    results.add(
+        case=case,
+        held_off_MiB=figures[False][0] / MiB,
+        held_on_MiB=figures[True][0] / MiB,
+        held_drop_MiB=drop / MiB,
+        drop_per_output=drop / output_bytes,
+        peak_off_MiB=figures[False][1] / MiB,
+        peak_on_MiB=figures[True][1] / MiB,
+        off_ms=t_off * 1e3,
+        on_ms=t_on * 1e3,
+        time_ratio=t_on / t_off,
+        saved_target="met" if drop >= output_bytes else "missed",
+        time_target=timing,
+    )
+
+
 def bench_mlp(args, results: common.Results, label: str, hidden: int, ffn: int, seq: int, **overrides) -> None:
     torch.manual_seed(0)
     mlp = _mlp_block(hidden, ffn, **overrides)
@@ -104,29 +136,15 @@ def bench_mlp(args, results: common.Results, label: str, hidden: int, ffn: int, 
         x.grad = None
         forward().backward()
 
-    figures = {}
-    for on in (False, True):
-        _set_flag(on)
-        step()  # warm-up
-        figures[on] = _measure(forward, params + [x])
-    t_off, t_on = _interleaved_times(step, step, args.repeats)
-    tokens, itemsize = seq, x.element_size()
-    output_bytes = tokens * ffn * itemsize
-    drop = figures[False][0] - figures[True][0]
-    overhead = t_on / t_off - 1
-    results.add(
-        case=f"MLP {label} h{hidden} ffn{ffn} seq{seq}",
-        held_off_MiB=figures[False][0] / MiB,
-        held_on_MiB=figures[True][0] / MiB,
-        held_drop_MiB=drop / MiB,
-        drop_per_output=drop / output_bytes,
-        peak_off_MiB=figures[False][1] / MiB,
-        peak_on_MiB=figures[True][1] / MiB,
-        off_ms=t_off * 1e3,
-        on_ms=t_on * 1e3,
-        time_ratio=t_on / t_off,
-        saved_target="met" if drop >= output_bytes else "missed",
-        time_target="met" if overhead < TIME_TARGET else "missed",
+    _measure_off_on(
+        args,
+        results,
+        f"MLP {label} h{hidden} ffn{ffn} seq{seq}",
+        forward,
+        step,
+        params + [x],
+        output_bytes=seq * ffn * x.element_size(),
+        time_target=True,
     )
 
 
@@ -147,28 +165,15 @@ def bench_demo_gpt(args, results: common.Results) -> None:
         model.zero_grad(set_to_none=True)
         forward().backward()
 
-    figures = {}
-    for on in (False, True):
-        _set_flag(on)
-        step()
-        figures[on] = _measure(forward, params)
-    t_off, t_on = _interleaved_times(step, step, args.repeats)
-    ffn = model.config.ffn_hidden_size
-    output_bytes = layers * batch * seq * ffn * 4
-    drop = figures[False][0] - figures[True][0]
-    results.add(
-        case=f"demo GPT {layers}L h{hidden} seq{seq} mbs{batch}",
-        held_off_MiB=figures[False][0] / MiB,
-        held_on_MiB=figures[True][0] / MiB,
-        held_drop_MiB=drop / MiB,
-        drop_per_output=drop / output_bytes,
-        peak_off_MiB=figures[False][1] / MiB,
-        peak_on_MiB=figures[True][1] / MiB,
-        off_ms=t_off * 1e3,
-        on_ms=t_on * 1e3,
-        time_ratio=t_on / t_off,
-        saved_target="met" if drop >= output_bytes else "missed",
-        time_target="(not a target)",
+    _measure_off_on(
+        args,
+        results,
+        f"demo GPT {layers}L h{hidden} seq{seq} mbs{batch}",
+        forward,
+        step,
+        params,
+        output_bytes=layers * batch * seq * model.config.ffn_hidden_size * 4,
+        time_target=False,
     )
 
 
