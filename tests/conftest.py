@@ -17,3 +17,17 @@ def adapter():
     yield
     destroy_parallel()
     mindspeed_like.reset()
+
+
+@pytest.fixture
+def cpu_config():
+    """``cpu_config(**flags)``: reset, then configure the CPU device with ``flags``; the test
+    builds its own parallel state. Parallel state and config are undone afterwards."""
+
+    def setup(**flags):
+        mindspeed_like.reset()
+        mindspeed_like.configure(device="cpu", **flags)
+
+    yield setup
+    destroy_parallel()
+    mindspeed_like.reset()

@@ -159,17 +159,6 @@ def test_emulator_accepts_documented_call():
 # ---------------------------------------------------------------- megatron parity
 
 
-@pytest.fixture
-def cpu_config():
-    def setup(**flags):
-        mindspeed_like.reset()
-        mindspeed_like.configure(device="cpu", **flags)
-
-    yield setup
-    destroy_parallel()
-    mindspeed_like.reset()
-
-
 def _losses(cpu_config, fused: bool, steps: int = STEPS, **model) -> list[float]:
     cpu_config(use_fused_swiglu=fused)
     init_parallel(seed=SEED)
@@ -270,7 +259,7 @@ def test_flag_off_restores_megatron_objects(cpu_config):
 
 
 def tp2_sp_worker(seed: int = SEED) -> dict:
-    from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt, train_steps
+    from mindspeed_like.testing import init_parallel, tiny_gpt, train_steps
 
     out = {}
     for fused in (False, True):

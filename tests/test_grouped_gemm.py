@@ -39,17 +39,6 @@ STEPS = 10
 EXPERTS = 4
 
 
-@pytest.fixture
-def cpu_config():
-    def setup(**flags):
-        mindspeed_like.reset()
-        mindspeed_like.configure(device="cpu", **flags)
-
-    yield setup
-    destroy_parallel()
-    mindspeed_like.reset()
-
-
 def _pair(ep: int = 1, **model):
     """A SequentialMLP GPT and a GroupedMLP GPT with the same weights (parallel state set up)."""
     init_parallel(ep=ep, seed=SEED)
