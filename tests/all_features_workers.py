@@ -13,6 +13,8 @@ KERNELS_AND_OVERLAP = dict(
     tiled_tp_overlap_chunks=2,
 )
 OFF = {name: False for name in KERNELS_AND_OVERLAP if isinstance(KERNELS_AND_OVERLAP[name], bool)}
+# strict: a call any feature hands back to megatron is an error, so "on" means every call ran ours.
+KERNELS_AND_OVERLAP["strict"] = True
 
 
 def _train(flags: dict, seed: int, **model_overrides) -> tuple[list[float], set[str]]:

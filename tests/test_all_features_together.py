@@ -6,7 +6,9 @@ TP overlap together (plus grouped GEMM for a MoE model and shared bf16/fp32 stor
 Tolerances: fp32 1e-5 relative per step (each piece is within that alone; the overlap and the
 recompute are exact); bf16 1e-3 relative at lr 1e-3 (fused kernels round once where megatron
 rounds after every eager op, see test_fused_kernels_together.py); reuse-fp32-param is exact,
-so adding it to the bf16 run must change nothing, bit for bit.
+so adding it to the bf16 run must change nothing, bit for bit. The "on" runs are under
+``strict``: a call any feature handed back to megatron would fail the run instead of passing
+as megatron's own path.
 """
 
 from __future__ import annotations
