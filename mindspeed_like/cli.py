@@ -44,6 +44,9 @@ def cmd_features(args: argparse.Namespace, flag_values: dict) -> int:
     from mindspeed_like.features import registry
 
     print("global flags: " + ", ".join(f"{f.option} ({config[f.name]!r})" for f in GLOBAL_FLAGS))
+    from mindspeed_like.megatron_version import support_summary
+
+    print(support_summary())
 
     if args.verbose:
         print()

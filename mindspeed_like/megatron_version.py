@@ -12,10 +12,15 @@ import os
 import re
 import sys
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-TESTED_VERSION = Version("0.16.1")
-MINIMUM_VERSION = Version("0.13.0")
+# The releases the whole suite passed on. SUPPORTED is the bound pyproject.toml declares on
+# megatron-core (a test keeps the two equal): we patch megatron-core, so we never let pip pick
+# a release we have not run. Raise both as a release passes the suite.
+TESTED_VERSIONS = ("0.13.1", "0.14.0", "0.15.3", "0.16.1")
+TESTED_VERSION = Version(TESTED_VERSIONS[-1])
+SUPPORTED = SpecifierSet(">=0.13,<0.17")
 
 
 def _package_info_path() -> str | None:
@@ -50,6 +55,16 @@ def megatron_core_version() -> Version | None:
         return Version(importlib.metadata.version("megatron-core"))
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def support_summary(version: Version | None = None) -> str:
+    """One line for users: what is installed, what was tested, what the package allows."""
+    version = megatron_core_version() if version is None else version
+    installed = "not installed" if version is None else str(version)
+    verdict = ""
+    if version is not None and version not in SUPPORTED:
+        verdict = " -- NOT SUPPORTED: install a supported release"
+    return f"megatron-core {installed}; tested: {', '.join(TESTED_VERSIONS)}; supported: {SUPPORTED}{verdict}"
 
 
 def describe(target: str = "megatron") -> str:

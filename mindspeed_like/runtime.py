@@ -20,7 +20,7 @@ from mindspeed_like import config as config_mod
 from mindspeed_like.config import Config, ConfigError
 from mindspeed_like.features import registry
 from mindspeed_like.features.base import Feature
-from mindspeed_like.megatron_version import TESTED_VERSION, describe, megatron_core_version
+from mindspeed_like.megatron_version import SUPPORTED, TESTED_VERSIONS, describe, megatron_core_version
 from mindspeed_like.patching import PatchEngine, PatchRecord
 
 logger = logging.getLogger("mindspeed_like")
@@ -77,11 +77,12 @@ def check_versions(enabled: list[Feature]) -> None:
     version = megatron_core_version()
     if version is None:
         return  # nothing to patch yet; targets are checked when megatron is imported
-    if version > TESTED_VERSION and not _warned_version:
+    if version not in SUPPORTED and not _warned_version:
         _warned_version = True
         warnings.warn(
-            f"mindspeed_like was tested with megatron-core {TESTED_VERSION}; {version} is installed. "
-            "Every patch target is still checked when applied.",
+            f"mindspeed_like supports megatron-core {SUPPORTED} (tested: {', '.join(TESTED_VERSIONS)}); "
+            f"{version} is installed (e.g. from a source checkout on sys.path). Every patch target is "
+            "still checked when applied, but expect failures; install a supported release.",
             stacklevel=3,
         )
     for feature in enabled:

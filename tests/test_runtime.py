@@ -195,11 +195,31 @@ def test_megatron_lm_parser_keeps_the_users_extra_args_provider(megatron_trainin
     assert args.my_own == 3 and args.use_divide_counter is False
 
 
-def test_newer_megatron_than_tested_warns_once_and_still_applies(features, monkeypatch):
+def test_unsupported_megatron_warns_once_and_still_applies(features, monkeypatch):
     from packaging.version import Version
 
     monkeypatch.setattr(runtime, "megatron_core_version", lambda: Version("0.99.0"))
     monkeypatch.setattr(runtime, "_warned_version", False)
-    with pytest.warns(UserWarning, match=r"tested with megatron-core 0\.16\.1; 0\.99\.0 is installed"):
+    with pytest.warns(UserWarning, match=r"supports megatron-core .*<0\.17.*0\.99\.0 is installed"):
         runtime.apply()
     assert any(r.feature == "fix-checkpoint-without-output-fp8" for r in mindspeed_like.report())
+
+
+def test_dependency_bound_is_the_supported_range():
+    """pyproject's megatron-core requirement is exactly the range we say we support, it has an
+    upper bound, and the installed release lies inside it (never an unbounded dependency on a
+    library we patch)."""
+    import pathlib
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from packaging.requirements import Requirement
+
+    from mindspeed_like.megatron_version import SUPPORTED, TESTED_VERSIONS, megatron_core_version
+
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    (requirement,) = [Requirement(d) for d in pyproject["project"]["dependencies"] if d.startswith("megatron-core")]
+    assert requirement.specifier == SUPPORTED
+    assert any(spec.operator == "<" for spec in SUPPORTED)
+    assert all(version in SUPPORTED for version in TESTED_VERSIONS)
+    assert megatron_core_version() in SUPPORTED
