@@ -17,8 +17,8 @@ from collections.abc import Callable
 import common  # benchmarks/ is the script directory (as in import_overhead.py)
 import torch
 
+from mindspeed_like.features.fused_rmsnorm import FusedRMSNorm
 from mindspeed_like.kernels.backend import force_backend
-from mindspeed_like.patches.fused_rmsnorm import FusedRMSNorm
 from mindspeed_like.testing import SavedBytesMeter
 
 MiB = 2**20

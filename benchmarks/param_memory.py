@@ -44,7 +44,7 @@ def _held_tensors(opt) -> list[torch.Tensor]:
 
 def _extra_bytes(opt) -> int:
     """The feature's own tensors outside the param storages (side tables, residual buffers)."""
-    from mindspeed_like.patches.reuse_fp32_param import state_of
+    from mindspeed_like.features.reuse_fp32_param import state_of
 
     total = 0
     for inner in getattr(opt, "chained_optimizers", [opt]):
@@ -55,7 +55,7 @@ def _extra_bytes(opt) -> int:
 
 
 def _conversion_workspace(opt) -> int:
-    from mindspeed_like.patches.reuse_fp32_param import state_of
+    from mindspeed_like.features.reuse_fp32_param import state_of
     from mindspeed_like.testing.workspace import peak_extra_bytes
 
     peak = 0

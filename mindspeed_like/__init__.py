@@ -8,17 +8,23 @@ or from code (frameworks that build their arguments in code):
     mindspeed_like.configure(use_fused_rmsnorm=True)
 
 Importing this package alone changes nothing; the adaptor or configure() applies patches.
+Your own features are built like ours (``docs/plugins.md``)::
+
+    from mindspeed_like import Feature, Flag, Kind, Patch, register_feature
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from mindspeed_like.engine import Kind, Patch, PatchRecord
+from mindspeed_like.toolkit.declaration import Context, Feature, Flag
+from mindspeed_like.toolkit.errors import ConfigError, FeatureUnsupported
+
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from mindspeed_like.config import Config
-    from mindspeed_like.patching import PatchRecord
 
 
 def configure(**flags: Any) -> Config:
@@ -35,7 +41,8 @@ def configure(**flags: Any) -> Config:
 
 
 def report() -> list[PatchRecord]:
-    """Every patch applied (or waiting for its module's import), with feature, target, kind, aliases."""
+    """Every patch applied (or waiting for its module's import), with feature, target, kind,
+    aliases and, where several features patch one target, their stacking order."""
     from mindspeed_like import runtime
 
     return runtime.report()
@@ -54,4 +61,36 @@ def reset() -> None:
     runtime.reset()
 
 
-__all__ = ["configure", "report", "current_config", "reset", "__version__"]
+def register_feature(feature: Feature) -> Feature:
+    """Add your own feature (``docs/plugins.md``): its flags join every command line, the env
+    variable and configure(); its patches follow the same rules as ours (checked targets,
+    declared versions and stacking, report, reset). Applied at the next configure()."""
+    from mindspeed_like import registry
+
+    return registry.register_feature(feature)
+
+
+def unregister_feature(name: str) -> None:
+    """Remove a registered feature; its patches go at the next configure() or reset()."""
+    from mindspeed_like import registry
+
+    registry.unregister_feature(name)
+
+
+__all__ = [
+    "ConfigError",
+    "Context",
+    "Feature",
+    "FeatureUnsupported",
+    "Flag",
+    "Kind",
+    "Patch",
+    "PatchRecord",
+    "__version__",
+    "configure",
+    "current_config",
+    "register_feature",
+    "report",
+    "reset",
+    "unregister_feature",
+]

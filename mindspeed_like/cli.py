@@ -8,24 +8,26 @@ from collections.abc import Sequence
 
 from packaging.specifiers import SpecifierSet
 
-from mindspeed_like.config import ConfigError, add_flag
+from mindspeed_like.config import add_flag
+from mindspeed_like.toolkit.errors import ConfigError
 
 
-def _feature_rows(config) -> list[tuple[str, ...]]:
-    from mindspeed_like.features import registry
-    from mindspeed_like.megatron_version import megatron_core_version
+def _feature_rows(ctx) -> list[tuple[str, ...]]:
+    from mindspeed_like import registry
+    from mindspeed_like.megatron_version import SUPPORTED
 
-    version = megatron_core_version()
+    version = ctx.megatron_version
     rows = []
-    for feature in registry.FEATURES:
+    for feature in registry.all_features():
         flags = ", ".join(" / ".join(f.option_strings) for f in feature.flags) or f"({feature.switched_by})"
-        state = "on" if feature.is_enabled(config) else "off"
+        state = "on" if feature in ctx.features else "off"
+        declared = feature.megatron_versions or str(SUPPORTED)
         if version is None:
-            support = f"{feature.megatron_versions} (megatron-core not found)"
+            support = f"{declared} (megatron-core not found)"
         else:
-            ok = version in SpecifierSet(feature.megatron_versions, prereleases=True)
-            support = f"{feature.megatron_versions} ({version}: {'supported' if ok else 'NOT supported'})"
-        rows.append((feature.name, state, feature.backend(config), support, flags))
+            ok = version in SpecifierSet(declared, prereleases=True)
+            support = f"{declared} ({version}: {'supported' if ok else 'NOT supported'})"
+        rows.append((feature.name, feature.kind, state, feature.backend_for(ctx), support, flags))
     return rows
 
 
@@ -38,10 +40,11 @@ def _print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 def cmd_features(args: argparse.Namespace, flag_values: dict) -> int:
     from mindspeed_like import runtime
 
-    config = runtime.resolve_config(code=flag_values, argv=[])
-    _print_table(("feature", "state", "backend here", "megatron-core", "flags"), _feature_rows(config))
+    ctx = runtime.context_for(runtime.resolve_config(code=flag_values, argv=[]))
+    config = ctx.config
+    _print_table(("feature", "kind", "state", "backend here", "megatron-core", "flags"), _feature_rows(ctx))
+    from mindspeed_like import registry
     from mindspeed_like.config import GLOBAL_FLAGS
-    from mindspeed_like.features import registry
 
     print("global flags: " + ", ".join(f"{f.option} ({config[f.name]!r})" for f in GLOBAL_FLAGS))
     from mindspeed_like.megatron_version import support_summary
@@ -50,7 +53,7 @@ def cmd_features(args: argparse.Namespace, flag_values: dict) -> int:
 
     if args.verbose:
         print()
-        for feature in registry.FEATURES:
+        for feature in registry.all_features():
             print(f"{feature.name}: {feature.summary}")
             for flag in feature.flags:
                 spelling = " / ".join(flag.option_strings)
@@ -67,10 +70,17 @@ def cmd_report(args: argparse.Namespace, flag_values: dict) -> int:
     import megatron.core  # noqa: F401
 
     rows = [
-        (r.feature, r.kind, r.status, r.target + (" [GLOBAL]" if r.global_change else ""), str(len(r.aliases)))
+        (
+            r.feature,
+            r.kind,
+            r.status,
+            r.target + (" [GLOBAL]" if r.global_change else ""),
+            str(len(r.aliases)),
+            " < ".join(r.stack) if len(r.stack) > 1 else "",
+        )
         for r in mindspeed_like.report()
     ]
-    _print_table(("feature", "kind", "status", "target", "aliases"), rows)
+    _print_table(("feature", "kind", "status", "target", "aliases", "stack (inner < outer)"), rows)
     if args.verbose:
         for r in mindspeed_like.report():
             print(f"{r.target}: {r.why}")

@@ -15,7 +15,8 @@ import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from mindspeed_like.features.base import Feature, Flag
+from mindspeed_like.toolkit.declaration import Feature, Flag
+from mindspeed_like.toolkit.errors import ConfigError
 
 ENV_VAR = "MINDSPEED_LIKE_ARGS"
 SOURCES = ("default", "env", "argv", "megatron-args", "configure")
@@ -31,10 +32,6 @@ GLOBAL_FLAGS = (
     ),
     Flag("strict", bool, False, "fail instead of falling back when a feature cannot run as asked"),
 )
-
-
-class ConfigError(ValueError):
-    """A flag value, name or combination is wrong; the message says how to fix it."""
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -68,16 +65,17 @@ class Config(Mapping[str, Any]):
         changed = {k: v for k, v in self._values.items() if self.sources.get(k) != "default"}
         return f"Config({changed})"
 
-    def explicitly_set(self) -> dict[str, Any]:
-        return {k: v for k, v in self._values.items() if self.sources.get(k) != "default"}
-
 
 def all_flags(features: Iterable[Feature]) -> list[Flag]:
     flags: dict[str, Flag] = {f.name: f for f in GLOBAL_FLAGS}
+    options: dict[str, str] = {o: f.name for f in GLOBAL_FLAGS for o in f.option_strings}
     for feature in features:
         for flag in feature.flags:
             if flag.name in flags and flags[flag.name] != flag:
                 raise ConfigError(f"flag {flag.name!r} is declared twice with different definitions")
+            for option in flag.option_strings:
+                if options.setdefault(option, flag.name) != flag.name:
+                    raise ConfigError(f"option {option} of flag {flag.name!r} is already flag {options[option]!r}'s")
             flags[flag.name] = flag
     return list(flags.values())
 

@@ -49,8 +49,8 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
     import mindspeed_like.megatron_adaptor  # noqa: F401  (the one line a user adds)
 
     config = mindspeed_like.configure(**flag_values)
+    from mindspeed_like.adapters.detect import detect_device
     from mindspeed_like.demo_data import megatron_source_bytes, sample_windows
-    from mindspeed_like.device import detect_device
     from mindspeed_like.runtime import enabled_feature_names
     from mindspeed_like.testing import destroy_parallel, init_parallel, param_bytes, tiny_gpt, train_steps
 

@@ -67,6 +67,11 @@ def support_summary(version: Version | None = None) -> str:
     return f"megatron-core {installed}; tested: {', '.join(TESTED_VERSIONS)}; supported: {SUPPORTED}{verdict}"
 
 
-def describe(target: str = "megatron") -> str:
-    version = megatron_core_version()
-    return f"megatron-core {version}" if version else "megatron-core (not found)"
+def version_of(target: str) -> tuple[str, Version | None]:
+    """For the patch engine: the package and version a target belongs to. ``megatron.*`` targets
+    (megatron.core, and megatron.training of a checkout or the wheel) are megatron-core's."""
+    if target == "megatron" or target.startswith("megatron."):
+        return "megatron-core", megatron_core_version()
+    from mindspeed_like.engine import distribution_version
+
+    return distribution_version(target)

@@ -1,12 +1,15 @@
 """The process-wide state: the resolved config and the patches it calls for.
 
-`apply()` is the only place where a config turns into patches: it checks the feature
-relations and megatron-core versions once, removes the patches of features switched
-off, and applies those switched on (the engine makes re-applying a no-op).
+``apply()`` is the only place where a configuration turns into patches: it resolves the flags,
+builds the :class:`Context` handed to every feature (config, device, megatron-core version),
+checks the feature relations, versions and stacking once, removes the patches of features
+switched off and applies those switched on (re-applying equal patches is a no-op). Nothing
+below this module reads it back: features get what they need through the Context.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -17,25 +20,28 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from mindspeed_like import config as config_mod
-from mindspeed_like.config import Config, ConfigError
-from mindspeed_like.features import registry
-from mindspeed_like.features.base import Feature
-from mindspeed_like.megatron_version import SUPPORTED, TESTED_VERSIONS, describe, megatron_core_version
-from mindspeed_like.patching import PatchEngine, PatchRecord
+from mindspeed_like import registry
+from mindspeed_like.adapters.detect import detect_device
+from mindspeed_like.config import Config
+from mindspeed_like.engine import PatchEngine, PatchError, PatchRecord
+from mindspeed_like.megatron_version import SUPPORTED, TESTED_VERSIONS, megatron_core_version, version_of
+from mindspeed_like.toolkit.declaration import Context, Flag
+from mindspeed_like.toolkit.errors import ConfigError
+from mindspeed_like.toolkit.fallback import forget_logged
 
 logger = logging.getLogger("mindspeed_like")
 
-ENGINE = PatchEngine(alias_scopes=("megatron",), version_of=describe)
+ENGINE = PatchEngine(alias_scopes=("megatron",), version_of=version_of)
 
 _lock = threading.RLock()
 _code_overrides: dict[str, Any] = {}
 _megatron_args: dict[str, Any] = {}
-_current: Config | None = None
+_current: Context | None = None
 _warned_version = False
 
 
-def flags() -> list:
-    return config_mod.all_flags(registry.FEATURES)
+def flags() -> list[Flag]:
+    return config_mod.all_flags(registry.all_features())
 
 
 def resolve_config(code: Mapping[str, Any] | None = None, argv: list[str] | None = None) -> Config:
@@ -51,9 +57,23 @@ def resolve_config(code: Mapping[str, Any] | None = None, argv: list[str] | None
     )
 
 
-def check_relations(config: Config, enabled: list[Feature]) -> None:
-    names = {f.name for f in enabled}
-    for feature in enabled:
+def context_for(config: Config) -> Context:
+    """The Context features are built from: ``config`` plus this host's facts, and the features
+    it switches on."""
+    base = Context(
+        config=config,
+        device=detect_device(config["device"]),
+        megatron_version=megatron_core_version(),
+        flags=tuple(flags()),
+        megatron_args_sink=set_megatron_args,
+    )
+    enabled = tuple(f for f in registry.all_features() if f.is_enabled(base))
+    return dataclasses.replace(base, features=enabled)
+
+
+def check_relations(ctx: Context) -> None:
+    names = set(ctx.enabled_names)
+    for feature in ctx.features:
         for required in feature.requires:
             if required not in names:
                 raise ConfigError(
@@ -63,7 +83,7 @@ def check_relations(config: Config, enabled: list[Feature]) -> None:
             if other in names:
                 raise ConfigError(f"features '{feature.name}' and '{other}' cannot be used together; switch one off")
         if feature.validate is not None:
-            feature.validate(config)
+            feature.validate(ctx)
 
 
 def _how_to_enable(name: str) -> str:
@@ -72,9 +92,9 @@ def _how_to_enable(name: str) -> str:
     return bool_flags[0] if bool_flags else "it is switched on by the device or other flags"
 
 
-def check_versions(enabled: list[Feature]) -> None:
+def check_versions(ctx: Context) -> None:
     global _warned_version
-    version = megatron_core_version()
+    version = ctx.megatron_version
     if version is None:
         return  # nothing to patch yet; targets are checked when megatron is imported
     if version not in SUPPORTED and not _warned_version:
@@ -85,8 +105,8 @@ def check_versions(enabled: list[Feature]) -> None:
             "still checked when applied, but expect failures; install a supported release.",
             stacklevel=3,
         )
-    for feature in enabled:
-        if version not in SpecifierSet(feature.megatron_versions, prereleases=True):
+    for feature in ctx.features:
+        if feature.megatron_versions and version not in SpecifierSet(feature.megatron_versions, prereleases=True):
             raise ConfigError(
                 f"feature '{feature.name}' supports megatron-core {feature.megatron_versions}; "
                 f"megatron-core {version} is installed"
@@ -98,46 +118,54 @@ def apply(code: Mapping[str, Any] | None = None) -> Config:
     global _current
     with _lock:
         config = resolve_config(code)
-        enabled = [f for f in registry.FEATURES if f.is_enabled(config)]
-        check_relations(config, enabled)
-        check_versions(enabled)
+        ctx = context_for(config)
+        check_relations(ctx)
+        check_versions(ctx)
+        plan: dict[str, list] = {f.name: [] for f in registry.all_features()}
+        for feature in ctx.features:
+            plan[feature.name] = feature.patches_for(ctx)
+        for name in {record.feature for record in ENGINE.report()} - set(plan):
+            plan[name] = []  # a feature unregistered since it was applied
+        try:
+            ENGINE.check(plan)  # stacking and duplicates, before anything changes
+        except PatchError as error:
+            raise ConfigError(f"{error}") from error
         if code:
             _code_overrides.update(config_mod.normalize_names(flags(), code, "configure()"))
-        for feature in registry.FEATURES:
-            if feature not in enabled:
-                ENGINE.remove(feature.name)
-        for feature in enabled:
-            _apply_feature(feature, config)
-        _current = config
+        for name, patches in plan.items():
+            if not patches:
+                ENGINE.remove(name)
+        for feature in ctx.features:
+            try:
+                if feature.activate is not None:
+                    feature.activate(ctx)
+                ENGINE.apply(feature.name, plan[feature.name])
+            except Exception:
+                ENGINE.remove(feature.name)  # all or nothing per feature
+                raise
+        _current = ctx
         return config
 
 
-def _apply_feature(feature: Feature, config: Config) -> None:
-    patches = feature.patches_for(config)
-    wanted = {p.target for p in patches}
-    if ENGINE.targets(feature.name) - wanted:
-        ENGINE.remove(feature.name)  # the config now asks for a different set of patches
-    try:
-        ENGINE.apply(feature.name, patches)
-    except Exception:
-        ENGINE.remove(feature.name)  # all or nothing per feature
-        raise
-
-
-def set_megatron_args(values: Mapping[str, Any]) -> Config:
+def set_megatron_args(values: Mapping[str, Any]) -> Context:
     """Values read from Megatron-LM's parsed args (the 'megatron-args' source); re-applies."""
     with _lock:
         _megatron_args.clear()
         _megatron_args.update(values)
-        return apply()
+        apply()
+        return current_context()
 
 
 def enabled_feature_names(config: Config) -> list[str]:
-    return [f.name for f in registry.FEATURES if f.is_enabled(config)]
+    return context_for(config).enabled_names
+
+
+def current_context() -> Context:
+    return _current if _current is not None else context_for(resolve_config())
 
 
 def current_config() -> Config:
-    return _current if _current is not None else resolve_config()
+    return current_context().config
 
 
 def report() -> list[PatchRecord]:
@@ -145,10 +173,12 @@ def report() -> list[PatchRecord]:
 
 
 def reset() -> None:
-    """Remove every patch and forget configure() and Megatron-args values (tests use this)."""
+    """Remove every patch, forget configure() and Megatron-args values and the fallback lines
+    already logged: the state of a fresh import."""
     global _current
     with _lock:
         ENGINE.remove_all()
         _code_overrides.clear()
         _megatron_args.clear()
+        forget_logged()
         _current = None

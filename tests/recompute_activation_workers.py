@@ -9,17 +9,17 @@ def suite(seed: int = 1234) -> dict:
     """One 2-process run: TP=2+SP dense and MoE, EP=2 MoE, each trained with and without the
     feature; and the layer numbers recorded per pipeline stage at PP=2."""
     import mindspeed_like
-    from mindspeed_like.patches import recompute_activation as ra
+    from mindspeed_like.features.recompute_activation import mlp as ra
     from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt, train_steps
 
     made: list = []
-    original = ra.new_checkpoint
+    original = ra.Recompute.checkpoint
 
-    def counting():
+    def counting(self):
         made.append(1)
-        return original()
+        return original(self)
 
-    ra.new_checkpoint = counting
+    ra.Recompute.checkpoint = counting
     cases = {
         "tp2_sp": (dict(tp=2), dict(sequence_parallel=True, hidden_dropout=0.1, attention_dropout=0.1)),
         "tp2_sp_moe": (dict(tp=2), dict(sequence_parallel=True, num_moe_experts=4)),
@@ -37,7 +37,7 @@ def suite(seed: int = 1234) -> dict:
             destroy_parallel()
 
     out["pp2"] = _pipeline_stage(seed, made)
-    ra.new_checkpoint = original
+    ra.Recompute.checkpoint = original
     mindspeed_like.reset()
     return out
 
@@ -49,7 +49,7 @@ def _pipeline_stage(seed: int, made: list) -> dict:
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     import mindspeed_like
-    from mindspeed_like.patches import recompute_activation as ra
+    from mindspeed_like.features.recompute_activation import mlp as ra
     from mindspeed_like.testing import destroy_parallel, gpt_config, init_parallel
 
     mindspeed_like.reset()

@@ -185,7 +185,7 @@ def distributed_optimizer(steps: int) -> dict:
 
 def _dist_after(model, opt) -> dict:
     """Masters (decoded) and held bytes of a DistributedOptimizer."""
-    from mindspeed_like.patches.reuse_fp32_param import state_of
+    from mindspeed_like.features.reuse_fp32_param import state_of
     from mindspeed_like.testing import param_bytes
 
     inner = inner_optimizers(opt)[0]

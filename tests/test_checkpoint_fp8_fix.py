@@ -7,7 +7,7 @@ import torch
 
 import mindspeed_like
 from mindspeed_like import runtime
-from mindspeed_like.patches import checkpoint_fp8_default
+from mindspeed_like.fixes import checkpoint_fp8_default
 from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt
 
 

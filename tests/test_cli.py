@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mindspeed_like.features import registry
+from mindspeed_like import registry
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -27,7 +27,7 @@ def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def test_features_lists_every_feature_with_state_backend_and_support():
     result = _cli("features")
     assert result.returncode == 0, result.stderr
-    for feature in registry.FEATURES:
+    for feature in registry.all_features():
         assert feature.name in result.stdout
     assert "0.16.1: supported" in result.stdout or "supported" in result.stdout
     assert "--device" in result.stdout

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mindspeed_like.config import ConfigError, normalize_names, parse_argv, parse_env, resolve
-from mindspeed_like.features.base import Flag
+from mindspeed_like.config import normalize_names, parse_argv, parse_env, resolve
+from mindspeed_like.toolkit.declaration import Flag
+from mindspeed_like.toolkit.errors import ConfigError
 
 FLAGS = [
     Flag("use_flash_attn", bool, False, "flash attention", megatron_defines=True),

@@ -181,7 +181,7 @@ class _Cached:
 def test_host_twin_of_lru_cached_method_keeps_the_cache():
     """The host twin of an ``lru_cache``d method runs on the host and still caches (same
     maxsize/typed), as megatron's RotaryEmbedding.forward relies on in 0.13-0.15."""
-    from mindspeed_like.device.host_view import run_on_host
+    from mindspeed_like.adapters.cpu.host_view import run_on_host
 
     wrapped = wrapt.FunctionWrapper(_Cached.__dict__["where"], run_on_host)
     obj = _Cached()

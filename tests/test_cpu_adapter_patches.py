@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import mindspeed_like
-from mindspeed_like import device as device_mod
-from mindspeed_like.patches import cpu_adapter, npu_adapter
-from mindspeed_like.patching import split_target
+from mindspeed_like.adapters import detect as device_mod
+from mindspeed_like.adapters import npu as npu_adapter
+from mindspeed_like.engine import split_target
+from mindspeed_like.testing.declarations import declared_patches
 
 
 def _resolve(target: str):
@@ -42,7 +43,7 @@ def _present(patch) -> bool:
 # Target existence per installed megatron-core version: tests/test_megatron_versions.py.
 # Optional targets absent from the installed version (e.g. get_sliding_window_causal_mask
 # before 0.15) are skipped by the engine; the tests below check the ones that exist.
-ADAPTER_PATCHES = cpu_adapter.patches_for_installed_megatron(None)  # what configure(device="cpu") applies
+ADAPTER_PATCHES = declared_patches("cpu-adapter")  # what configure(device="cpu") applies
 
 
 def _present_patches() -> list:

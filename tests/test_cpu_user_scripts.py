@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from mindspeed_like.device.host_view import host_function
+from mindspeed_like.adapters.cpu.host_view import host_function
 from mindspeed_like.testing import init_parallel, run_distributed
 
 

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import mindspeed_like
-from mindspeed_like.config import ConfigError
 from mindspeed_like.kernels.backend import force_backend
 from mindspeed_like.kernels.flash_attention import CAUSAL, Band, flash_attention
 from mindspeed_like.testing import destroy_parallel, gpt_config, init_parallel, run_distributed, tiny_gpt, train_steps
 from mindspeed_like.testing.npu_emulator import ContractError, emulated_torch_npu
+from mindspeed_like.toolkit.errors import ConfigError
 
 SEED = 1234
 STEPS = 10
@@ -580,14 +580,15 @@ def test_flags_from_env_and_mindspeed_knobs_shape_causal_layers(flash, monkeypat
 
 
 def test_unsupported_call_falls_back_once_or_fails_under_strict(flash, caplog):
-    from mindspeed_like.patches import flash_attention as patch
+    from mindspeed_like.features import flash_attention as patch
+    from mindspeed_like.toolkit.fallback import forget_logged
 
     dpa, _ = _dpa("causal")
     (q, k, v), _, _ = _dpa_inputs("fallback", 5, torch.float32, 4, {})
     bias = torch.zeros(1, 4, 5, 5)
     flash(True)
-    patch._logged.discard("attention_bias is given")
-    with caplog.at_level(logging.WARNING, logger=patch.__name__):
+    forget_logged()
+    with caplog.at_level(logging.WARNING, logger="mindspeed_like"):
         for _ in range(2):  # megatron's own refusal comes back: the call went to megatron
             with pytest.raises(AssertionError, match="Attention bias is not supported"):
                 dpa(q, k, v, None, attention_bias=bias)

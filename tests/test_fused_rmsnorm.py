@@ -151,7 +151,7 @@ def _train(flag: bool, steps: int = STEPS, **overrides) -> list[float]:
     init_parallel(seed=SEED)
     model = tiny_gpt(**overrides)
     norms = [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
-    from mindspeed_like.patches.fused_rmsnorm import FusedRMSNorm
+    from mindspeed_like.features.fused_rmsnorm import FusedRMSNorm
 
     assert len(norms) == 5  # 2 layers x 2 + final
     assert all(isinstance(m, FusedRMSNorm) == flag for m in norms)
@@ -234,7 +234,7 @@ def test_flag_off_restores_megatron_objects(adaptor):
 
 def tp2_sp_worker(seed: int) -> dict:
     """Runs in each of 2 spawned processes: TP=2 + sequence parallel, flag off then on."""
-    from mindspeed_like.patches.fused_rmsnorm import FusedRMSNorm
+    from mindspeed_like.features.fused_rmsnorm import FusedRMSNorm
 
     mindspeed_like.configure(device="cpu")
     out: dict = {}
@@ -260,7 +260,7 @@ def test_tp2_sequence_parallel_parity():
 
 
 def test_module_is_a_torch_rmsnorm():
-    from mindspeed_like.patches.fused_rmsnorm import FusedRMSNorm
+    from mindspeed_like.features.fused_rmsnorm import FusedRMSNorm
 
     ref = torch.nn.RMSNorm(48, eps=1e-6)
     fused = FusedRMSNorm.from_torch(copy.deepcopy(ref))

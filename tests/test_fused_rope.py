@@ -269,9 +269,10 @@ def test_patched_dispatcher_matches_megatron_sbhd_and_thd(fresh, config_values):
 def test_unsupported_calls_fall_back_once_or_raise_under_strict(fresh, caplog):
     import megatron.core.models.common.embeddings.rope_utils as rope_utils
 
-    from mindspeed_like.patches import fused_rope
+    from mindspeed_like.features import fused_rope
+    from mindspeed_like.toolkit.fallback import forget_logged
 
-    fused_rope._logged.clear()
+    forget_logged()
     mindspeed_like.configure(device="cpu", use_fused_rotary_pos_emb=True)
     patched = rope_utils.apply_rotary_pos_emb
     t, freqs, config = torch.randn(4, 1, 2, 8), torch.rand(4, 1, 1, 8), _config()
@@ -280,14 +281,14 @@ def test_unsupported_calls_fall_back_once_or_raise_under_strict(fresh, caplog):
         patched(packed, freqs, config, cu_seqlens=cu, cp_group=_Group(2)),
         rope_utils.apply_rotary_pos_emb.__wrapped__(packed, freqs, config, cu_seqlens=cu, cp_group=_Group(2)),
     )
-    with caplog.at_level(logging.WARNING, logger=fused_rope.__name__):
+    with caplog.at_level(logging.WARNING, logger="mindspeed_like"):
         for _ in range(3):
             out = patched(t, freqs, _config(multi_latent_attention=True, rotary_interleaved=True), cp_group=_Group(1))
     assert out.shape == t.shape
     assert sum("rotary_interleaved" in r.getMessage() for r in caplog.records) == 1
-    mindspeed_like.configure(strict=True)
+    mindspeed_like.configure(strict=True)  # rebuilds the patch: megatron's name now holds the strict one
     with pytest.raises(fused_rope.FusedRopeUnsupported, match="context parallel"):
-        patched(t, freqs, config, cp_group=_Group(2))
+        rope_utils.apply_rotary_pos_emb(t, freqs, config, cp_group=_Group(2))
 
 
 def _tp2_sp_worker(seed: int) -> dict:
@@ -307,10 +308,10 @@ def test_tp2_sequence_parallel_parity():
 
 
 def test_flag_parses_from_the_command_line_with_mindspeed_spelling():
+    from mindspeed_like import registry
     from mindspeed_like.config import all_flags, parse_argv
-    from mindspeed_like.features import registry
 
-    flags = all_flags(registry.FEATURES)
+    flags = all_flags(registry.all_features())
     parsed = parse_argv(flags, ["--use-fused-rotary-pos-emb", "--apply-rope-fusion"])
     assert parsed["use_fused_rotary_pos_emb"] is True
     assert "apply_rope_fusion" not in parsed  # megatron's own (TE) flag is not ours

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import mindspeed_like
-from mindspeed_like.config import ConfigError
 from mindspeed_like.testing import (
     destroy_parallel,
     init_parallel,
@@ -33,6 +32,8 @@ from mindspeed_like.testing import (
 from mindspeed_like.testing.moe import copy_sequential_into_grouped, sequential_to_grouped_state
 from mindspeed_like.testing.npu_emulator import emulated_torch_npu
 from mindspeed_like.testing.training import unwrap
+from mindspeed_like.toolkit.errors import ConfigError
+from mindspeed_like.toolkit.fallback import forget_logged
 
 SEED = 1234
 STEPS = 10
@@ -188,7 +189,7 @@ def test_on_by_default_and_off_restores_megatron(cpu_config):
     import megatron.core.transformer.moe.experts as experts
     import megatron.core.transformer.moe.grouped_gemm_util as gg
 
-    from mindspeed_like.patches import grouped_gemm as feature
+    from mindspeed_like.features import grouped_gemm as feature
 
     cpu_config(grouped_gemm="off")
     original_assert, original_forward = gg.assert_grouped_gemm_is_available, experts.GroupedMLP.__dict__["forward"]
@@ -197,7 +198,7 @@ def test_on_by_default_and_off_restores_megatron(cpu_config):
     with pytest.raises(AssertionError, match="Grouped GEMM is not available"):  # megatron's own failure
         tiny_gpt(num_moe_experts=EXPERTS, moe_grouped_gemm=True)
     cpu_config()  # default: auto, and the CUDA package is absent here
-    assert gg.ops is feature.OPS and experts.gg is gg
+    assert isinstance(gg.ops, feature.GroupedGemmOps) and experts.gg is gg
     assert experts.GroupedMLP.__dict__["forward"] is not original_forward
     tiny_gpt(num_moe_experts=EXPERTS, moe_grouped_gemm=True)
     mindspeed_like.configure(grouped_gemm="off")
@@ -208,13 +209,13 @@ def test_on_by_default_and_off_restores_megatron(cpu_config):
 def test_installed_package_is_kept_unless_asked(cpu_config, monkeypatch):
     import megatron.core.transformer.moe.grouped_gemm_util as gg
 
-    from mindspeed_like.patches import grouped_gemm as feature
+    from mindspeed_like.features import grouped_gemm as feature
 
     monkeypatch.setattr(feature, "grouped_gemm_package_installed", lambda: True)
     cpu_config()
     assert gg.ops is None  # auto: megatron's own (here: the would-be package) stays in charge
     cpu_config(grouped_gemm="on")
-    assert gg.ops is feature.OPS
+    assert isinstance(gg.ops, feature.GroupedGemmOps)
     with pytest.raises(ConfigError, match="--grouped-gemm on"):
         cpu_config(gemm_gradient_accumulation_fusion=True)
     with pytest.raises(ConfigError, match="--grouped-gemm off"):
@@ -222,7 +223,7 @@ def test_installed_package_is_kept_unless_asked(cpu_config, monkeypatch):
 
 
 def test_a_single_file_module_named_grouped_gemm_is_not_the_package(tmp_path, monkeypatch):
-    from mindspeed_like.patches import grouped_gemm as feature
+    from mindspeed_like.features import grouped_gemm as feature
 
     (tmp_path / "grouped_gemm.py").write_text("ops = None\n")  # e.g. benchmarks/grouped_gemm.py
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -234,14 +235,14 @@ def test_a_single_file_module_named_grouped_gemm_is_not_the_package(tmp_path, mo
 
 
 def test_fusion_without_main_grad_logs_once_or_fails_strict(cpu_config, caplog):
-    from mindspeed_like.patches import grouped_gemm as feature
+    from mindspeed_like.features import grouped_gemm as feature
 
     cpu_config(gemm_gradient_accumulation_fusion=True)
-    feature._logged.clear()
+    forget_logged()
     init_parallel(seed=SEED)
     model = tiny_gpt(num_moe_experts=EXPERTS, moe_grouped_gemm=True)
     tokens = torch.randint(0, 256, (2, 32))
-    with caplog.at_level(logging.WARNING, logger=feature.__name__):
+    with caplog.at_level(logging.WARNING, logger="mindspeed_like"):
         _forward_backward(model, tokens)
         _forward_backward(model, tokens)
     assert [r.getMessage() for r in caplog.records].count(
@@ -255,24 +256,26 @@ def test_fusion_without_main_grad_logs_once_or_fails_strict(cpu_config, caplog):
 def test_more_than_1024_experts_on_npu_fall_back_to_the_loop(cpu_config, caplog):
     """npu_grouped_matmul takes at most 1024 groups: more experts use the portable loop, logged
     once; under --strict that is an error."""
+    import megatron.core.transformer.moe.grouped_gemm_util as gg
+
+    from mindspeed_like.features import grouped_gemm as feature
     from mindspeed_like.kernels.backend import force_backend
-    from mindspeed_like.patches import grouped_gemm as feature
 
     cpu_config()
-    feature._logged.clear()
+    forget_logged()
     counts = torch.zeros(1025, dtype=torch.int64)
     counts[::100] = 2
     a, b = torch.randn(int(counts.sum()), 4), torch.randn(1025, 4, 3)
-    with emulated_torch_npu() as npu, force_backend("npu"), caplog.at_level(logging.WARNING, logger=feature.__name__):
-        out = feature.OPS.gmm(a, b, counts)
-        feature.OPS.gmm(a, b, counts)
+    with emulated_torch_npu() as npu, force_backend("npu"), caplog.at_level(logging.WARNING, logger="mindspeed_like"):
+        out = gg.ops.gmm(a, b, counts)
+        gg.ops.gmm(a, b, counts)
     assert npu.calls["npu_grouped_matmul"] == 0
     assert sum("at most 1024 groups" in r.getMessage() for r in caplog.records) == 1
     experts = torch.repeat_interleave(torch.arange(1025), counts)
     torch.testing.assert_close(out, torch.einsum("tk,tkn->tn", a, b[experts]))
     mindspeed_like.configure(strict=True)
     with emulated_torch_npu(), force_backend("npu"), pytest.raises(feature.GroupedGemmUnsupported, match="1024"):
-        feature.OPS.gmm(a, b, counts)
+        gg.ops.gmm(a, b, counts)
 
 
 # ---------------------------------------------------------------- EP=2 on gloo (one spawn)

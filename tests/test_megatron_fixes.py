@@ -8,7 +8,7 @@ import pytest
 
 import mindspeed_like
 from mindspeed_like import runtime
-from mindspeed_like.patches import checkpoint_writer_psutil, dataset_helpers_build
+from mindspeed_like.fixes import checkpoint_writer_psutil, dataset_helpers_build
 
 
 @pytest.fixture

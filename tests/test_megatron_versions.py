@@ -15,28 +15,17 @@ import inspect
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from mindspeed_like.features import registry
+from mindspeed_like import registry
+from mindspeed_like.engine import Kind, split_target
 from mindspeed_like.megatron_version import megatron_core_version
-from mindspeed_like.patches import cpu_adapter, grouped_gemm, npu_adapter, reuse_fp32_param
-from mindspeed_like.patching import Kind, split_target
+from mindspeed_like.testing.declarations import declared_patches
 
 VERSION = megatron_core_version()
 
-# Features whose patch list is a function of the config with side effects (npu-adapter imports
-# torch_npu to build it): their fixed list, as the module declares it.
-_BUILT_BY_FUNCTION = {
-    npu_adapter.FEATURE.name: npu_adapter.PATCHES,
-    cpu_adapter.FEATURE.name: cpu_adapter.patches_for_installed_megatron(None),  # pure: version-chosen targets
-    grouped_gemm.FEATURE.name: [*grouped_gemm.PATCHES, grouped_gemm.HOST_INIT],  # HOST_INIT on a CPU host only
-    reuse_fp32_param.FEATURE.name: reuse_fp32_param.patches_for_installed_megatron(None),  # pure, as above
-}
-
 
 def _patch_list(feature):
-    if not callable(feature.patches):
-        return list(feature.patches)
-    assert feature.name in _BUILT_BY_FUNCTION, f"add feature {feature.name!r} to _BUILT_BY_FUNCTION"
-    return list(_BUILT_BY_FUNCTION[feature.name])
+    """The feature's declared patches for the installed version (read from its declaration)."""
+    return declared_patches(feature.name)
 
 
 def _resolve(target: str):
@@ -48,13 +37,13 @@ def _resolve(target: str):
 
 
 def _supported(feature) -> bool:
-    return VERSION in SpecifierSet(feature.megatron_versions, prereleases=True)
+    return feature.megatron_versions is None or VERSION in SpecifierSet(feature.megatron_versions, prereleases=True)
 
 
 def _megatron_patches(optional: bool):
     return [
         pytest.param(patch, id=f"{feature.name}:{patch.target}")
-        for feature in registry.FEATURES
+        for feature in registry.all_features()
         if _supported(feature)
         for patch in _patch_list(feature)
         if patch.target.startswith("megatron.core.") and patch.optional is optional
@@ -63,7 +52,7 @@ def _megatron_patches(optional: bool):
 
 def test_installed_version_is_supported():
     assert VERSION is not None, "megatron-core is not installed"
-    unsupported = [f.name for f in registry.FEATURES if not _supported(f)]
+    unsupported = [f.name for f in registry.all_features() if not _supported(f)]
     assert not unsupported, f"megatron-core {VERSION} is outside the declared range of {unsupported}"
 
 

@@ -15,8 +15,8 @@ import pytest
 
 import mindspeed_like
 from mindspeed_like import runtime
-from mindspeed_like.patches import cpu_adapter
 from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt, train_steps
+from mindspeed_like.testing.declarations import declared_patches
 
 
 def _run(bf16: bool) -> list[float]:
@@ -37,7 +37,7 @@ def test_default_adaptor_equals_device_adapter_alone_bitwise(bf16):
         assert "cpu-adapter" in features
         mindspeed_like.reset()
 
-        runtime.ENGINE.apply(cpu_adapter.FEATURE.name, cpu_adapter.patches_for_installed_megatron(None))
+        runtime.ENGINE.apply("cpu-adapter", declared_patches("cpu-adapter"))
         adapter_only = _run(bf16)
     finally:
         mindspeed_like.reset()

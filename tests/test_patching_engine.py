@@ -12,8 +12,9 @@ import sys
 import textwrap
 
 import pytest
+from packaging.version import Version
 
-from mindspeed_like.patching import Kind, Patch, PatchEngine, PatchError, PatchTargetError, split_target
+from mindspeed_like.engine import Kind, Patch, PatchEngine, PatchError, PatchTargetError, split_target
 
 PKG = "fakemeg"
 
@@ -76,7 +77,7 @@ def fakemeg(tmp_path, monkeypatch):
 
 @pytest.fixture
 def engine():
-    return PatchEngine(alias_scopes=(PKG,), version_of=lambda target: "fakemeg 1.2.3")
+    return PatchEngine(alias_scopes=(PKG,), version_of=lambda target: ("fakemeg", Version("1.2.3")))
 
 
 def plus_100(x):
@@ -133,7 +134,7 @@ def test_patch_waits_for_import_of_its_module(fakemeg, engine):
 def test_import_order_gives_the_same_report(fakemeg, engine):
     patches = [
         Patch(f"{PKG}.core.funcs.f", Kind.REPLACE, plus_100),
-        Patch(f"{PKG}.core.funcs.C.m", Kind.SET_METHOD, lambda self: "new"),
+        Patch(f"{PKG}.core.funcs.C.m", Kind.REPLACE, lambda self: "new"),
     ]
     engine.apply("feat", patches)  # before the import
     importlib.import_module(f"{PKG}.core.user")
@@ -159,7 +160,7 @@ def test_missing_target_is_a_clear_error_and_nothing_is_created(fakemeg, engine)
     assert "my-feature" in message and f"{PKG}.core.funcs.does_not_exist" in message and "fakemeg 1.2.3" in message
     assert not hasattr(funcs, "does_not_exist")
     with pytest.raises(PatchTargetError):
-        engine.apply("my-feature", [Patch(f"{PKG}.core.funcs.C.nope", Kind.SET_METHOD, plus_100)])
+        engine.apply("my-feature", [Patch(f"{PKG}.core.funcs.C.nope", Kind.REPLACE, plus_100)])
     assert not hasattr(funcs.C, "nope")
     assert engine.report() == []
 
@@ -206,18 +207,12 @@ def test_wrap_methods_static_and_class_methods(fakemeg, engine):
     assert all(vars(funcs.C)[name] is obj for name, obj in raw.items())
 
 
-def test_set_method_on_inherited_attribute_is_undone_by_deletion(fakemeg, engine):
+def test_replacing_an_inherited_method_is_undone_by_deletion(fakemeg, engine):
     funcs = importlib.import_module(f"{PKG}.core.funcs")
-    engine.apply("feat", [Patch(f"{PKG}.core.funcs.Child.m", Kind.SET_METHOD, lambda self: "child")])
+    engine.apply("feat", [Patch(f"{PKG}.core.funcs.Child.m", Kind.REPLACE, lambda self: "child")])
     assert funcs.Child().m() == "child" and funcs.C().m() == "m"
     engine.remove("feat")
     assert "m" not in vars(funcs.Child) and funcs.Child().m() == "m"
-
-
-def test_set_method_needs_a_class(fakemeg, engine):
-    importlib.import_module(f"{PKG}.core.funcs")
-    with pytest.raises(PatchTargetError, match="class"):
-        engine.apply("feat", [Patch(f"{PKG}.core.funcs.f", Kind.SET_METHOD, plus_100)])
 
 
 def test_wrap_needs_a_callable(fakemeg, engine):
@@ -255,7 +250,7 @@ def test_stacked_features_remove_in_any_order(fakemeg, engine):
         return wrapper
 
     engine.apply("a", [Patch(f"{PKG}.core.funcs.f", Kind.WRAP, times(2))])
-    engine.apply("b", [Patch(f"{PKG}.core.funcs.f", Kind.WRAP, times(3))])
+    engine.apply("b", [Patch(f"{PKG}.core.funcs.f", Kind.WRAP, times(3), after=("a",))])
     assert user.call_f(0) == 6
     engine.remove("a")  # the bottom one: b is peeled off and put back on the original
     assert user.call_f(0) == 3

@@ -15,9 +15,12 @@ import torch
 import torch.nn.functional as F
 
 import mindspeed_like
-from mindspeed_like.config import ConfigError
-from mindspeed_like.patches import recompute_activation as ra
+from mindspeed_like import runtime
+from mindspeed_like.features.recompute_activation import mlp as ra
+from mindspeed_like.features.recompute_activation.checkpoint import hook_safe_checkpoint_class
 from mindspeed_like.testing import SavedBytesMeter, init_parallel, tiny_gpt, train_steps
+from mindspeed_like.toolkit.errors import ConfigError
+from mindspeed_like.toolkit.fallback import forget_logged
 
 SEQ, BATCH, HIDDEN = 32, 2, 64
 FFN = 2 * HIDDEN  # tiny_gpt default ffn_hidden_size
@@ -31,13 +34,13 @@ def _configure(on: bool, **flags) -> None:
 def _count_checkpoints(monkeypatch) -> list:
     """Counts our CheckpointWithoutOutput constructions (one per recomputing MLP call)."""
     made: list = []
-    original = ra.new_checkpoint
+    original = ra.Recompute.checkpoint
 
-    def counting():
+    def counting(self):
         made.append(1)
-        return original()
+        return original(self)
 
-    monkeypatch.setattr(ra, "new_checkpoint", counting)
+    monkeypatch.setattr(ra.Recompute, "checkpoint", counting)
     return made
 
 
@@ -254,7 +257,6 @@ def test_sequential_mlp_experts(adapter, monkeypatch):
 def grouped_gemm_op():
     """GroupedMLP needs a ``gmm``: the grouped-gemm feature (on by default where the CUDA
     ``grouped_gemm`` package is absent) provides it."""
-    from mindspeed_like import runtime
 
     assert "grouped-gemm" in runtime.enabled_feature_names(runtime.current_config())
 
@@ -276,7 +278,7 @@ def test_grouped_mlp_experts(adapter, grouped_gemm_op, monkeypatch, caplog):
         return original(self, *args)
 
     monkeypatch.setattr(tensor_parallel.CheckpointWithoutOutput, "checkpoint", counting)
-    hook_safe = ra.checkpoint_class() is tensor_parallel.CheckpointWithoutOutput
+    hook_safe = runtime.current_context().megatron_at_least("0.16")  # megatron's own class keeps grads
     moe = dict(bf16=True, num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, meter=hook_safe)
     moe_act = dict(recompute_granularity="selective", recompute_modules=["moe_act"])
     base = _gpt_grads(False, **moe)
@@ -294,7 +296,7 @@ def test_grouped_mlp_experts(adapter, grouped_gemm_op, monkeypatch, caplog):
         assert base[2] - ours[2] >= 2 * routed * FFN * 2  # at least the bf16 activation outputs
         assert ours[2] == megatron_only[2] == both[2]
     else:
-        ra._logged.clear()
+        forget_logged()
         made.clear()
         with caplog.at_level("WARNING"):
             _gpt_grads(True, **dict(moe, meter=True))
@@ -334,13 +336,26 @@ def test_switching_off_restores_megatron(adapter):
     from megatron.core.transformer.moe.experts import GroupedMLP
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    originals = (MLP.__dict__["forward"], GroupedMLP.__dict__["forward"], TransformerLayer.__dict__["__init__"])
+    def chain(obj):
+        """The wrapper objects down to megatron's function (outer first), then that function."""
+        links = []
+        while hasattr(obj, "__wrapped__"):
+            links.append(obj._self_wrapper)
+            obj = obj.__wrapped__
+        return links, obj
+
+    targets = ((MLP, "forward"), (GroupedMLP, "forward"), (TransformerLayer, "__init__"))
+    before = [chain(owner.__dict__[name]) for owner, name in targets]
     mindspeed_like.configure(recompute_activation_function=True)
-    patched = (MLP.__dict__["forward"], GroupedMLP.__dict__["forward"], TransformerLayer.__dict__["__init__"])
-    assert all(p is not o and p.__wrapped__ is o for p, o in zip(patched, originals))
+    during = [chain(owner.__dict__[name]) for owner, name in targets]
+    for (links, raw), (new_links, new_raw) in zip(before, during):
+        assert new_raw is raw and len(new_links) == len(links) + 1
+    # GroupedMLP.forward: grouped-gemm (on by default here) is declared to sit above us
+    assert during[1][0][0] is before[1][0][0] and type(during[1][0][1]).__name__ == "GroupedMLPForward"
     mindspeed_like.configure(recompute_activation_function=False)
-    restored = (MLP.__dict__["forward"], GroupedMLP.__dict__["forward"], TransformerLayer.__dict__["__init__"])
-    assert all(r is o for r, o in zip(restored, originals))
+    after = [chain(owner.__dict__[name]) for owner, name in targets]
+    assert after == before  # the same wrappers (none of ours) over the same megatron functions
+    assert MLP.__dict__["forward"] is before[0][1] and TransformerLayer.__dict__["__init__"] is before[2][1]
 
 
 def test_unknown_layer_number_falls_back_or_errors_under_strict(adapter, caplog):
@@ -351,7 +366,7 @@ def test_unknown_layer_number_falls_back_or_errors_under_strict(adapter, caplog)
     mlp = model.decoder.layers[0].mlp
     x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
     mindspeed_like.configure(recompute_activation_function=True, recompute_activation_function_num_layers=1)
-    ra._logged.clear()
+    forget_logged()
     with caplog.at_level("WARNING"):
         mlp(x)[0].sum().backward()
         mlp(x)[0].sum().backward()
@@ -366,10 +381,9 @@ def test_hook_safe_checkpoint_for_megatron_before_0_16(adapter, monkeypatch, cas
     """megatron-core 0.13-0.15's CheckpointWithoutOutput loses the inputs' gradients under
     saved-tensor hooks (SavedBytesMeter is one); the subclass used there is exercised here on
     any version, under the meter's hooks: bitwise equal, same bytes freed."""
-    monkeypatch.setattr(ra, "checkpoint_class", ra.hook_safe_checkpoint_class)
+    monkeypatch.setattr(ra.Recompute, "checkpoint", lambda self: hook_safe_checkpoint_class()())
     model_kwargs, flags, units = CASES[case]
     _configure(True)
-    assert type(ra.new_checkpoint()) is ra.hook_safe_checkpoint_class()
     base = _mlp_pass(False, model_kwargs, flags)
     ours = _mlp_pass(True, model_kwargs, flags)
     _assert_same(base, ours)

@@ -9,11 +9,8 @@ import textwrap
 import pytest
 
 import mindspeed_like
-from mindspeed_like import runtime
-from mindspeed_like.config import ConfigError
-from mindspeed_like.features import registry
-from mindspeed_like.features.base import Feature, Flag
-from mindspeed_like.patching import Kind, Patch
+from mindspeed_like import Feature, Flag, Kind, Patch, runtime
+from mindspeed_like.toolkit.errors import ConfigError
 
 
 def _count_calls(wrapped, instance, args, kwargs):
@@ -53,16 +50,21 @@ FROM_THE_FUTURE = Feature(
 )
 
 
+TEST_FEATURES = (COUNTER, NEEDS_COUNTER, HATES_COUNTER, FROM_THE_FUTURE)
+
+
 @pytest.fixture
 def features(monkeypatch):
-    monkeypatch.setattr(
-        registry, "FEATURES", [*registry.FEATURES, COUNTER, NEEDS_COUNTER, HATES_COUNTER, FROM_THE_FUTURE]
-    )
+    """Test features registered through the plugin API, like a user's own."""
+    for feature in TEST_FEATURES:
+        mindspeed_like.register_feature(feature)
     monkeypatch.setattr(sys, "argv", ["train.py"])
     monkeypatch.delenv("MINDSPEED_LIKE_ARGS", raising=False)
     mindspeed_like.reset()
     yield
     mindspeed_like.reset()
+    for feature in TEST_FEATURES:
+        mindspeed_like.unregister_feature(feature.name)
 
 
 def test_configure_applies_and_switching_off_restores_the_original(features):

@@ -24,11 +24,11 @@ import torch
 import tp_overlap_workers as workers
 
 import mindspeed_like
-from mindspeed_like.config import ConfigError
 from mindspeed_like.kernels.tp_overlap.tiles import tile_bounds
 from mindspeed_like.testing import run_distributed
 from mindspeed_like.testing.npu_emulator import ContractError, emulated_torch_npu
 from mindspeed_like.testing.tp_timeline import position
+from mindspeed_like.toolkit.errors import ConfigError
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
 

@@ -182,7 +182,8 @@ def layer_cases_worker(tp: int, cases: list) -> list:
 def fallback_worker(tp: int) -> dict:
     """Too few token rows for the tiles: megatron's Function runs and one log line says why;
     under strict it is an error. Tiles=1: megatron's path, logged."""
-    from mindspeed_like.patches import tp_overlap
+    from mindspeed_like.features import tp_overlap
+    from mindspeed_like.toolkit.fallback import forget_logged
 
     records: list[str] = []
 
@@ -191,11 +192,13 @@ def fallback_worker(tp: int) -> dict:
             records.append(record.getMessage())
 
     handler = Catch()
-    tp_overlap.logger.addHandler(handler)
-    tp_overlap._logged.clear()
+    logger = logging.getLogger("mindspeed_like")
+    logger.addHandler(handler)
+    forget_logged()
     try:
         few = compare_case(tp, "column", True, 8, 2 * tp, 2)  # 4 local rows < 8 tiles
-        few_again = compare_case(tp, "column", True, 8, 2 * tp, 2)  # the same reason: not logged twice
+        # the same reason in the same session (no reset between): not logged twice
+        few_again = compare_case(tp, "column", True, 8, 2 * tp, 2, fresh_groups=False)
         one = compare_case(tp, "row", True, 1, 16, 2)
         _setup(tp, use_tiled_tp_overlap=True, tiled_tp_overlap_chunks=8, strict=True)
         layer = build_layer("column", True, torch.float32, tp, 32, 48, False)
@@ -205,7 +208,7 @@ def fallback_worker(tp: int) -> dict:
         except tp_overlap.TpOverlapUnsupported as error:
             strict_error = str(error)
     finally:
-        tp_overlap.logger.removeHandler(handler)
+        logger.removeHandler(handler)
         mindspeed_like.reset()
     return {"few": few, "few_again": few_again, "one": one, "records": records, "strict_error": strict_error}
 

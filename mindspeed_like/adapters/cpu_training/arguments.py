@@ -1,0 +1,70 @@
+"""cpu-training-loop, Megatron-LM's arguments: defaults that need CUDA-only extensions.
+
+Megatron-LM's defaults assume CUDA extensions (TransformerEngine layers, NCCL, apex/TE fusions);
+where the extension is absent the default is switched to the portable choice before
+``validate_args`` derives anything from it, each change logged. Runs as the feature's hook of
+the one ``validate_args`` wrap (``mindspeed_like.integrations.megatron_lm``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+logger = logging.getLogger("mindspeed_like")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def host_defaults(args) -> list[str]:
+    """Switch Megatron-LM defaults that need CUDA-only extensions to their portable choices.
+
+    Returns what was changed, one line each (also logged). Called on Megatron's parsed args
+    before ``validate_args`` derives anything from them.
+    """
+    changes = []
+
+    def change(name: str, value, why: str) -> None:
+        if hasattr(args, name) and getattr(args, name) != value:
+            changes.append(f"args.{name}: {getattr(args, name)!r} -> {value!r} ({why})")
+            setattr(args, name, value)
+
+    have_te = _installed("transformer_engine")
+    if getattr(args, "transformer_impl", None) == "transformer_engine" and not have_te:
+        change("transformer_impl", "local", "TransformerEngine is not installed")
+    if getattr(args, "distributed_backend", None) == "nccl" and not torch.distributed.is_nccl_available():
+        change("distributed_backend", "gloo", "this torch has no NCCL")
+    if not have_te:
+        change("apply_rope_fusion", False, "the fused RoPE kernel needs TransformerEngine")
+    if not _installed("fused_weight_gradient_mlp_cuda"):
+        change("gradient_accumulation_fusion", False, "needs apex's fused_weight_gradient_mlp_cuda")
+    if not _installed("scaled_masked_softmax_cuda"):
+        change("masked_softmax_fusion", False, "needs the scaled_masked_softmax_cuda extension")
+    if not _installed("apex"):
+        change("no_persist_layer_norm", True, "persistent LayerNorm needs apex")
+    parallel = getattr(args, "tensor_model_parallel_size", 1) > 1 or getattr(args, "context_parallel_size", 1) > 1
+    if parallel and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+        # Megatron asserts this for TP/CP on GPUs (kernel ordering across streams). A host runs
+        # in program order, which is what the setting asks for; set it so the check passes.
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        changes.append("CUDA_DEVICE_MAX_CONNECTIONS=1 (host work runs in program order already)")
+    if changes and getattr(args, "rank", 0) == 0:
+        logger.warning("mindspeed_like cpu-training-loop adjusted Megatron-LM arguments:\n  %s", "\n  ".join(changes))
+    return changes
+
+
+@contextlib.contextmanager
+def portable_defaults(args) -> Iterator[None]:
+    """validate_args hook: the portable defaults are set before validation."""
+    host_defaults(args)
+    yield

@@ -1,0 +1,17 @@
+"""The patching engine: knows neither kernels nor megatron; applies, stacks and undoes patches."""
+
+from mindspeed_like.engine.engine import PatchEngine, distribution_version
+from mindspeed_like.engine.locate import split_target
+from mindspeed_like.engine.patch import Kind, Patch, PatchError, PatchRecord, PatchTargetError, StackingError
+
+__all__ = [
+    "Kind",
+    "Patch",
+    "PatchEngine",
+    "PatchError",
+    "PatchRecord",
+    "PatchTargetError",
+    "StackingError",
+    "distribution_version",
+    "split_target",
+]

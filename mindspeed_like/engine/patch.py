@@ -1,0 +1,108 @@
+"""What a patch is: one declared change to one target, and what the report says about it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+
+class Kind(enum.Enum):
+    """How a patch changes its target. Always stated, never inferred from a name.
+
+    REPLACE: the attribute becomes ``new`` (a module global, a class attribute or method,
+        inherited or own: an inherited one is shadowed on the class and deleted on undo).
+    WRAP: the callable is wrapped with wrapt: ``new(wrapped, instance, args, kwargs)``.
+    """
+
+    REPLACE = "replace"
+    WRAP = "wrap"
+
+
+class PatchError(RuntimeError):
+    """Base class of the engine's errors."""
+
+
+class PatchTargetError(PatchError, AttributeError):
+    """The target of a patch does not exist (or is of the wrong sort) in the installed package."""
+
+
+class StackingError(PatchError):
+    """Two features patch one target and their order is not declared (or contradicts itself)."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to one target.
+
+    target: dotted path, module part then attribute part, e.g.
+        ``megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add``.
+    kind: see :class:`Kind`.
+    new: the replacement object (REPLACE) or the wrapt wrapper ``new(wrapped, instance, args,
+        kwargs)`` (WRAP). Compared by value when a feature is applied again: an equal patch is
+        left in place (wrappers built from config values are frozen dataclasses for that).
+    optional: a missing target is a logged skip instead of an error.
+    why: one line for the patch report.
+    global_change: the target lies outside the engine's alias scopes (e.g. a torch function);
+        such changes must be declared, and the report lists them.
+    module: the module part of ``target``, when it must not be looked up on disk now (a module
+        that may only become importable later, e.g. from a Megatron-LM checkout put on sys.path).
+        The patch then waits for that module's import.
+    update_aliases: replace the other modules' copies of a module-level object too (default).
+        False for a name that is deliberately module-local.
+    versions: the versions of the target's package this patch applies to, as a PEP 440
+        specifier (``">=0.16"``, ``"<0.17"``); None: every version. Outside its versions a patch
+        is not applied (not an error: the feature declares another patch for those versions, or
+        nothing is needed there). When the version cannot be read the newest layout is assumed.
+    after / before: names of other features whose patch of the SAME target this one must sit
+        above (wrap: it runs first and calls theirs) / below. Two features patching one target
+        must declare their order on at least one side; otherwise the engine refuses the second.
+    """
+
+    target: str
+    kind: Kind
+    new: Any
+    optional: bool = False
+    why: str = ""
+    global_change: bool = False
+    module: str | None = None
+    update_aliases: bool = True
+    versions: str | None = None
+    after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, Kind):
+            raise TypeError(f"patch {self.target!r}: kind must be a Kind, got {self.kind!r}")
+        for name in ("after", "before"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise TypeError(f"patch {self.target!r}: {name} must be a tuple of feature names, got {value!r}")
+        if self.versions is not None:
+            try:
+                SpecifierSet(self.versions)
+            except InvalidSpecifier as error:
+                raise ValueError(f"patch {self.target!r}: versions {self.versions!r} is not a specifier") from error
+
+    def specifier(self) -> SpecifierSet | None:
+        return None if self.versions is None else SpecifierSet(self.versions, prereleases=True)
+
+
+@dataclass
+class PatchRecord:
+    """What the report says about one patch.
+
+    status: "applied" | "pending" (module not imported yet) | "skipped" (optional, missing).
+    stack: every feature patching this target, bottom (innermost, applied first) to top.
+    """
+
+    feature: str
+    target: str
+    kind: str
+    status: str
+    aliases: tuple[str, ...] = ()
+    why: str = ""
+    global_change: bool = False
+    stack: tuple[str, ...] = ()

@@ -1,0 +1,149 @@
+"""grouped-gemm's mechanism: megatron's ``moe_grouped_gemm`` (legacy GroupedMLP) on any machine.
+
+megatron-core's legacy ``GroupedMLP`` (what the local spec builds for
+``TransformerConfig(moe_grouped_gemm=True)`` / Megatron-LM's ``--moe-grouped-gemm``) needs the
+CUDA-only ``grouped_gemm`` package: without it ``__init__`` fails an assertion, and the forward
+calls ``gg.ops.gmm`` on ``ops = None``. This feature provides that op from
+``mindspeed_like.kernels.grouped_gemm`` (torch_npu's ``npu_grouped_matmul`` on an NPU, a
+portable kernel elsewhere).
+
+On by default exactly where megatron would crash: ``--grouped-gemm auto`` (the default) applies
+the patches only when the ``grouped_gemm`` package is NOT importable, so a working CUDA package
+is never replaced unless asked (``--grouped-gemm on``); ``--grouped-gemm off`` leaves megatron
+untouched. This makes plain megatron-core scripts with ``moe_grouped_gemm=True`` work with the
+one import line and no flag.
+
+Targets, and why each is the right symbol:
+
+- ``megatron.core.transformer.moe.grouped_gemm_util.ops`` (REPLACE, no alias scan): experts.py
+  imports the *module* (``grouped_gemm_util as gg``) and looks up ``gg.ops.gmm`` at call time,
+  so the module attribute is the one place to fill. Its original value is ``None`` without the
+  package; scanning other modules for aliases of ``None`` would be wrong, and nobody imports
+  ``ops`` by name.
+- ``megatron.core.transformer.moe.grouped_gemm_util.assert_grouped_gemm_is_available``
+  (REPLACE): called (via ``gg.``) by ``GroupedMLP.__init__``; with our op provided the
+  assertion's premise holds. ``grouped_gemm_is_available`` is left alone: it still answers
+  truthfully whether the CUDA package exists.
+- ``megatron.core.transformer.moe.experts.GroupedMLP.forward`` (WRAP): megatron-core 0.16
+  asserts ``config.bf16`` at the top of forward (0.13-0.15 do not), a limit of the CUTLASS
+  kernels, not of the math: ours computes fp32 (and fp16) exactly. When our op is installed
+  and the config is not bf16, the call runs with a shallow config view that has ``bf16=True``;
+  nothing else in ``forward`` reads ``bf16``. With the CUDA package in charge
+  (``--grouped-gemm auto`` and the package present) the assertion stays.
+
+- On a CPU host ``GroupedMLP.__init__`` allocates its weights on ``torch.cuda.current_device()``
+  without ``use_cpu_initialization``; the cpu-adapter runs it as a host twin (device bring-up
+  belongs there, not here).
+- Megatron-LM's ``validate_args`` (this feature's hook of the one wrap, see
+  ``integrations/megatron_lm.py``): for ``--moe-grouped-gemm`` it asserts
+  ``torch.cuda.get_device_capability() >= 8``, a requirement of the CUTLASS kernels we replace
+  (and a crash on a host without CUDA). That check is the only use of ``moe_grouped_gemm`` in
+  ``validate_args`` (Megatron-LM core_v0.16.1), so validation runs with it hidden (False) and
+  the parsed value is put back afterwards, logged once. Nothing else is faked.
+
+``--gemm-gradient-accumulation-fusion`` (MindSpeed's flag): the expert weights' gradients are
+accumulated straight into megatron DDP's fp32 ``main_grad`` per expert (megatron's
+gradient-accumulation-fusion contract: ``grad_added_to_main_grad`` is set and a dummy
+gradient returned, as ``LinearWithGradAccumulationAndAsyncCommunication`` does), so no
+separate ``[E, K, N]`` weight gradient is materialised. Without DDP's ``main_grad`` the
+gradient is computed normally and that is logged once (an error under ``--strict``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from mindspeed_like.toolkit.errors import FeatureUnsupported
+from mindspeed_like.toolkit.fallback import Fallback
+from mindspeed_like.toolkit.overrides import config_fields
+
+NAME = "grouped-gemm"
+
+
+class GroupedGemmUnsupported(FeatureUnsupported):
+    """``strict`` is on and a grouped GEMM call cannot run as configured."""
+
+
+def grouped_gemm_package_installed() -> bool:
+    """Whether the CUDA ``grouped_gemm`` package megatron looks for is importable: a package
+    (directory with ``ops``), not a stray single-file module of that name on ``sys.path`` such
+    as ``benchmarks/grouped_gemm.py`` when a script in that directory runs."""
+    spec = importlib.util.find_spec("grouped_gemm")
+    return spec is not None and spec.submodule_search_locations is not None
+
+
+@dataclass(frozen=True)
+class GroupedGemmOps:
+    """Stands in for ``grouped_gemm.ops`` (only ``gmm`` is used by megatron-core), backed by our kernel.
+
+    accumulate_main_grad: ``--gemm-gradient-accumulation-fusion``.
+    """
+
+    accumulate_main_grad: bool
+    fall_back: Fallback
+
+    def gmm(self, a, b, batch_sizes, trans_b=False):
+        """``grouped_gemm.ops.gmm``'s signature."""
+        from mindspeed_like.kernels.backend import backend_for, force_backend
+        from mindspeed_like.kernels.grouped_gemm import MAX_NPU_GROUPS, gmm, main_grad_owner
+
+        owner = None
+        if self.accumulate_main_grad and b.requires_grad:
+            owner = main_grad_owner(b)
+            if owner is None:
+                self.fall_back(
+                    "--gemm-gradient-accumulation-fusion: the expert weight has no main_grad (not wrapped in "
+                    "megatron's DistributedDataParallel); its gradient is computed normally"
+                )
+        if backend_for(a) == "npu" and b.shape[0] > MAX_NPU_GROUPS:
+            self.fall_back(
+                f"npu_grouped_matmul takes at most {MAX_NPU_GROUPS} groups; {b.shape[0]} experts use the portable loop"
+            )
+            with force_backend("portable"):
+                return gmm(a, b, batch_sizes, trans_b, accumulate_into=owner)
+        return gmm(a, b, batch_sizes, trans_b, accumulate_into=owner)
+
+
+def ours_installed() -> bool:
+    """Whether megatron's ``grouped_gemm_util.ops`` is our op (not the CUDA package)."""
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    return isinstance(gg.ops, GroupedGemmOps)
+
+
+def grouped_gemm_available() -> None:
+    """Replaces ``assert_grouped_gemm_is_available``: our op is installed, nothing to assert."""
+
+
+def grouped_mlp_forward(wrapped, instance, args, kwargs):
+    """Wrapper of ``GroupedMLP.forward``: with our op, fp32/fp16 configs pass the bf16 assertion."""
+    if instance is None or instance.config.bf16 or not ours_installed():
+        return wrapped(*args, **kwargs)
+    with config_fields(instance, bf16=True):
+        return wrapped(*args, **kwargs)
+
+
+_notes = Fallback(NAME, strict=False)  # informational lines only (never raises)
+
+
+@contextlib.contextmanager
+def capability_check_hidden(args) -> Iterator[None]:
+    """validate_args hook: Megatron-LM's CUDA compute-capability check for --moe-grouped-gemm is
+    skipped while our op is installed (the CUTLASS kernels it guards are not used)."""
+    if not getattr(args, "moe_grouped_gemm", False) or not ours_installed():
+        yield
+        return
+    _notes.once(
+        "capability",
+        "grouped-gemm: Megatron-LM's GroupedGEMM compute-capability check skipped (the kernel is ours)",
+        logging.INFO,
+    )
+    args.moe_grouped_gemm = False
+    try:
+        yield
+    finally:
+        args.moe_grouped_gemm = True

@@ -1,0 +1,28 @@
+"""Which pipeline-stage layer an MLP belongs to, for ``--recompute-activation-function-num-layers``.
+
+``TransformerLayer.__init__``'s ``layer_number`` is the layer's 1-based number within its model
+chunk (the block passes ``i + 1``; the global number adds the pipeline offset). It is recorded on
+the layer's MLPs/GroupedMLPs, so only the first N layers of each stage recompute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mindspeed_like.toolkit.binding import Call
+
+STAGE_LAYER_ATTR = "_mindspeed_like_stage_layer"  # 1-based layer number within the model chunk
+
+
+def layer_init(wrapped, instance, args, kwargs):
+    """Wrapper of ``TransformerLayer.__init__``: records the layer number on its MLPs."""
+    wrapped(*args, **kwargs)
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    number = Call(wrapped, args, kwargs)["layer_number"]
+    mlp = getattr(instance, "mlp", None)
+    if isinstance(mlp, torch.nn.Module):
+        for module in mlp.modules():
+            if isinstance(module, (MLP, GroupedMLP)):
+                setattr(module, STAGE_LAYER_ATTR, number)

@@ -1,0 +1,63 @@
+"""The arguments of a wrapped megatron call, by name, per the INSTALLED function's signature.
+
+megatron adds, removes and reorders parameters between releases; a wrapper that unpacks
+``args`` by position or copies megatron's parameter list breaks silently when that happens.
+``Call`` binds ``(args, kwargs)`` with ``inspect.signature`` of the function being wrapped
+(cached per function), so a wrapper reads ``call["sequence_parallel"]`` whatever the position,
+and re-calls megatron with one argument changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+
+@functools.lru_cache(maxsize=4096)
+def _signature(function: Callable, bound: bool) -> inspect.Signature:
+    signature = inspect.signature(function)
+    if bound:  # a method accessed on an instance: its first parameter is taken
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return signature
+
+
+def signature_of(wrapped: Callable) -> inspect.Signature:
+    """``inspect.signature(wrapped)``, cached by the underlying function."""
+    function = getattr(wrapped, "__func__", None)
+    if function is not None and getattr(wrapped, "__self__", None) is not None:
+        return _signature(function, True)
+    return _signature(wrapped, False)
+
+
+class Call:
+    """One call of ``wrapped`` with ``(args, kwargs)``, bound by name (defaults filled in)."""
+
+    def __init__(self, wrapped: Callable, args: tuple, kwargs: dict) -> None:
+        self.wrapped = wrapped
+        self._bound = signature_of(wrapped).bind(*args, **kwargs)
+        self._bound.apply_defaults()
+
+    def __getitem__(self, name: str) -> Any:
+        return self._bound.arguments[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._bound.arguments
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """An argument that not every megatron version has: ``default`` where it is absent."""
+        return self._bound.arguments.get(name, default)
+
+    @property
+    def arguments(self) -> dict[str, Any]:
+        return dict(self._bound.arguments)
+
+    def __call__(self, **changes: Any) -> Any:
+        """Call ``wrapped`` with these arguments, ``changes`` replacing some of them by name."""
+        unknown = [name for name in changes if name not in self._bound.arguments]
+        if unknown:
+            raise TypeError(f"{getattr(self.wrapped, '__qualname__', self.wrapped)} has no parameter {unknown}")
+        bound = inspect.BoundArguments(self._bound.signature, dict(self._bound.arguments))
+        bound.arguments.update(changes)
+        return self.wrapped(*bound.args, **bound.kwargs)

@@ -1,0 +1,53 @@
+"""A feature that cannot run a call hands it back to megatron visibly (design principle 8).
+
+Each reason is logged once per process (until ``forget_logged()``, which ``mindspeed_like.reset()``
+calls); under ``--strict`` it is an error instead, so a user who asked for a feature learns that
+a call did not get it. A :class:`Fallback` is built from the resolved config when a feature's
+patches are built (``Context.fallback``): it knows ``strict`` and never reads global config.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from mindspeed_like.toolkit.errors import FeatureUnsupported
+
+_logged: dict[str, set[str]] = {}
+_lock = threading.Lock()
+
+
+def forget_logged() -> None:
+    """Every reason may be logged once more (a fresh start, e.g. after ``mindspeed_like.reset()``)."""
+    with _lock:
+        _logged.clear()
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """``fallback(reason)``: raise ``error`` under strict, else log ``reason`` the first time.
+
+    Frozen and compared by value, so patches built with an equal Fallback are equal and a
+    re-applied configuration leaves them in place.
+    """
+
+    feature: str
+    strict: bool
+    error: type[Exception] = FeatureUnsupported
+    instead: str = "using megatron's path"
+    logger: str = "mindspeed_like"
+
+    def __call__(self, reason: str) -> None:
+        if self.strict:
+            raise self.error(f"{self.feature} cannot run this call ({reason}) and strict is on")
+        self.once(reason, f"{self.feature}: {self.instead} ({reason})")
+
+    def once(self, key: str, message: str, level: int = logging.WARNING) -> None:
+        """Log ``message`` the first time ``key`` is seen for this feature (never an error)."""
+        with _lock:
+            seen = _logged.setdefault(self.feature, set())
+            if key in seen:
+                return
+            seen.add(key)
+        logging.getLogger(self.logger).log(level, "%s", message)
