@@ -10,8 +10,8 @@ global state when it is called later. Users add their own features with the same
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
@@ -148,6 +148,9 @@ class Feature:
         patch list itself must stay free of side effects (the CLI and the version audit do it).
     kind: "feature" (an acceleration), "adapter" (device bring-up), "fix" (an upstream bug) or
         "integration"; shown by the CLI.
+    switch_on: the flag values that switch the feature on in a typical run (what the
+        all-features test and optimization levels use); empty for features the device or
+        megatron's own config switch on.
     """
 
     name: str
@@ -164,12 +167,16 @@ class Feature:
     validate_args_hook: ValidateArgsHook | None = None
     activate: Callable[[Context], None] | None = None
     kind: str = "feature"
+    switch_on: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip() or " " in self.name:
             raise ValueError(f"feature name {self.name!r} must be a non-empty word (e.g. 'my-feature')")
         if self.kind not in ("feature", "adapter", "fix", "integration"):
             raise ValueError(f"feature {self.name!r}: kind {self.kind!r} is not one of feature/adapter/fix/integration")
+        unknown = set(self.switch_on) - {f.name for f in self.flags}
+        if unknown:
+            raise ValueError(f"feature {self.name!r}: switch_on names flags it does not declare: {sorted(unknown)}")
 
     def is_enabled(self, ctx: Context) -> bool:
         if self.enabled is not None:

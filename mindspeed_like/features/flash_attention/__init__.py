@@ -81,6 +81,7 @@ FEATURE = Feature(
     ),
     backend=kernel_backend,
     validate=validate,
+    switch_on={"use_flash_attn": True},
 )
 
 __all__ = ["FEATURE", "FlashAttentionUnsupported"]

@@ -31,6 +31,7 @@ FEATURE = Feature(
         ),
     ),
     backend=kernel_backend,
+    switch_on={"use_fused_rmsnorm": True},
 )
 
 __all__ = ["FEATURE", "FusedRMSNorm"]

@@ -40,6 +40,7 @@ FEATURE = Feature(
         ),
     ),
     backend=kernel_backend,
+    switch_on={"use_fused_rotary_pos_emb": True},
 )
 
 __all__ = ["FEATURE", "FusedRopeUnsupported"]

@@ -43,4 +43,5 @@ FEATURE = Feature(
         ),
     ),
     backend=kernel_backend,
+    switch_on={"use_fused_swiglu": True},
 )

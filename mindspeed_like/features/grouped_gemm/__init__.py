@@ -83,6 +83,7 @@ FEATURE = Feature(
     backend=kernel_backend,
     switched_by="--moe-grouped-gemm builds GroupedMLP; on by default when the grouped_gemm package is missing",
     validate_args_hook=capability_check_hidden,
+    switch_on={"grouped_gemm": "on"},
 )
 
 __all__ = ["FEATURE", "GroupedGemmOps", "GroupedGemmUnsupported", "grouped_gemm_package_installed"]

@@ -89,6 +89,7 @@ FEATURE = Feature(
     enabled=enabled,
     validate=validate,
     backend="any",
+    switch_on={"recompute_activation_function": True},
 )
 
 __all__ = ["FEATURE", "RecomputeActivationUnsupported"]

@@ -84,6 +84,7 @@ FEATURE = Feature(
     backend=lambda ctx: "npu" if ctx["use_fused_tp_comm_matmul"] and ctx.kernel_backend == "npu" else "portable",
     validate=validate,
     switched_by="--use-tiled-tp-overlap / --use-fused-tp-comm-matmul",
+    switch_on={"use_tiled_tp_overlap": True},
 )
 
 __all__ = ["FEATURE", "TpOverlapUnsupported"]

@@ -4,12 +4,13 @@ test_megatron_lm_integration.py: runs only when MEGATRON_LM_PATH points at a che
 from __future__ import annotations
 
 import pytest
-from test_megatron_lm_integration import PRETRAIN_GPT, _launcher, _losses, _torchrun
 
-pytestmark = pytest.mark.skipif(
-    not __import__("os").path.isfile(PRETRAIN_GPT),
-    reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1) to run; see docs/megatron-lm.md",
-)
+from mindspeed_like.testing.megatron_lm import SKIP_REASON, available
+from mindspeed_like.testing.megatron_lm import launcher as _launcher
+from mindspeed_like.testing.megatron_lm import losses as _losses
+from mindspeed_like.testing.megatron_lm import torchrun as _torchrun
+
+pytestmark = pytest.mark.skipif(not available(), reason=SKIP_REASON)
 
 
 def test_flag_on_megatrons_command_line_gives_megatrons_losses():

@@ -9,11 +9,15 @@ process and with the DistributedOptimizer over DP=2.
 from __future__ import annotations
 
 import pytest
-from test_megatron_lm_integration import PRETRAIN_GPT, _launcher, _losses, _torchrun
+
+from mindspeed_like.testing.megatron_lm import SKIP_REASON, available
+from mindspeed_like.testing.megatron_lm import launcher as _launcher
+from mindspeed_like.testing.megatron_lm import losses as _losses
+from mindspeed_like.testing.megatron_lm import torchrun as _torchrun
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not __import__("os").path.isfile(PRETRAIN_GPT), reason="set MEGATRON_LM_PATH (see docs)"),
+    pytest.mark.skipif(not available(), reason=SKIP_REASON),
 ]
 
 

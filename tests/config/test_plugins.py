@@ -15,7 +15,7 @@ import mindspeed_like
 from mindspeed_like import ConfigError, Feature, Flag, Kind, Patch
 from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt
 
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture

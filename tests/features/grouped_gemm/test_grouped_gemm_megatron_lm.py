@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_megatron_lm_integration import _launcher, _losses, _torchrun, pytestmark  # noqa: F401
+from mindspeed_like.testing.megatron_lm import SKIP_REASON, available
+from mindspeed_like.testing.megatron_lm import launcher as _launcher
+from mindspeed_like.testing.megatron_lm import losses as _losses
+from mindspeed_like.testing.megatron_lm import torchrun as _torchrun
 
+pytestmark = pytest.mark.skipif(not available(), reason=SKIP_REASON)
 MOE = ["--num-experts", "4", "--moe-grouped-gemm", "--disable-bias-linear", "--moe-router-topk", "2"]
 
 

@@ -1,0 +1,71 @@
+"""Run Megatron-LM's own ``pretrain_gpt.py`` as a user does (torchrun, the one import line) and read
+its losses: the opt-in Megatron-LM tests of every feature use these.
+
+``MEGATRON_LM_PATH`` points at a Megatron-LM checkout whose tag matches the installed
+megatron-core (``core_v0.16.1`` for 0.16.1); nothing of Megatron-LM is in this repository.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+from mindspeed_like.testing.parallel import free_port
+
+MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH", "")
+PRETRAIN_GPT = os.path.join(MEGATRON_LM, "pretrain_gpt.py")
+SKIP_REASON = "set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1) to run; see docs/megatron-lm.md"
+
+# Only what a CPU user chooses: data, tokenizer, model size, schedule. No CPU-specific flags:
+# the adaptor switches TE/NCCL/apex defaults itself and logs it.
+TINY = (
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+    "--micro-batch-size 2 --global-batch-size 4 --train-iters 10 --lr 1e-3 --log-interval 1 "
+    "--eval-iters 0 --eval-interval 1000 --normalization RMSNorm --swiglu --position-embedding-type rope "
+    "--attention-dropout 0 --hidden-dropout 0 --seed 1234"
+).split()
+ITERATION = re.compile(
+    r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?lm loss: ([0-9.E+-]+)"
+)
+
+
+def available() -> bool:
+    return os.path.isfile(PRETRAIN_GPT)
+
+
+def launcher() -> list[str]:
+    """``python -m mindspeed_like.run pretrain_gpt.py``: the script with the import line first."""
+    return ["-m", "mindspeed_like.run", PRETRAIN_GPT]
+
+
+def torchrun(nproc: int, script_args: list[str], extra: list[str], env_extra: dict | None = None) -> list[str]:
+    """Train the TINY model with ``extra`` flags in ``nproc`` processes; returns the
+    "features on" line of rank 0, then every iteration line. Fails with the output's tail."""
+    env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_LIKE_ARGS"}
+    bin_dir = os.path.dirname(sys.executable)  # megatron compiles helpers with the python3 on PATH
+    env.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), OMP_NUM_THREADS=str(max(1, 2 // nproc)))
+    env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    env.update(env_extra or {})
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        *script_args, *TINY, *extra,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    features = [line for line in output.splitlines() if "> mindspeed_like features on:" in line]
+    assert len(features) == 1, "rank 0 prints the features once"
+    return [features[0], *[line for line in output.splitlines() if ITERATION.search(line)]]
+
+
+def losses(lines: list[str], iterations: int = 10) -> list[float]:
+    """The ``lm loss`` of each iteration line (all finite, ``iterations`` of them)."""
+    values = [float(ITERATION.search(line).group(4)) for line in lines[1:]]
+    assert len(values) == iterations, lines
+    assert all(math.isfinite(x) for x in values)
+    return values
