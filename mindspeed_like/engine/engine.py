@@ -163,10 +163,6 @@ class PatchEngine:
             for feature in list(dict.fromkeys(f for f, _ in reversed(self._order))):
                 self.remove(feature)
 
-    def targets(self, feature: str) -> set[str]:
-        """Targets of ``feature``'s patches known to the engine (applied, pending or skipped)."""
-        return {target for f, target in self._order if f == feature}
-
     def report(self) -> list[PatchRecord]:
         """Every patch known to the engine, in the order it was first applied."""
         records = []
