@@ -35,14 +35,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check mindspeed_like tests benchmarks examples
 	$(VENV)/bin/ruff format --check mindspeed_like tests benchmarks examples
 
-# Megatron-LM's own pretrain_gpt.py on CPU; needs a core_v0.16.1 checkout (see docs/megatron-lm.md).
-# megatron compiles its dataset helpers with the python3 on PATH: the venv's comes first.
+# Megatron-LM's own pretrain_gpt.py on CPU, every feature's opt-in test of it; needs a core_v0.16.1
+# checkout (see docs/megatron-lm.md). megatron compiles its dataset helpers with the python3 on
+# PATH: the venv's comes first.
 megatron-lm-smoke: $(STAMP)
 	@test -f "$(MEGATRON_LM_PATH)/pretrain_gpt.py" || \
 		(echo "set MEGATRON_LM_PATH=/path/to/Megatron-LM (a checkout of tag core_v0.16.1)"; exit 2)
 	$(PY) -m pip install -q -e '.[test,megatron-lm]'
 	PATH="$(abspath $(VENV))/bin:$$PATH" MEGATRON_LM_PATH="$(MEGATRON_LM_PATH)" \
-		$(PY) -m pytest -q -m '' tests/test_megatron_lm_integration.py
+		$(PY) -m pytest -q -m '' tests/integration/test_megatron_lm_integration.py tests/features/*/test_*_megatron_lm.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
