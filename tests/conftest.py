@@ -1,4 +1,4 @@
-"""Shared fixtures."""
+"""Shared fixtures (and mindspeed_like.testing's pytest plugin: ``kernel_backend``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import pytest
 
 import mindspeed_like
 from mindspeed_like.testing import destroy_parallel, init_parallel
+
+pytest_plugins = ["mindspeed_like.testing.pytest_plugin"]
 
 
 @pytest.fixture

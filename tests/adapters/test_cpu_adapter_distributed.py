@@ -21,8 +21,8 @@ import pytest
 
 import mindspeed_like
 from mindspeed_like.testing import destroy_parallel, init_parallel, run_distributed, tiny_gpt, train_steps
+from mindspeed_like.testing.parity import SEED, rel_close
 
-SEED = 1234
 RTOL = 2e-5
 
 
@@ -48,7 +48,7 @@ def single():
 
 
 def close(a, b, rtol=RTOL):
-    return all(math.isclose(x, y, rel_tol=rtol) for x, y in zip(a, b, strict=True))
+    return rel_close(a, b, rtol)
 
 
 def test_tp2_equals_tp1(suite, single):

@@ -8,9 +8,9 @@ import pytest
 import mindspeed_like
 from mindspeed_like import ConfigError
 from mindspeed_like.testing import destroy_parallel, gpt_config, init_parallel, tiny_gpt, train_steps
+from mindspeed_like.testing.parity import SEED
 
 FLAGS = dict(use_flash_attn=True, use_fused_rmsnorm=True, use_fused_swiglu=True, recompute_activation_function=True)
-SEED = 1234
 
 
 @pytest.fixture

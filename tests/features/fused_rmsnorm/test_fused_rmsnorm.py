@@ -1,10 +1,10 @@
 """Fused RMSNorm: kernel backends vs float64, the npu emulator's contract, megatron parity.
 
-Tolerances (vs a float64 evaluation of the same formula, per element, scaled by the largest
-reference magnitude):
-- fp32: 1e-5. The fp32 kernels reduce ~hidden terms in float32 (relative error ~1e-7 * log n)
+Tolerances (vs a float64 evaluation of the same formula, the largest error scaled by the largest
+reference magnitude): mindspeed_like.testing.parity's table, fp32 1e-5 and bf16 2e-2.
+- fp32: the fp32 kernels reduce ~hidden terms in float32 (relative error ~1e-7 * log n)
   and the backward subtracts two O(1) terms; 1e-5 leaves two orders of margin.
-- bf16: 2e-2 on outputs and grads. bf16 has 8 mantissa bits (relative step 2^-8 = 3.9e-3);
+- bf16: outputs and grads. bf16 has 8 mantissa bits (relative step 2^-8 = 3.9e-3);
   the result is rounded to bf16 at least twice (normalized value, then times gamma), and
   weight grads sum many bf16-rounded products, so a few ulps are expected.
 """
@@ -30,10 +30,9 @@ from mindspeed_like.testing import (
     train_steps,
 )
 from mindspeed_like.testing.npu_emulator import ContractError, emulated_torch_npu
+from mindspeed_like.testing.parity import SEED, assert_close_to_reference, assert_losses_close
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 SHAPES = [(2, 3, 64), (1, 1, 129), (5, 129), (7, 2, 3, 16)]
-SEED = 1234
 STEPS = 10
 
 
@@ -43,27 +42,20 @@ def _f64_reference(x, w, eps, zero_centered):
     return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * gamma
 
 
-def _run(backend, x, w, g, eps=1e-5, zero_centered=False):
+def _run(x, w, g, eps=1e-5, zero_centered=False):
+    """Forward and backward with the backend the ``kernel_backend`` fixture forced."""
     x = x.detach().clone().requires_grad_()
     w = w.detach().clone().requires_grad_()
-    with force_backend(backend):
-        y = rms_norm(x, w, eps, zero_centered)
+    y = rms_norm(x, w, eps, zero_centered)
     y.backward(g)
     return y, x.grad, w.grad
 
 
-def _close(actual, expected, tol):
-    scale = expected.abs().max().item() or 1.0
-    err = (actual.double() - expected).abs().max().item()
-    assert err <= tol * scale, (err, scale, tol)
-
-
-@pytest.mark.parametrize("backend", ["portable", "reference", "npu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("zero_centered", [False, True])
-def test_backends_match_float64(backend, dtype, shape, zero_centered):
-    torch.manual_seed(hash((backend, str(dtype), shape, zero_centered)) % 2**31)
+def test_backends_match_float64(kernel_backend, dtype, shape, zero_centered):
+    torch.manual_seed(hash((kernel_backend.name, str(dtype), shape, zero_centered)) % 2**31)
     x = torch.randn(shape).to(dtype)
     w = (torch.rand(shape[-1]) * 0.5 + (0.0 if zero_centered else 0.75)).to(dtype)
     g = torch.randn(shape).to(dtype)
@@ -71,34 +63,31 @@ def test_backends_match_float64(backend, dtype, shape, zero_centered):
     wd = w.double().requires_grad_()
     yd = _f64_reference(xd, wd, 1e-5, zero_centered)
     yd.backward(g.double())
-    with emulated_torch_npu() as npu:
-        y, dx, dw = _run(backend, x, w, g, zero_centered=zero_centered)
-    assert npu.calls["npu_rms_norm"] == (1 if backend == "npu" else 0)
+    y, dx, dw = _run(x, w, g, zero_centered=zero_centered)
+    kernel_backend.assert_npu_calls("npu_rms_norm", 1)
     assert y.dtype == dtype and dx.dtype == dtype and dw.dtype == dtype
-    tol = TOL[dtype]
-    _close(y, yd.detach(), tol)
-    _close(dx, xd.grad, tol)
-    _close(dw, wd.grad, tol)
+    assert_close_to_reference(y, yd, dtype, what="y")
+    assert_close_to_reference(dx, xd.grad, dtype, what="dx")
+    assert_close_to_reference(dw, wd.grad, dtype, what="dw")
 
 
-@pytest.mark.parametrize("backend", ["portable", "npu"])
-def test_mixed_dtypes_and_leading_shapes(backend):
+@pytest.mark.parametrize("kernel_backend", ["portable", "npu"], indirect=True)
+def test_mixed_dtypes_and_leading_shapes(kernel_backend):
     """bf16 input with fp32 weight (result bf16 like torch.nn.RMSNorm), 1-D and 9-D inputs."""
     torch.manual_seed(0)
-    with emulated_torch_npu():
-        for shape in [(129,), (1,) * 8 + (16,), (3, 4, 8)]:
-            x = torch.randn(shape).bfloat16()
-            w = torch.rand(shape[-1]) + 0.5
-            y, dx, dw = _run(backend, x, w, torch.randn(shape))
-            expected = torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-5)
-            assert y.dtype == expected.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16
-            assert dw.dtype == torch.float32
-            _close(y, expected.double(), TOL[torch.bfloat16])
-        # fp32 input with a bf16 weight is not an npu pair: the kernel upcasts gamma.
-        x, w = torch.randn(4, 32), (torch.rand(32) + 0.5).bfloat16()
-        y, _, dw = _run(backend, x, w, torch.randn(4, 32))
-        assert dw.dtype == torch.bfloat16
-        _close(y, torch.nn.functional.rms_norm(x, (32,), w, 1e-5).double(), 1e-5)
+    for shape in [(129,), (1,) * 8 + (16,), (3, 4, 8)]:
+        x = torch.randn(shape).bfloat16()
+        w = torch.rand(shape[-1]) + 0.5
+        y, dx, dw = _run(x, w, torch.randn(shape))
+        expected = torch.nn.functional.rms_norm(x, (shape[-1],), w, 1e-5)
+        assert y.dtype == expected.dtype == torch.bfloat16 and dx.dtype == torch.bfloat16
+        assert dw.dtype == torch.float32
+        assert_close_to_reference(y, expected, torch.bfloat16, what=f"y {shape}")
+    # fp32 input with a bf16 weight is not an npu pair: the kernel upcasts gamma.
+    x, w = torch.randn(4, 32), (torch.rand(32) + 0.5).bfloat16()
+    y, _, dw = _run(x, w, torch.randn(4, 32))
+    assert dw.dtype == torch.bfloat16
+    assert_close_to_reference(y, torch.nn.functional.rms_norm(x, (32,), w, 1e-5), torch.float32, what="fp32 x, bf16 w")
 
 
 def test_portable_saves_only_x_and_rstd():
@@ -158,14 +147,10 @@ def _train(flag: bool, steps: int = STEPS, **overrides) -> list[float]:
     return train_steps(model, steps, seed=SEED)
 
 
-def _rel_close(a, b, rtol):
-    return all(math.isclose(x, y, rel_tol=rtol) for x, y in zip(a, b, strict=True))
-
-
 def test_gpt_parity_fp32(adaptor):
     base = _train(False)
     fused = _train(True)
-    assert _rel_close(fused, base, 1e-5), (fused, base)
+    assert_losses_close(fused, base, 1e-5, "fused-rmsnorm fp32 GPT")
 
 
 def test_gpt_parity_bf16(adaptor):
@@ -175,7 +160,7 @@ def test_gpt_parity_bf16(adaptor):
     base = _train(False, bf16=True)
     fused = _train(True, bf16=True)
     assert all(math.isfinite(x) for x in fused)
-    assert _rel_close(fused, base, 1e-2), (fused, base)
+    assert_losses_close(fused, base, 1e-2, "fused-rmsnorm bf16 GPT")
 
 
 def test_state_dict_interchangeable_and_zero_centered(adaptor):
@@ -202,11 +187,10 @@ def test_recompute_and_npu_path_in_gpt(adaptor):
     """Selective ``layernorm`` recompute (CheckpointWithoutOutput around our module) and the
     npu backend (through the emulator) inside the real model: same losses as megatron's norm."""
     base = _train(False, steps=3)
-    assert _rel_close(
-        _train(True, steps=3, recompute_granularity="selective", recompute_modules=["layernorm"]), base, 1e-5
-    )
+    recomputed = _train(True, steps=3, recompute_granularity="selective", recompute_modules=["layernorm"])
+    assert_losses_close(recomputed, base, 1e-5, "layernorm recompute")
     with emulated_torch_npu() as npu, force_backend("npu"):
-        assert _rel_close(_train(True, steps=3), base, 1e-5)
+        assert_losses_close(_train(True, steps=3), base, 1e-5, "npu backend")
     assert npu.calls["npu_rms_norm"] == 3 * 5  # steps x norms (one micro-batch per step)
 
 
@@ -255,7 +239,7 @@ def test_tp2_sequence_parallel_parity():
     for rank in results:
         for flag in (False, True):
             assert rank[f"fused_{flag}"] and rank[f"sp_marked_{flag}"]
-        assert _rel_close(rank["losses_True"], rank["losses_False"], 1e-5), rank
+        assert_losses_close(rank["losses_True"], rank["losses_False"], 1e-5, "TP=2+SP")
     assert results[0]["losses_True"] == results[1]["losses_True"]
 
 

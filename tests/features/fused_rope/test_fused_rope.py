@@ -1,9 +1,10 @@
 """Fused rotary position embedding: kernel backends, npu emulator contract, megatron patch, parity.
 
-Tolerances (outputs and input grads vs a float64 oracle on the same inputs):
-- fp32: 1e-5 abs + 1e-5 rel. A rotation is two products and a sum per element; fp32 rounding of
-  |x| <= ~5 stays far below that.
-- bf16: 6e-2 abs + 1.6e-2 rel. cos/sin are rounded to bf16 before use (as megatron does) and
+Tolerances (outputs and input grads vs a float64 oracle on the same inputs, per element):
+- fp32: the table of mindspeed_like.testing.parity, 1e-6 abs + 1e-5 rel. A rotation is two
+  products and a sum per element; fp32 rounding of |x| <= ~5 stays far below that.
+- bf16, an override of the table's 2e-2/2e-2: 6e-2 abs + 1.6e-2 rel. cos/sin are rounded to bf16
+  before use (as megatron does) and
   each product and sum rounds to 8 mantissa bits. ``x_a cos - x_b sin`` can cancel, so the error
   is absolute at the scale of the products (|x| <= ~5 from randn, times mscale 1.25: bf16
   half-ulp up to 2^-5 = 0.031 per rounding, two or three roundings), not relative to the result.
@@ -15,7 +16,6 @@ fused multiply-add where megatron rounds after every op; measured about 3e-5).
 from __future__ import annotations
 
 import logging
-import math
 import types
 import zlib
 
@@ -35,10 +35,18 @@ from mindspeed_like.testing import (
     train_steps,
 )
 from mindspeed_like.testing.npu_emulator import ContractError, emulated_torch_npu
+from mindspeed_like.testing.parity import SEED, assert_elementwise_close, assert_losses_close, run_with_backend
 
-SEED = 1234
 STEPS = 10
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=6e-2, rtol=1.6e-2)}
+# bf16 override (see the docstring): the error of ``x_a cos - x_b sin`` is absolute at the scale
+# of the products, not relative to a result that can cancel.
+BF16_ROTATION = dict(atol=6e-2, rtol=1.6e-2)
+
+
+def _close(actual, expected, dtype, what):
+    assert_elementwise_close(actual, expected, dtype, what=what, **(BF16_ROTATION if dtype == torch.bfloat16 else {}))
+
+
 # (s, b, n, d, rot_dim): seq 1, odd head dim 129 with partial rotary, rotary_percent 0.5, full.
 SHAPES = [(1, 1, 1, 2, 2), (7, 2, 3, 129, 128), (5, 3, 4, 64, 32), (16, 2, 2, 32, 32)]
 
@@ -58,50 +66,40 @@ def oracle(t: torch.Tensor, freqs: torch.Tensor, mode: str, mscale: float = 1.0)
     return torch.cat((x * torch.cos(f) * mscale + rotated * torch.sin(f) * mscale, rest), dim=-1)
 
 
-def run_backend(backend: str, fn):
-    if backend == "npu":
-        with emulated_torch_npu() as npu, force_backend("npu"):
-            return fn(), npu.calls["npu_rotary_mul"]
-    with force_backend(backend):
-        return fn(), 0
-
-
-@pytest.mark.parametrize("backend", ["portable", "reference", "npu"])
 @pytest.mark.parametrize("mode", ["half", "interleave", "mla"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_float64(backend, mode, dtype):
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{backend}-{mode}-{dtype}".encode()))
+def test_kernel_matches_float64(kernel_backend, mode, dtype):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{kernel_backend.name}-{mode}-{dtype}".encode()))
     for s, b, n, d, rot_dim in SHAPES:
         t = torch.randn(s, b, n, d, generator=gen).to(dtype).requires_grad_()
         freqs = torch.rand(s, 1, 1, rot_dim, generator=gen) * 6
         grad = torch.randn(s, b, n, d, generator=gen).to(dtype)
-        out, calls = run_backend(backend, lambda: apply_rope(t, freqs, mode=mode, mscale=1.25))  # noqa: B023
+        calls = kernel_backend.calls["npu_rotary_mul"]
+        out = apply_rope(t, freqs, mode=mode, mscale=1.25)
+        assert kernel_backend.calls["npu_rotary_mul"] - calls == kernel_backend.expected_npu_calls(1)
         (dt,) = torch.autograd.grad(out, t, grad)
         t64 = t.detach().double().requires_grad_()
         ref = oracle(t64, freqs, mode, 1.25)
         (dt64,) = torch.autograd.grad(ref, t64, grad.double())
         assert out.dtype == dtype and out.shape == t.shape
-        torch.testing.assert_close(out.double(), ref, **TOL[dtype])
-        torch.testing.assert_close(dt.double(), dt64, **TOL[dtype])
-        if backend == "npu":
-            assert calls == 1
+        _close(out, ref, dtype, f"out {(s, b, n, d, rot_dim)}")
+        _close(dt, dt64, dtype, f"dt {(s, b, n, d, rot_dim)}")
 
 
-@pytest.mark.parametrize("backend", ["portable", "reference", "npu"])
 @pytest.mark.parametrize("per_token_freqs", [False, True])
-def test_thd_packed_matches_per_sequence(backend, per_token_freqs):
+def test_thd_packed_matches_per_sequence(kernel_backend, per_token_freqs):
     lengths = [3, 1, 5]
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
     total, n, d, rot_dim = 9, 3, 20, 16
     t = torch.randn(total, n, d, dtype=torch.float32, requires_grad=True)
     freqs = torch.rand(total if per_token_freqs else 6, 1, 1, rot_dim) * 6
-    out, _ = run_backend(backend, lambda: apply_rope(t, freqs, mode="half", cu_seqlens=cu))
+    out = apply_rope(t, freqs, mode="half", cu_seqlens=cu)
     pieces, start = [], 0
     for length in lengths:
         rows = freqs[start : start + length] if per_token_freqs else freqs[:length]
         pieces.append(oracle(t[start : start + length].unsqueeze(1), rows, "half").squeeze(1))
         start += length
-    torch.testing.assert_close(out.double(), torch.cat(pieces), **TOL[torch.float32])
+    _close(out, torch.cat(pieces), torch.float32, "packed out")
 
 
 def test_portable_saves_only_shared_cos_sin():
@@ -130,9 +128,10 @@ def test_cos_sin_cache_shared_and_invalidated():
 def test_npu_backend_falls_back_outside_op_limits():
     t = torch.randn(1, 40, 30, 8, requires_grad=True)  # interleave needs B*N < 1000
     freqs = torch.rand(1, 1, 1, 8)
-    out, calls = run_backend("npu", lambda: apply_rope(t, freqs, mode="interleave"))
-    assert calls == 0
-    torch.testing.assert_close(out.double(), oracle(t, freqs, "interleave"), **TOL[torch.float32])
+    with run_with_backend("npu") as npu:
+        out = apply_rope(t, freqs, mode="interleave")
+    assert npu.calls["npu_rotary_mul"] == 0
+    _close(out, oracle(t, freqs, "interleave"), torch.float32, "fallback out")
 
 
 def test_emulator_rejects_wrong_calls():
@@ -176,10 +175,6 @@ def _losses(flag: bool, steps: int = STEPS, **overrides) -> list[float]:
     return train_steps(tiny_gpt(**overrides), steps, seed=SEED)
 
 
-def _close(a, b, rtol):
-    return all(math.isclose(x, y, rel_tol=rtol) for x, y in zip(a, b, strict=True))
-
-
 @pytest.fixture(scope="module")
 def baseline_fp32():
     mindspeed_like.reset()
@@ -196,19 +191,19 @@ def test_gpt_parity_fp32(fresh, baseline_fp32, monkeypatch):
     monkeypatch.setattr(rope_kernel, "apply_rope", lambda *a, **k: calls.append(1) or real(*a, **k))
     fused = _losses(True)
     assert len(calls) == STEPS * 2 * 2  # the patch ran our kernel: steps x layers x (q, k)
-    assert _close(fused, baseline_fp32, 1e-5), (fused, baseline_fp32)
+    assert_losses_close(fused, baseline_fp32, 1e-5, "fused-rope fp32 GPT")
 
 
 def test_gpt_parity_npu_backend_through_emulator(fresh, baseline_fp32):
     with emulated_torch_npu() as npu, force_backend("npu"):
         npu_losses = _losses(True)
     assert npu.calls["npu_rotary_mul"] == STEPS * 2 * 2  # steps x layers x (q, k)
-    assert _close(npu_losses, baseline_fp32, 1e-5), (npu_losses, baseline_fp32)
+    assert_losses_close(npu_losses, baseline_fp32, 1e-5, "npu backend")
 
 
 def test_gpt_parity_bf16(fresh):
     fused, base = _losses(True, bf16=True), _losses(False, bf16=True)
-    assert _close(fused, base, 1e-3), (fused, base)
+    assert_losses_close(fused, base, 1e-3, "fused-rope bf16 GPT")
 
 
 def test_flag_off_restores_megatron_objects(fresh):
@@ -304,7 +299,7 @@ def _tp2_sp_worker(seed: int) -> dict:
 
 def test_tp2_sequence_parallel_parity():
     for rank in run_distributed(_tp2_sp_worker, 2, SEED, timeout=300):
-        assert _close(rank[True], rank[False], 1e-5), rank
+        assert_losses_close(rank[True], rank[False], 1e-5, "TP=2+SP")
 
 
 def test_flag_parses_from_the_command_line_with_mindspeed_spelling():

@@ -1,7 +1,8 @@
 """Fused SwiGLU (``--use-fused-swiglu``): kernel backends vs float64, saved bytes, the
 torch_npu emulator's contract, and megatron parity with the flag on vs off.
 
-Tolerances (against a float64 reference of the same inputs):
+Tolerances (against a float64 reference of the same inputs, per element: the table of
+mindspeed_like.testing.parity):
 - fp32: rtol 1e-5 / atol 1e-6. The op is a few elementwise steps (sigmoid, two multiplies);
   each rounds once in fp32 (2^-24 relative), so errors stay within a few ulps.
 - bf16: rtol 2e-2 / atol 2e-2 (bias grad: atol scaled by the token count). Outputs and grads
@@ -33,20 +34,17 @@ from mindspeed_like.testing import (
     train_steps,
 )
 from mindspeed_like.testing.npu_emulator import ContractError, emulated_torch_npu
+from mindspeed_like.testing.parity import SEED, assert_elementwise_close, assert_losses_close, tolerance
 
-SEED = 1234
 STEPS = 10
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 SHAPES = [(4, 3, 258), (1, 2, 64), (7, 129 * 2), (2, 1, 1, 10)]  # hidden 129 (halves), seq 1, 2-D, 4-D
-BACKENDS = ["portable", "reference", "npu"]
 
 
-def _run(backend: str, fn, args: tuple, grad: torch.Tensor) -> torch.Tensor:
-    """Forward and backward with ``backend`` forced; npu goes through the contract-checking emulator."""
-    with emulated_torch_npu() as npu, force_backend(backend):
-        out = fn(*args)
-        out.backward(grad.to(out.dtype))
-    assert npu.calls["npu_swiglu"] == (1 if backend == "npu" else 0)
+def _run(backend, fn, args: tuple, grad: torch.Tensor) -> torch.Tensor:
+    """Forward and backward under the ``kernel_backend`` fixture (npu: the contract-checking emulator)."""
+    out = fn(*args)
+    out.backward(grad.to(out.dtype))
+    backend.assert_npu_calls("npu_swiglu", 1)
     return out
 
 
@@ -63,54 +61,52 @@ def _ref64(grad, x, bias=None, weights=None):
     return out, x64.grad, None if b64 is None else b64.grad, None if w64 is None else w64.grad
 
 
-def _close(actual, expected, dtype, scale=1.0):
-    tol = dict(TOL[dtype])
-    tol["atol"] *= scale
-    torch.testing.assert_close(actual.double(), expected, **tol)
+def _close(actual, expected, dtype, what, atol_scale=1.0):
+    """The table's per-element bound; a summed gradient's atol grows with the terms summed
+    (``atol_scale``: sqrt(tokens) for a bias grad, 10 for a sum over 129 products)."""
+    assert_elementwise_close(actual, expected, dtype, what=what, atol=tolerance(dtype).atol * atol_scale)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_swiglu_matches_float64(backend, dtype, shape, with_bias):
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((backend, dtype, shape, with_bias)).encode()))
+def test_swiglu_matches_float64(kernel_backend, dtype, shape, with_bias):
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((kernel_backend.name, dtype, shape, with_bias)).encode()))
     x = torch.randn(shape, generator=gen).to(dtype).requires_grad_(True)
     bias = torch.randn(shape[-1], generator=gen).to(dtype).requires_grad_(True) if with_bias else None
     grad = torch.randn(*shape[:-1], shape[-1] // 2, generator=gen)
-    out = _run(backend, swiglu, (x, bias) if with_bias else (x,), grad)
+    out = _run(kernel_backend, swiglu, (x, bias) if with_bias else (x,), grad)
     ref, gx, gb, _ = _ref64(grad, x, bias)
     assert out.dtype == dtype and out.shape == ref.shape
-    _close(out, ref, dtype)
-    _close(x.grad, gx, dtype)
+    _close(out, ref, dtype, "out")
+    _close(x.grad, gx, dtype, "dx")
     if with_bias:
         tokens = x.numel() // shape[-1]
-        _close(bias.grad, gb, dtype, scale=max(1.0, math.sqrt(tokens)))
+        _close(bias.grad, gb, dtype, "dbias", atol_scale=max(1.0, math.sqrt(tokens)))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weighted_swiglu_matches_float64(backend, dtype):
+def test_weighted_swiglu_matches_float64(kernel_backend, dtype):
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(33, 258, generator=gen).to(dtype).requires_grad_(True)
     w = torch.rand(33, 1, generator=gen).requires_grad_(True)  # fp32 probabilities, as in MoE
     grad = torch.randn(33, 129, generator=gen)
-    out = _run(backend, weighted_swiglu, (x, w), grad)
+    out = _run(kernel_backend, weighted_swiglu, (x, w), grad)
     ref, gx, _, gw = _ref64(grad, x, weights=w)
     assert out.dtype == dtype
-    _close(out, ref, dtype)
-    _close(x.grad, gx, dtype)
-    _close(w.grad, gw, dtype, scale=10.0)  # a sum over 129 products
+    _close(out, ref, dtype, "out")
+    _close(x.grad, gx, dtype, "dx")
+    _close(w.grad, gw, dtype, "dweights", atol_scale=10.0)  # a sum over 129 products
 
 
-@pytest.mark.parametrize("backend", ["portable", "npu"])
+@pytest.mark.parametrize("kernel_backend", ["portable", "npu"], indirect=True)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_saves_only_the_input(backend, with_bias):
+def test_saves_only_the_input(kernel_backend, with_bias):
     x = torch.randn(16, 8, 256, requires_grad=True)
     bias = torch.randn(256, requires_grad=True) if with_bias else None
-    with emulated_torch_npu(), force_backend(backend), SavedBytesMeter() as meter:
+    with SavedBytesMeter() as meter:
         swiglu(x, bias)
-    expected = x.nbytes + (bias.nbytes if with_bias and backend == "portable" else 0)
+    expected = x.nbytes + (bias.nbytes if with_bias and kernel_backend.name == "portable" else 0)
     # portable: x and bias (the biased sum is recomputed); npu: the biased input once.
     assert meter.bytes == expected, (meter.bytes, expected)
     with force_backend("reference"), SavedBytesMeter() as eager:
@@ -165,10 +161,6 @@ def _losses(cpu_config, fused: bool, steps: int = STEPS, **model) -> list[float]
     return train_steps(tiny_gpt(**model), steps, seed=SEED)
 
 
-def _rel_close(a, b, rtol):
-    return all(math.isclose(x, y, rel_tol=rtol) for x, y in zip(a, b, strict=True))
-
-
 @pytest.mark.parametrize(
     "model",
     [
@@ -184,22 +176,22 @@ def test_gpt_parity_fp32(cpu_config, model):
     with emulated_torch_npu() as npu, force_backend("npu"):  # proves the route: our kernel runs
         routed = _losses(cpu_config, True, steps=1, **model)
     assert npu.calls["npu_swiglu"] > 0
-    assert math.isclose(routed[0], base[0], rel_tol=1e-5)
+    assert_losses_close(routed, base[:1], 1e-5, "npu route, step 0")
     ours = _losses(cpu_config, True, **model)
-    assert _rel_close(ours, base, 1e-5), (ours, base)
+    assert_losses_close(ours, base, 1e-5, "fused-swiglu fp32 GPT")
 
 
 def test_gpt_parity_moe_sequential_fp32(cpu_config):
     model = dict(num_moe_experts=4, moe_token_dispatcher_type="alltoall")
     base = _losses(cpu_config, False, **model)
     ours = _losses(cpu_config, True, **model)
-    assert _rel_close(ours, base, 1e-5), (ours, base)
+    assert_losses_close(ours, base, 1e-5, "fused-swiglu fp32 GPT")
 
 
 def test_gpt_parity_bf16(cpu_config):
     base = _losses(cpu_config, False, bf16=True)
     ours = _losses(cpu_config, True, bf16=True)
-    assert _rel_close(ours, base, 1e-2), (ours, base)
+    assert_losses_close(ours, base, 1e-2, "fused-swiglu bf16 GPT")
 
 
 @pytest.mark.parametrize("model", [{"gated_linear_unit": False}, {"activation_func": F.gelu}], ids=["gelu", "geglu"])
@@ -275,4 +267,4 @@ def tp2_sp_worker(seed: int = SEED) -> dict:
 def test_tp2_sp_parity():
     ranks = run_distributed(tp2_sp_worker, 2, SEED, timeout=300)
     for rank in ranks:
-        assert _rel_close(rank[True], rank[False], 1e-5), rank
+        assert_losses_close(rank[True], rank[False], 1e-5, "TP=2+SP")

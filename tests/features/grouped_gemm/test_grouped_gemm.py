@@ -31,11 +31,11 @@ from mindspeed_like.testing import (
 )
 from mindspeed_like.testing.moe import copy_sequential_into_grouped, sequential_to_grouped_state
 from mindspeed_like.testing.npu_emulator import emulated_torch_npu
+from mindspeed_like.testing.parity import SEED, rel_close
 from mindspeed_like.testing.training import unwrap
 from mindspeed_like.toolkit.errors import ConfigError
 from mindspeed_like.toolkit.fallback import forget_logged
 
-SEED = 1234
 STEPS = 10
 EXPERTS = 4
 
@@ -47,10 +47,6 @@ def _pair(ep: int = 1, **model):
     grouped = tiny_gpt(num_moe_experts=EXPERTS, moe_grouped_gemm=True, **model)
     copy_sequential_into_grouped(unwrap(sequential), unwrap(grouped), EXPERTS // ep)
     return sequential, grouped
-
-
-def _rel_close(a, b, rtol):
-    return all(math.isclose(x, y, rel_tol=rtol) for x, y in zip(a, b, strict=True))
 
 
 def test_weight_mapping_matches_megatrons_views():
@@ -127,14 +123,14 @@ def _train_pair(steps=STEPS, ep=1, **model):
 def test_gpt_trains_like_sequential_fp32(cpu_config, dispatcher):
     cpu_config()
     base, ours = _train_pair(moe_token_dispatcher_type=dispatcher)
-    assert _rel_close(ours, base, 1e-5), (ours, base)
+    assert rel_close(ours, base, 1e-5), (ours, base)
     assert ours[-1] < ours[0]
 
 
 def test_gpt_trains_like_sequential_bf16(cpu_config):
     cpu_config()
     base, ours = _train_pair(bf16=True)
-    assert _rel_close(ours, base, 1e-2), (ours, base)
+    assert rel_close(ours, base, 1e-2), (ours, base)
 
 
 def test_gemm_gradient_accumulation_fusion_parity(cpu_config, monkeypatch):
@@ -150,8 +146,8 @@ def test_gemm_gradient_accumulation_fusion_parity(cpu_config, monkeypatch):
     cpu_config(gemm_gradient_accumulation_fusion=True)
     _, fused = _train_pair(moe_token_dispatcher_type="alltoall")
     assert len(fused_calls) == 2 * 2 * STEPS  # weight1 and weight2, 2 layers, every step
-    assert _rel_close(fused, unfused, 1e-5), (fused, unfused)
-    assert _rel_close(fused, base, 1e-5)
+    assert rel_close(fused, unfused, 1e-5), (fused, unfused)
+    assert rel_close(fused, base, 1e-5)
 
 
 def test_moe_act_recompute_parity(cpu_config):
@@ -167,7 +163,7 @@ def test_moe_act_recompute_parity(cpu_config):
     data = make_batches(1, 2, 32, 256, SEED)[0]
     base = train_steps(sequential, STEPS, seed=SEED, data=data)
     ours = train_steps(recomputed, STEPS, seed=SEED, data=data)
-    assert _rel_close(ours, base, 1e-5), (ours, base)
+    assert rel_close(ours, base, 1e-5), (ours, base)
 
 
 def test_gpu_style_init_builds_on_cpu(cpu_config):
@@ -297,4 +293,4 @@ def test_ep2_parity():
     ranks = run_distributed(ep2_worker, 2, SEED, timeout=300)
     for rank in ranks:
         for dispatcher, (base, ours) in rank.items():
-            assert _rel_close(ours, base, 1e-5), (dispatcher, ours, base)
+            assert rel_close(ours, base, 1e-5), (dispatcher, ours, base)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mindspeed_like.testing import run_distributed
-
-SEED = 1234
+from mindspeed_like.testing.parity import SEED
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-SEED = 1234
+from mindspeed_like.testing.parity import SEED
 
 
 def inner_optimizers(opt) -> list:

@@ -16,7 +16,6 @@ gloo group named by the communicator and enforces the kernels' contract.
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -27,6 +26,7 @@ import mindspeed_like
 from mindspeed_like.kernels.tp_overlap.tiles import tile_bounds
 from mindspeed_like.testing import run_distributed
 from mindspeed_like.testing.npu_emulator import ContractError, emulated_torch_npu
+from mindspeed_like.testing.parity import assert_losses_close
 from mindspeed_like.testing.tp_timeline import position
 from mindspeed_like.toolkit.errors import ConfigError
 
@@ -249,7 +249,7 @@ def test_gpt_parity_tp2_sp_fp32():
     ranks = run_distributed(workers.gpt_parity_worker, 2, 2, 10, 4, timeout=600)
     for losses in ranks:
         assert len(losses[True]) == 10
-        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses[True], losses[False], strict=True)), losses
+        assert_losses_close(losses[True], losses[False], rtol=1e-5, what="tp-overlap on vs off")
 
 
 # ---------------------------------------------------------------- Megatron-LM's command line (opt-in)

@@ -14,8 +14,7 @@ import logging
 import torch
 
 import mindspeed_like
-
-SEED = 1234
+from mindspeed_like.testing.parity import SEED
 
 
 def _setup(tp: int, **flags) -> None:
