@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all lint megatron-lm-smoke clean
+.PHONY: install demo test test-all test-compile lint megatron-lm-smoke clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,9 +27,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# Every case, slow ones included.
+# Every case, slow ones included (the compile lane is its own target).
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m ''
+	$(PY) -m pytest -q -m 'not compile'
+
+# torch.compile ON, as users run megatron (its jit_fuser is torch.compile): every acceleration's
+# GPT parity with megatron's compiled fusions, alone and together (tests marked `compile`).
+test-compile: $(STAMP)
+	TORCHDYNAMO_DISABLE=0 $(PY) -m pytest -q -m compile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mindspeed_like tests benchmarks examples
