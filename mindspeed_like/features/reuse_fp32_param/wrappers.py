@@ -77,6 +77,16 @@ from mindspeed_like.toolkit.errors import ConfigError
 from mindspeed_like.toolkit.fallback import Fallback
 
 
+def _holds_bf16_params(optimizer) -> bool:
+    """False for megatron's stub optimizer (no parameters on this rank: nothing to share); an
+    fp16 optimizer is an error (the residual trick needs bf16's layout inside fp32)."""
+    if optimizer.is_stub_optimizer:
+        return False
+    if not optimizer.config.bf16:
+        raise ConfigError(bf16_required_message("the optimizer is configured for fp16 (OptimizerConfig.fp16=True)"))
+    return True
+
+
 @dataclass(frozen=True)
 class Float16Init:
     """Wrapper of ``Float16OptimizerWithFloat16Params.__init__``: masters move into shared buffers."""
@@ -85,10 +95,8 @@ class Float16Init:
 
     def __call__(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        if instance.is_stub_optimizer:
+        if not _holds_bf16_params(instance):
             return result
-        if not instance.config.bf16:
-            raise ConfigError(bf16_required_message("the optimizer is configured for fp16 (OptimizerConfig.fp16=True)"))
         share(instance, self.fall_back)
         return result
 
@@ -106,10 +114,8 @@ class DistributedInit:
 
     def __call__(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
-        if instance.is_stub_optimizer:
+        if not _holds_bf16_params(instance):
             return result
-        if not instance.config.bf16:
-            raise ConfigError(bf16_required_message("the optimizer is configured for fp16 (OptimizerConfig.fp16=True)"))
         state = distributed.build(instance)
         if isinstance(state, str):
             self.fall_back(f"DistributedOptimizer: {state}")
