@@ -22,7 +22,10 @@ NAME = "recompute-activation-function"
 def patches(ctx: Context) -> list[Patch]:
     recompute = Recompute(
         num_layers=ctx["recompute_activation_function_num_layers"],
-        hook_safe=not ctx.megatron_at_least("0.16"),
+        # megatron's own CheckpointWithoutOutput only on 0.16.x: before, inputs lose their grads under
+        # saved-tensor hooks; from 0.17 its recompute shares storage through a C++ extension
+        # compiled at the first backward (see checkpoint.py). Elsewhere our copying subclass.
+        hook_safe=not (ctx.megatron_at_least("0.16") and not ctx.megatron_at_least("0.17")),
         fall_back=ctx.fallback(NAME, RecomputeActivationUnsupported, "keeping the activation output"),
     )
     return [
@@ -37,6 +40,7 @@ def patches(ctx: Context) -> list[Patch]:
             f"{MOE_EXPERTS}.GroupedMLP.forward",
             Kind.WRAP,
             GroupedMLPForward(recompute),
+            versions="<0.17",  # GroupedMLP was deleted in 0.17; its experts are SequentialMLP's MLPs there
             why="grouped experts: switch on megatron's own moe_act recompute for the call",
         ),
         Patch(
