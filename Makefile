@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all test-compile lint megatron-lm-smoke clean
+.PHONY: install demo test test-all test-compile lint megatron-lm-smoke test-versions clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,37 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check mindspeed_like tests benchmarks examples
 	$(VENV)/bin/ruff format --check mindspeed_like tests benchmarks examples
 
+# The suite against several megatron-core releases, each in its own venv (.venv-mc<version>):
+# the oldest supported, the primary (what pip picks on Python 3.11) and the newest release.
+# megatron-core 0.17+ declare Python >= 3.12 but run on 3.11: they are installed with
+# --ignore-requires-python, a testing device only (torch's CPU wheel here is for 3.11); a
+# Python 3.12 user gets them from a plain `pip install` (docs/versions.md). Everything is
+# installed --no-deps after torch (0.13-0.15 declare numpy<2 yet run with numpy 2; 0.18+
+# import triton at `import megatron.core` without declaring it).
+TEST_VERSIONS ?= 0.13.1 0.16.1 0.19.2
+# A representative subset for every version (the primary's whole suite is `make test`): the
+# declared targets, the audit, every feature's parity tests and the CPU adapter.
+VERSION_TESTS ?= tests/integration tests/features tests/adapters tests/fixes tests/config/test_adaptor_import.py tests/config/test_audit.py
+VERSION_PYTEST_ARGS ?= -q -p no:cacheprovider
+
+.venv-mc%/.installed: pyproject.toml setup.py
+	test -x .venv-mc$*/bin/python || $(PYTHON) -m venv .venv-mc$*
+	.venv-mc$*/bin/python -m pip install -q --upgrade pip
+	.venv-mc$*/bin/python -m pip install -q torch==2.13.0
+	.venv-mc$*/bin/python -m pip install -q --no-deps --ignore-requires-python megatron-core==$*
+	.venv-mc$*/bin/python -m pip install -q numpy packaging wrapt pytest ruff psutil pybind11
+	case "$*" in 0.1[3-7].*) ;; *) .venv-mc$*/bin/python -m pip install -q triton ;; esac
+	.venv-mc$*/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+test-versions: $(foreach v,$(TEST_VERSIONS),.venv-mc$(v)/.installed)
+	@for v in $(TEST_VERSIONS); do \
+		echo "== megatron-core $$v"; \
+		start=$$(date +%s); \
+		.venv-mc$$v/bin/python -m pytest $(VERSION_PYTEST_ARGS) $(VERSION_TESTS) || exit 1; \
+		echo "== megatron-core $$v: $$(( $$(date +%s) - start )) s"; \
+	done
+
 # Megatron-LM's own pretrain_gpt.py on CPU, every feature's opt-in test of it; needs a core_v0.16.1
 # checkout (see docs/megatron-lm.md). megatron compiles its dataset helpers with the python3 on
 # PATH: the venv's comes first.
@@ -51,4 +82,4 @@ megatron-lm-smoke: $(STAMP)
 		$(PY) -m pytest -q -m '' tests/integration/test_megatron_lm_integration.py tests/features/*/test_*_megatron_lm.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-mc* build *.egg-info .pytest_cache
