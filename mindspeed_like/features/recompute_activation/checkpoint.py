@@ -18,6 +18,13 @@ import torch
 _hook_safe_class = None
 
 
+def needs_hook_safe_checkpoint(ctx) -> bool:
+    """Whether ``ctx``'s megatron-core needs our subclass (0.13-0.15 and 0.17+; see the module
+    doc); megatron's own ``CheckpointWithoutOutput`` serves on 0.16.x only. One rule for the
+    patches and the spec provider."""
+    return not (ctx.megatron_at_least("0.16") and not ctx.megatron_at_least("0.17"))
+
+
 def hook_safe_checkpoint_class() -> type:
     """``CheckpointWithoutOutput`` as megatron-core 0.16 fixed it, for 0.13-0.15.
 
