@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all test-compile lint megatron-lm-smoke test-versions clean
+.PHONY: install demo test test-all test-compile lint megatron-lm-smoke megatron-lm-smoke-versions test-versions clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -86,6 +86,23 @@ megatron-lm-smoke: $(STAMP)
 	$(PY) -m pip install -q -e '.[test,megatron-lm]'
 	PATH="$(abspath $(VENV))/bin:$$PATH" MEGATRON_LM_PATH="$(MEGATRON_LM_PATH)" \
 		$(PY) -m pytest -q -m '' tests/integration/test_megatron_lm_integration.py tests/features/*/test_*_megatron_lm.py
+
+# The Megatron-LM smoke per tag (a `git archive` of each tag from MEGATRON_LM_GIT, a Megatron-LM
+# clone), each in the venv of its megatron-core: the primary's .venv for core_v0.16.1, .venv-mc<v>
+# for the others. core_v0.17.1 is the newest whose training loop imports on Python 3.11; 0.18+
+# import typing.override (Python 3.12) in megatron.training (docs/versions.md).
+MEGATRON_LM_TAGS ?= core_v0.16.1 core_v0.17.1
+megatron-lm-smoke-versions: $(STAMP) $(foreach t,$(filter-out core_v$(PRIMARY_VERSION),$(MEGATRON_LM_TAGS)),.venv-mc$(t:core_v%=%)/.installed)
+	@test -d "$(MEGATRON_LM_GIT)" || (echo "set MEGATRON_LM_GIT=/path/to/a Megatron-LM clone (with its core_v* tags)"; exit 2)
+	@set -e; for tag in $(MEGATRON_LM_TAGS); do \
+		version=$${tag#core_v}; dir=build/megatron-lm/$$tag; \
+		if [ "$$version" = "$(PRIMARY_VERSION)" ]; then venv=$(VENV); else venv=.venv-mc$$version; fi; \
+		test -f $$dir/pretrain_gpt.py || (mkdir -p $$dir && git --git-dir="$(MEGATRON_LM_GIT)" archive $$tag | tar -x -C $$dir); \
+		$$venv/bin/python -m pip install -q six regex pyyaml pydantic; \
+		echo "== Megatron-LM $$tag (megatron-core $$version, $$venv)"; \
+		PATH="$(CURDIR)/$$venv/bin:$$PATH" MEGATRON_LM_PATH="$(CURDIR)/$$dir" $$venv/bin/python -m pytest -q -m '' \
+			tests/integration/test_megatron_lm_integration.py tests/features/*/test_*_megatron_lm.py; \
+	done
 
 clean:
 	rm -rf $(VENV) .venv-mc* build *.egg-info .pytest_cache
