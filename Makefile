@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all test-compile lint megatron-lm-smoke clean
+.PHONY: install demo test test-all test-compile lint megatron-lm-smoke megatron-lm-smoke-versions test-versions clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,43 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check mindspeed_like tests benchmarks examples
 	$(VENV)/bin/ruff format --check mindspeed_like tests benchmarks examples
 
+# The suite against other megatron-core releases, each in its own venv (.venv-mc<version>): the
+# oldest supported and the newest release, a representative subset each (the primary, 0.16.1,
+# what pip picks on Python 3.11, runs the whole suite in `make test`, which .ci/run calls first;
+# TEST_PRIMARY=1 adds it here too). megatron-core 0.17+ declare Python >= 3.12 but run on 3.11:
+# they are installed with --ignore-requires-python, a TESTING DEVICE only (torch's CPU wheel here
+# is for 3.11); a Python 3.12 user gets them from a plain `pip install` (docs/versions.md).
+# megatron-core goes in --no-deps after torch (0.13-0.15 declare numpy<2 yet run with numpy 2;
+# 0.18+ import triton at `import megatron.core` without declaring it).
+PRIMARY_VERSION := 0.16.1
+TEST_VERSIONS ?= 0.13.1 0.19.2
+# The subset: the declared targets and the audit, every feature's parity tests on the real model,
+# the CPU adapter, the fixes, the specs and the integration tests (not the kernel-only tests,
+# which do not touch megatron-core).
+VERSION_TESTS ?= tests/features tests/adapters tests/fixes tests/integration tests/config tests/engine
+VERSION_PYTEST_ARGS ?= -q -p no:cacheprovider
+
+.venv-mc%/.installed: pyproject.toml setup.py
+	test -x .venv-mc$*/bin/python || $(PYTHON) -m venv .venv-mc$*
+	.venv-mc$*/bin/python -m pip install -q --upgrade pip
+	.venv-mc$*/bin/python -m pip install -q torch==2.13.0
+	.venv-mc$*/bin/python -m pip install -q --no-deps --ignore-requires-python megatron-core==$*
+	.venv-mc$*/bin/python -m pip install -q numpy packaging wrapt pytest ruff psutil pybind11
+	case "$*" in 0.1[3-7].*) ;; *) .venv-mc$*/bin/python -m pip install -q triton ;; esac
+	.venv-mc$*/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+test-versions: $(foreach v,$(TEST_VERSIONS),.venv-mc$(v)/.installed) $(if $(TEST_PRIMARY),$(STAMP))
+	@set -e; for v in $(TEST_VERSIONS); do \
+		echo "== megatron-core $$v (subset: $(VERSION_TESTS))"; \
+		start=$$(date +%s); \
+		.venv-mc$$v/bin/python -m pytest $(VERSION_PYTEST_ARGS) $(VERSION_TESTS); \
+		echo "== megatron-core $$v: $$(( $$(date +%s) - start )) s"; \
+	done
+	@if [ -n "$(TEST_PRIMARY)" ]; then \
+		echo "== megatron-core $(PRIMARY_VERSION) (primary, whole suite)"; $(PY) -m pytest $(VERSION_PYTEST_ARGS); \
+	fi
+
 # Megatron-LM's own pretrain_gpt.py on CPU, every feature's opt-in test of it; needs a core_v0.16.1
 # checkout (see docs/megatron-lm.md). megatron compiles its dataset helpers with the python3 on
 # PATH: the venv's comes first.
@@ -50,5 +87,22 @@ megatron-lm-smoke: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" MEGATRON_LM_PATH="$(MEGATRON_LM_PATH)" \
 		$(PY) -m pytest -q -m '' tests/integration/test_megatron_lm_integration.py tests/features/*/test_*_megatron_lm.py
 
+# The Megatron-LM smoke per tag (a `git archive` of each tag from MEGATRON_LM_GIT, a Megatron-LM
+# clone), each in the venv of its megatron-core: the primary's .venv for core_v0.16.1, .venv-mc<v>
+# for the others. core_v0.17.1 is the newest whose training loop imports on Python 3.11; 0.18+
+# import typing.override (Python 3.12) in megatron.training (docs/versions.md).
+MEGATRON_LM_TAGS ?= core_v0.16.1 core_v0.17.1
+megatron-lm-smoke-versions: $(STAMP) $(foreach t,$(filter-out core_v$(PRIMARY_VERSION),$(MEGATRON_LM_TAGS)),.venv-mc$(t:core_v%=%)/.installed)
+	@test -d "$(MEGATRON_LM_GIT)" || (echo "set MEGATRON_LM_GIT=/path/to/a Megatron-LM clone (with its core_v* tags)"; exit 2)
+	@set -e; for tag in $(MEGATRON_LM_TAGS); do \
+		version=$${tag#core_v}; dir=build/megatron-lm/$$tag; \
+		if [ "$$version" = "$(PRIMARY_VERSION)" ]; then venv=$(VENV); else venv=.venv-mc$$version; fi; \
+		test -f $$dir/pretrain_gpt.py || (mkdir -p $$dir && git --git-dir="$(MEGATRON_LM_GIT)" archive $$tag | tar -x -C $$dir); \
+		$$venv/bin/python -m pip install -q six regex pyyaml pydantic; \
+		echo "== Megatron-LM $$tag (megatron-core $$version, $$venv)"; \
+		PATH="$(CURDIR)/$$venv/bin:$$PATH" MEGATRON_LM_PATH="$(CURDIR)/$$dir" $$venv/bin/python -m pytest -q -m '' \
+			tests/integration/test_megatron_lm_integration.py tests/features/*/test_*_megatron_lm.py; \
+	done
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-mc* build *.egg-info .pytest_cache

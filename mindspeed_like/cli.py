@@ -1,4 +1,4 @@
-"""The `mindspeed-like` command: list features, show the patch report, run the demo."""
+"""The `mindspeed-like` command: list features, show the patch report, run the demo, audit a release."""
 
 from __future__ import annotations
 
@@ -95,6 +95,45 @@ def cmd_demo(args: argparse.Namespace, flag_values: dict) -> int:
     return run_demo(args, flag_values)
 
 
+def cmd_audit(args: argparse.Namespace, flag_values: dict) -> int:
+    """Every declared patch target against megatron-core sources, without importing them."""
+    from mindspeed_like import audit
+
+    try:
+        sources = [audit.Source(path) for path in args.megatron_source]
+        baseline = audit.Source(args.against) if args.against else audit.installed_source()
+    except audit.SourceError as error:
+        print(f"mindspeed-like audit: {error}", file=sys.stderr)
+        return 2
+    results = [(source, audit.audit(source, baseline)) for source in sources]
+    against = f"{baseline.version} ({baseline.path})" if baseline is not None else "none (pass --against)"
+    if args.markdown:
+        print(audit.markdown(results, baseline))
+    else:
+        for source, rows in results:
+            print(f"megatron-core {source.version} ({source.path}); signatures against {against}")
+            shown = [r for r in rows if args.verbose or r.status != audit.PRESENT or r.signature not in ("same", "-")]
+            table = [
+                (r.feature, r.target.removeprefix("megatron."), r.status, r.signature, r.versions or "", r.note)
+                for r in shown
+            ]
+            if table:
+                _print_table(("feature", "target", "status", "signature", "versions", "note"), table)
+            hidden = len(rows) - len(shown)
+            if hidden:
+                print(f"({hidden} more targets present with the same signature; -v lists them)")
+            print()
+            _print_table(("feature", "verdict"), list(audit.feature_summary(rows).items()))
+            print()
+    failed = [(source, row) for source, rows in results for row in audit.failures(rows)]
+    for source, row in failed:
+        print(
+            f"mindspeed-like audit: megatron-core {source.version}: {row.feature} needs {row.target} ({row.status})",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mindspeed_like import runtime
 
@@ -105,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("report", cmd_report, "apply the features for the given flags and print the patch report"),
         ("demo", cmd_demo, "train a small GPT with megatron-core through the adaptor on this machine"),
         ("run", None, "run a training script with the adaptor imported first: run SCRIPT [ARGS...]"),
+        ("audit", cmd_audit, "check every declared patch target against megatron-core sources (not imported)"),
     ):
         sub = commands.add_parser(name, help=help_text, allow_abbrev=False)
         if handler is None:
@@ -115,6 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
             from mindspeed_like.demo import add_demo_arguments
 
             add_demo_arguments(sub)
+        if name == "audit":
+            sub.add_argument(
+                "--megatron-source",
+                action="append",
+                required=True,
+                metavar="DIR_OR_WHEEL",
+                help="a megatron-core source tree (a directory holding megatron/) or a megatron_core wheel; repeatable",
+            )
+            sub.add_argument(
+                "--against",
+                metavar="DIR_OR_WHEEL",
+                help="the release whose signatures count as tested (default: the installed megatron-core)",
+            )
+            sub.add_argument("--markdown", action="store_true", help="one markdown table over all sources (docs)")
+            continue  # the audit builds every feature as switched on: no feature flags
         group = sub.add_argument_group("feature flags")
         for flag in runtime.flags():
             add_flag(group, flag)

@@ -170,7 +170,9 @@ class MindSpeedSpecProvider:
             fallback = self.ctx.fallback(
                 "recompute-activation-function", RecomputeActivationUnsupported, "keeping the activation output"
             )
-            hook_safe = not Context(self.ctx.config, megatron_version=_megatron_version()).megatron_at_least("0.16")
+            from mindspeed_like.features.recompute_activation.checkpoint import needs_hook_safe_checkpoint
+
+            hook_safe = needs_hook_safe_checkpoint(Context(self.ctx.config, megatron_version=_megatron_version()))
             recompute = MLPForward(Recompute(self.ctx["recompute_activation_function_num_layers"], hook_safe, fallback))
         return _mlp_class(fused, recompute) if fused or recompute is not None else None
 
@@ -207,6 +209,8 @@ def _swap_modules(spec, provider: MindSpeedSpecProvider):
         return module
 
     def walk(node):
+        if isinstance(node, functools.partial):
+            return walk_builder(node)
         if isinstance(node, ModuleSpec):
             node.module = swap(node.module)
             walk(node.submodules)
@@ -217,6 +221,19 @@ def _swap_modules(spec, provider: MindSpeedSpecProvider):
             for name in node.__dataclass_fields__:
                 setattr(node, name, walk(getattr(node, name)))
         return node
+
+    def walk_builder(builder: functools.partial):
+        """megatron-core 0.18+ spells a submodule as a builder, ``partial(MLP.as_mlp_submodule,
+        submodules=...)``: a classmethod of the module class, bound to it. The same builder of
+        our class (a subclass) builds ours."""
+        func = builder.func
+        owner = getattr(func, "__self__", None)
+        keywords = {name: walk(value) for name, value in builder.keywords.items()}
+        if isinstance(owner, type):
+            swapped = swap(owner)
+            if swapped is not owner:
+                func = getattr(swapped, func.__name__)
+        return functools.partial(func, *builder.args, **keywords)
 
     return walk(spec)
 

@@ -8,7 +8,8 @@ target and an explicit kind; the engine
   module finishes executing: import order does not matter;
 * applies a patch only to the versions of the target's package it declares (``versions``);
 * refuses to create attributes: a missing target is a ``PatchTargetError`` naming the feature,
-  the target and the installed version (optional patches log a skip instead);
+  the target and the installed version (optional patches log a skip instead, or hand the
+  reason to their ``on_missing``, a feature's fallback, when the skip changes behaviour);
 * replaces every alias of a replaced module-level object held by modules inside the alias
   scopes (``from x import f`` copies the object into the importer's globals);
 * stacks several features' patches of one target in their DECLARED order (``after`` /
@@ -276,6 +277,9 @@ class PatchEngine:
         self._pending.pop(key, None)
         if key not in self._order:
             self._order.append(key)
+        if patch.on_missing is not None:
+            patch.on_missing(f"patch target '{patch.target}' {why} (installed: {self._describe(patch.target)})")
+            return
         logger.info("feature '%s': optional patch target '%s' skipped: %s", feature, patch.target, why)
 
     def _hook(self, module_name: str) -> None:

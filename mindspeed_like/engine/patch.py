@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,10 @@ class Patch:
         kwargs)`` (WRAP). Compared by value when a feature is applied again: an equal patch is
         left in place (wrappers built from config values are frozen dataclasses for that).
     optional: a missing target is a logged skip instead of an error.
+    on_missing: for an optional target whose absence changes behaviour (the feature needs it
+        when it exists in this version): called with the reason instead of the info-level skip
+        line, e.g. a feature's ``Fallback`` (logged once as a warning; an error under
+        ``--strict``, raised where the target was looked for: at apply, or at its module's import).
     why: one line for the patch report.
     global_change: the target lies outside the engine's alias scopes (e.g. a torch function);
         such changes must be declared, and the report lists them.
@@ -70,6 +75,7 @@ class Patch:
     module: str | None = None
     update_aliases: bool = True
     versions: str | None = None
+    on_missing: Callable[[str], None] | None = None
     after: tuple[str, ...] = ()
     before: tuple[str, ...] = ()
 
@@ -80,6 +86,8 @@ class Patch:
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 raise TypeError(f"patch {self.target!r}: {name} must be a tuple of feature names, got {value!r}")
+        if self.on_missing is not None and not self.optional:
+            raise ValueError(f"patch {self.target!r}: on_missing is for optional targets (a required one raises)")
         if self.versions is not None:
             try:
                 SpecifierSet(self.versions)

@@ -27,6 +27,7 @@ from mindspeed_like.config import add_flag
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.binding import Call
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag, ValidateArgsHook, always_on
+from mindspeed_like.toolkit.errors import FeatureUnsupported
 from mindspeed_like.toolkit.targets import TRAINING_ARGUMENTS
 
 
@@ -96,14 +97,24 @@ def _announce(names: list[str], rank: int) -> None:
         print(f"> mindspeed_like features on: {', '.join(names)}", flush=True)
 
 
+class MegatronLmArgumentsUnsupported(FeatureUnsupported):
+    """``strict`` is on and Megatron-LM's arguments module lacks what the integration wraps."""
+
+
 def patches(ctx: Context) -> list[Patch]:
     hooks = tuple(sorted((f.name, f.validate_args_hook) for f in ctx.features if f.validate_args_hook is not None))
+    # Optional: the module exists only with Megatron-LM's loop; once it is imported, a missing
+    # function means our flags or the features' hooks would be silently ignored: logged (strict: error).
+    missing = ctx.fallback(
+        "megatron-lm-arguments", MegatronLmArgumentsUnsupported, "mindspeed_like flags are not on Megatron-LM's parser"
+    )
     result = [
         Patch(
             f"{TRAINING_ARGUMENTS}.parse_args",
             Kind.WRAP,
             ParseArgs(ctx.flags, ctx.megatron_args_sink),
             optional=True,
+            on_missing=missing,
             module=TRAINING_ARGUMENTS,
             why="Megatron-LM's parser accepts mindspeed_like flags; their values feed the config",
         )
@@ -115,6 +126,7 @@ def patches(ctx: Context) -> list[Patch]:
                 Kind.WRAP,
                 ValidateArgs(hooks),
                 optional=True,
+                on_missing=missing,
                 module=TRAINING_ARGUMENTS,
                 why="features' checks and adjustments around validation: " + ", ".join(name for name, _ in hooks),
             )

@@ -17,7 +17,10 @@ from mindspeed_like.testing.parallel import free_port
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH", "")
 PRETRAIN_GPT = os.path.join(MEGATRON_LM, "pretrain_gpt.py")
-SKIP_REASON = "set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1) to run; see docs/megatron-lm.md"
+SKIP_REASON = (
+    "set MEGATRON_LM_PATH to a Megatron-LM checkout whose tag matches megatron-core (core_v0.16.1 for 0.16.1) "
+    "to run, or `make megatron-lm-smoke-versions MEGATRON_LM_GIT=...`; see docs/megatron-lm.md"
+)
 
 # Only what a CPU user chooses: data, tokenizer, model size, schedule. No CPU-specific flags:
 # the adaptor switches TE/NCCL/apex defaults itself and logs it.
@@ -57,6 +60,11 @@ def torchrun(nproc: int, script_args: list[str], extra: list[str], env_extra: di
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, check=False)
     output = result.stdout + result.stderr
+    if result.returncode != 0 and "cannot import name 'override' from 'typing'" in output:
+        raise AssertionError(
+            f"this Megatron-LM checkout needs Python >= 3.12 (megatron.training imports typing.override; "
+            f"core_v0.18+), this is {sys.version.split()[0]}:\n{output[-2000:]}"
+        )
     assert result.returncode == 0, output[-6000:]
     features = [line for line in output.splitlines() if "> mindspeed_like features on:" in line]
     assert len(features) == 1, "rank 0 prints the features once"

@@ -179,6 +179,44 @@ def test_optional_missing_target_is_a_logged_skip(fakemeg, engine, caplog):
     assert "gone" in caplog.text and "skipped" in caplog.text
 
 
+def test_optional_missing_target_with_on_missing_is_the_features_fallback(fakemeg, engine, caplog, tmp_path):
+    """An optional target whose absence changes behaviour: the skip goes to the feature's
+    Fallback (a warning, not the info-level skip line); under strict it raises where the target
+    was looked for: at apply for an imported module, at the import of a module imported later."""
+    from mindspeed_like.toolkit.fallback import Fallback, forget_logged
+
+    forget_logged()
+    importlib.import_module(f"{PKG}.core.funcs")
+    lenient = Fallback("feat", strict=False, instead="left unadapted")
+    with caplog.at_level(logging.INFO, logger="mindspeed_like"):
+        engine.apply(
+            "feat", [Patch(f"{PKG}.core.funcs.gone", Kind.REPLACE, plus_100, optional=True, on_missing=lenient)]
+        )
+    assert [r.status for r in engine.report()] == ["skipped"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "gone" in warnings[0].getMessage() and "left unadapted" in warnings[0].getMessage()
+    engine.remove("feat")
+
+    strict = Fallback("feat", strict=True)
+    with pytest.raises(Exception, match="gone.*strict is on"):
+        engine.apply(
+            "feat", [Patch(f"{PKG}.core.funcs.gone", Kind.REPLACE, plus_100, optional=True, on_missing=strict)]
+        )
+    engine.remove("feat")
+    module = f"{PKG}.training.args"
+    engine.apply(
+        "feat", [Patch(f"{module}.gone", Kind.REPLACE, plus_100, optional=True, module=module, on_missing=strict)]
+    )
+    (tmp_path / PKG / "training").mkdir()
+    (tmp_path / PKG / "training" / "__init__.py").write_text("")
+    (tmp_path / PKG / "training" / "args.py").write_text("def parse():\n    return 1\n")
+    importlib.invalidate_caches()
+    with pytest.raises(Exception, match="gone.*strict is on"):
+        importlib.import_module(module)
+    with pytest.raises(ValueError, match="on_missing is for optional targets"):
+        Patch(f"{PKG}.core.funcs.f", Kind.REPLACE, plus_100, on_missing=strict)
+
+
 def test_wrap_calls_through_and_keeps_wrapped(fakemeg, engine):
     funcs = importlib.import_module(f"{PKG}.core.funcs")
     user = importlib.import_module(f"{PKG}.core.user")

@@ -194,9 +194,18 @@ class _Overlay(dict):
 
     __slots__ = ("_base", "_fallbacks")
 
+    # Read by the interpreter's C code with plain dict lookups that never reach ``__missing__``:
+    # a relative import inside the function (``from .x import y``, e.g. megatron-core 0.18's
+    # DistributedDataParallel.__init__) resolves its package from these (KeyError '__name__'
+    # otherwise). They never change after the module executed, so copies are exact.
+    _MODULE_FACTS = ("__name__", "__package__", "__spec__", "__file__", "__path__", "__loader__")
+
     def __init__(self, base: dict, overrides: dict, fallbacks: dict) -> None:
         super().__init__(overrides)
         self["__builtins__"] = base.get("__builtins__", __builtins__)
+        for key in self._MODULE_FACTS:
+            if key in base:
+                self[key] = base[key]
         self._base = base
         self._fallbacks = fallbacks
 

@@ -68,5 +68,6 @@ PATCHES = [
     # Legacy GroupedMLP (megatron's moe_grouped_gemm): without use_cpu_initialization its
     # weights go to torch.cuda.current_device(). Before, megatron's grouped_gemm assertion
     # stopped it earlier; with the grouped-gemm feature providing the op it is reached.
-    on_host("transformer.moe.experts.GroupedMLP.__init__", "weights on torch.cuda.current_device()"),
+    # Deleted in megatron-core 0.17 (SequentialMLP's experts are MLPs, adapted above).
+    on_host("transformer.moe.experts.GroupedMLP.__init__", "weights on torch.cuda.current_device()", versions="<0.17"),
 ]

@@ -18,7 +18,9 @@ literals (0.13-0.16):
   ``count_zeros_fp32``;
 * ``optimizer.grad_scaler``: ``MegatronGradScaler.__init__``, ``DynamicGradScaler.__init__``;
 * ``utils.local_multi_tensor_l2_norm``: megatron's fallback l2 norm (no apex/TE) puts its
-  result on ``'cuda'``.
+  result on ``'cuda'``;
+* ``optimizer.optimizer.MegatronOptimizer.has_grad_norm_group`` (0.19+): all-reduces a
+  ``device='cuda'`` flag the first time a clipped step asks about a gradient-norm group.
 """
 
 from __future__ import annotations
@@ -41,4 +43,10 @@ PATCHES = [
     on_host("optimizer.grad_scaler.MegatronGradScaler.__init__", "scale on device='cuda'"),
     on_host("optimizer.grad_scaler.DynamicGradScaler.__init__", "scaler constants on device='cuda'"),
     on_host("utils.local_multi_tensor_l2_norm", "l2 norm result on device='cuda'"),
+    # megatron-core 0.19: asked on every clipped step (cached per group after the first)
+    on_host(
+        "optimizer.optimizer.MegatronOptimizer.has_grad_norm_group",
+        "all-reduced flag on device='cuda'",
+        versions=">=0.19",
+    ),
 ]

@@ -1,13 +1,16 @@
 """cpu-training-loop patches: Megatron-LM's own training loop (megatron.training) on a CPU host.
 
-megatron.training is not part of the megatron-core wheel; it exists in Megatron-LM checkouts,
-so every target here is optional and waits for its module's import (``module=`` given). With
-the cpu-adapter (megatron.core) these patches let ``pretrain_gpt.py`` train unmodified. The
-research behind each one (what breaks, where, why) is summarized in docs/megatron-lm.md.
+megatron.training exists in Megatron-LM checkouts and, from megatron-core 0.17, in the wheel; so
+every target here is optional and waits for its module's import (``module=`` given), and a
+target missing from an imported module is a logged fallback (an error under --strict), not a
+silent skip. With the cpu-adapter (megatron.core) these patches let ``pretrain_gpt.py`` train
+unmodified. The research behind each one (what breaks, where, why) is summarized in
+docs/megatron-lm.md.
 
 Targets and why each is the right one:
 * ``torch`` as a module global of ``megatron.training.{initialize,training,utils,checkpointing}``
-  and of ``megatron.core.{timers,rerun_state_machine}`` (the timers and the rerun state machine
+  (``utils`` is a package from 0.18: its ``common_utils`` holds the old module's code) and of
+  ``megatron.core.{timers,rerun_state_machine}`` (the timers and the rerun state machine
   are core modules driven only by the training loop): these modules call ``torch.cuda.*`` and
   ``device='cuda'`` factories throughout; each gets its own host view of torch
   (``device/host_training.py``), and no other module is touched (``update_aliases=False``).
@@ -19,9 +22,12 @@ Targets and why each is the right one:
   isolation TP=1 and TP=2 would start from different weights. It runs under ``fork_rng``.
 * ``megatron.legacy.fused_kernels.load``: looks for nvcc under CUDA_HOME (TypeError when unset);
   there are no CUDA kernels to build on a host, so it does nothing there.
-* ``training.get_model``, ``training.evaluate``, ``utils.get_batch_on_this_tp_rank``: call
-  ``.cuda()`` on modules and batches; they run inside a host region where ``.cuda()`` leaves
-  the object on the CPU (the two global wraps below act only inside such a region).
+* ``training.get_model``, ``training.evaluate``, ``utils.get_batch_on_this_tp_rank`` (<0.18):
+  call ``.cuda()`` on modules and batches; they run inside a host region where ``.cuda()``
+  leaves the object on the CPU (the two global wraps below act only inside such a region).
+  From 0.18 the script's own ``get_batch`` moves the batch (``.cuda(non_blocking=True)``), so
+  ``training.train_step`` is the region, and ``megatron.core.utils.get_batch_on_this_tp_rank``
+  (moved there from megatron.training) runs as a host twin (``torch.cuda.current_device()``).
 """
 
 from __future__ import annotations
@@ -30,9 +36,13 @@ import logging
 
 import torch
 
+from mindspeed_like.adapters.cpu.host_view import run_on_host
 from mindspeed_like.adapters.cpu_training.host_training import TRAINING_HOST_TORCH, run_in_host_region, stay_on_host
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.binding import Call
+from mindspeed_like.toolkit.declaration import Context
+from mindspeed_like.toolkit.errors import FeatureUnsupported
+from mindspeed_like.toolkit.targets import CORE_UTILS
 from mindspeed_like.toolkit.targets import LEGACY_FUSED_KERNELS as FUSED_KERNELS
 from mindspeed_like.toolkit.targets import TRAINING_CHECKPOINTING as CHECKPOINTING
 from mindspeed_like.toolkit.targets import TRAINING_INITIALIZE as INITIALIZE
@@ -41,10 +51,9 @@ from mindspeed_like.toolkit.targets import TRAINING_UTILS as UTILS
 
 logger = logging.getLogger("mindspeed_like")
 
-HOST_VIEW_MODULES = (
+HOST_VIEW_MODULES = (  # and megatron.training.utils (<0.18) / its common_utils (0.18+): see patches()
     INITIALIZE,
     TRAINING,
-    UTILS,
     CHECKPOINTING,
     "megatron.core.timers",
     "megatron.core.rerun_state_machine",
@@ -65,53 +74,103 @@ def _no_fused_kernels(args) -> None:
     logger.info("mindspeed_like: megatron.legacy.fused_kernels.load skipped (no CUDA kernels on a host)")
 
 
-def _optional(target: str, kind: Kind, new, module: str, why: str, **extra) -> Patch:
-    return Patch(target, kind, new, optional=True, module=module, why=why, **extra)
+NAME = "cpu-training-loop"
+LAYOUT_018 = ">=0.18"  # megatron.training.utils became a package; get_batch_on_this_tp_rank moved to core
+UTILS_COMMON = f"{UTILS}.common_utils"
 
 
-PATCHES = [
-    *[
-        _optional(
-            f"{name}.torch",
+class CpuTrainingUnsupported(FeatureUnsupported):
+    """``strict`` is on and a megatron.training target this release should have is missing."""
+
+
+def patches(ctx: Context) -> list[Patch]:
+    """Every target is optional (it exists only with Megatron-LM's training loop), but once its
+    module is imported a missing attribute is a behaviour-changing skip: logged as a warning by
+    the feature's fallback (an error under --strict), never a silent info line."""
+    missing = ctx.fallback(NAME, CpuTrainingUnsupported, "a CUDA call of Megatron-LM's training loop stays unadapted")
+
+    def optional(target: str, kind: Kind, new, module: str, why: str, **extra) -> Patch:
+        return Patch(target, kind, new, optional=True, module=module, why=why, on_missing=missing, **extra)
+
+    host_view = [(name, None) for name in HOST_VIEW_MODULES] + [(UTILS, "<0.18"), (UTILS_COMMON, LAYOUT_018)]
+    return [
+        *[
+            optional(
+                f"{name}.torch",
+                Kind.REPLACE,
+                TRAINING_HOST_TORCH,
+                name,
+                "module-local host view of torch: torch.cuda.* and device='cuda' on the CPU",
+                update_aliases=False,
+                versions=versions,
+            )
+            for name, versions in host_view
+        ],
+        optional(
+            f"{INITIALIZE}.initialize_megatron",
+            Kind.WRAP,
+            _allow_no_cuda,
+            INITIALIZE,
+            "allow_no_cuda=True instead of asserting torch.cuda.is_available()",
+        ),
+        optional(
+            f"{INITIALIZE}._warmup_jit_function",
+            Kind.WRAP,
+            _isolated_rng,
+            INITIALIZE,
+            "warm-up draws from the host generator would make initial weights depend on TP/SP",
+        ),
+        # megatron.legacy is in Megatron-LM checkouts only (not in the wheel): a plain optional skip
+        Patch(
+            f"{FUSED_KERNELS}.load",
             Kind.REPLACE,
-            TRAINING_HOST_TORCH,
-            name,
-            "module-local host view of torch: torch.cuda.* and device='cuda' on the CPU",
-            update_aliases=False,
-        )
-        for name in HOST_VIEW_MODULES
-    ],
-    _optional(
-        f"{INITIALIZE}.initialize_megatron",
-        Kind.WRAP,
-        _allow_no_cuda,
-        INITIALIZE,
-        "allow_no_cuda=True instead of asserting torch.cuda.is_available()",
-    ),
-    _optional(
-        f"{INITIALIZE}._warmup_jit_function",
-        Kind.WRAP,
-        _isolated_rng,
-        INITIALIZE,
-        "warm-up draws from the host generator would make initial weights depend on TP/SP",
-    ),
-    _optional(f"{FUSED_KERNELS}.load", Kind.REPLACE, _no_fused_kernels, FUSED_KERNELS, "no nvcc on a host"),
-    *[
-        _optional(f"{module}.{name}", Kind.WRAP, run_in_host_region, module, "calls .cuda() on modules/batches")
-        for module, name in ((TRAINING, "get_model"), (TRAINING, "evaluate"), (UTILS, "get_batch_on_this_tp_rank"))
-    ],
-    Patch(
-        "torch.Tensor.cuda",
-        Kind.WRAP,
-        stay_on_host,
-        global_change=True,
-        why="identity inside megatron.training's host regions only; unchanged elsewhere",
-    ),
-    Patch(
-        "torch.nn.Module.cuda",
-        Kind.WRAP,
-        stay_on_host,
-        global_change=True,
-        why="identity inside megatron.training's host regions only; unchanged elsewhere",
-    ),
-]
+            _no_fused_kernels,
+            optional=True,
+            module=FUSED_KERNELS,
+            why="no nvcc on a host",
+        ),
+        *[
+            optional(f"{TRAINING}.{name}", Kind.WRAP, run_in_host_region, TRAINING, "calls .cuda() on modules/batches")
+            for name in ("get_model", "evaluate")
+        ],
+        optional(
+            f"{UTILS}.get_batch_on_this_tp_rank",
+            Kind.WRAP,
+            run_in_host_region,
+            UTILS,
+            "calls .cuda() on batches",
+            versions="<0.18",
+        ),
+        # 0.18+: the batch loader of pretrain_gpt.py moves the batch with .cuda() itself (script
+        # code, no target), inside megatron's train_step; the broadcast moved to megatron.core.utils
+        # and allocates on torch.cuda.current_device() (a host twin: megatron.core.utils is shared).
+        optional(
+            f"{TRAINING}.train_step",
+            Kind.WRAP,
+            run_in_host_region,
+            TRAINING,
+            "the script's get_batch calls .cuda() on batches inside train_step",
+            versions=LAYOUT_018,
+        ),
+        Patch(
+            f"{CORE_UTILS}.get_batch_on_this_tp_rank",
+            Kind.WRAP,
+            run_on_host,
+            versions=LAYOUT_018,
+            why="broadcast buffers on torch.cuda.current_device()",
+        ),
+        Patch(
+            "torch.Tensor.cuda",
+            Kind.WRAP,
+            stay_on_host,
+            global_change=True,
+            why="identity inside megatron.training's host regions only; unchanged elsewhere",
+        ),
+        Patch(
+            "torch.nn.Module.cuda",
+            Kind.WRAP,
+            stay_on_host,
+            global_change=True,
+            why="identity inside megatron.training's host regions only; unchanged elsewhere",
+        ),
+    ]

@@ -12,8 +12,10 @@ called from ``rotary_pos_embedding`` for other purposes, and the dispatcher is w
 own function stays underneath for the cases we hand back to it.
 
 Handled here (megatron's signature ``(t, freqs, config, cu_seqlens=None, mscale=1.0,
-cp_group=None)``): sbhd and thd, half / interleaved rotation, multi-latent attention's
-de-interleaving (non-interleaved only), partial rotary, mscale.
+cp_group=None)``, and from 0.19 ``mla_rotary_interleaved=False``): sbhd and thd, half /
+interleaved rotation, multi-latent attention's de-interleaving (non-interleaved only; asked by
+``config.multi_latent_attention`` up to 0.18, by the call's ``mla_rotary_interleaved`` from
+0.19), partial rotary, mscale.
 Handed back to megatron (logged once per reason; an error under ``strict``): context parallel
 > 1, ``config.apply_rope_fusion`` (megatron's TransformerEngine path, which the user chose),
 MLA with ``rotary_interleaved``, freqs that require grad, thd freqs with a batch dim, and
@@ -46,6 +48,19 @@ def _cp_size(cp_group) -> int:
     return parallel_state.get_context_parallel_world_size()
 
 
+def mla_interleaved(call: Call) -> bool:
+    """Whether this call de-interleaves the input first (multi-latent attention's layout).
+
+    Up to megatron-core 0.18 that is ``config.multi_latent_attention``; 0.19 made it the
+    argument ``mla_rotary_interleaved`` (default False; None means the config's value), which
+    MLA passes as True and other callers (e.g. DSA's indexer) set from their own config."""
+    if "mla_rotary_interleaved" in call:
+        value = call["mla_rotary_interleaved"]
+        if value is not None:
+            return bool(value)
+    return bool(getattr(call["config"], "multi_latent_attention", False))
+
+
 def _unsupported(call: Call, per_token_thd_freqs: bool) -> str | None:
     """Why this call goes back to megatron, or None when the fused kernel takes it."""
     t, freqs, config = call["t"], call["freqs"], call["config"]
@@ -53,7 +68,7 @@ def _unsupported(call: Call, per_token_thd_freqs: bool) -> str | None:
         return "config.apply_rope_fusion selects megatron's TransformerEngine RoPE"
     if _cp_size(call.get("cp_group")) > 1:
         return "context parallel > 1"
-    mla = bool(getattr(config, "multi_latent_attention", False))
+    mla = mla_interleaved(call)
     if mla and getattr(config, "rotary_interleaved", False):
         return "multi_latent_attention with rotary_interleaved"
     if freqs.requires_grad:
@@ -93,7 +108,7 @@ class FusedRope:
             self.fall_back(reason)
             return wrapped(*args, **kwargs)
         config = call["config"]
-        if getattr(config, "multi_latent_attention", False):
+        if mla_interleaved(call):
             mode = "mla"
         else:
             mode = "interleave" if getattr(config, "rotary_interleaved", False) else "half"

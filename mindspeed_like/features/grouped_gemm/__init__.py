@@ -1,7 +1,10 @@
 """grouped-gemm (megatron's ``--moe-grouped-gemm``; ``--grouped-gemm auto|on|off``,
-``--gemm-gradient-accumulation-fusion``): legacy GroupedMLP's grouped GEMM without the CUDA
+``--gemm-gradient-accumulation-fusion``): MoE experts as grouped GEMMs without the CUDA
 ``grouped_gemm`` package (torch_npu's ``npu_grouped_matmul`` on NPU, a portable kernel elsewhere).
-On by default exactly where megatron would crash. Targets: ``ops.py``."""
+megatron-core 0.13-0.16: legacy GroupedMLP's ``gmm`` (on by default exactly where megatron would
+crash; targets: ``ops.py``). 0.17+ (GroupedMLP deleted; the local spec builds SequentialMLP for
+``moe_grouped_gemm=True``): SequentialMLP's experts as one grouped GEMM per linear
+(``sequential.py``)."""
 
 from __future__ import annotations
 
@@ -15,33 +18,49 @@ from mindspeed_like.features.grouped_gemm.ops import (
     grouped_gemm_package_installed,
     grouped_mlp_forward,
 )
+from mindspeed_like.features.grouped_gemm.sequential import SequentialExpertsForward
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag, kernel_backend
 from mindspeed_like.toolkit.errors import ConfigError
 from mindspeed_like.toolkit.targets import GROUPED_GEMM_UTIL, MOE_EXPERTS
 
+LEGACY = "<0.17"  # GroupedMLP and grouped_gemm_util: deleted in megatron-core 0.17
+
 
 def patches(ctx: Context) -> list[Patch]:
-    ops = GroupedGemmOps(ctx["gemm_gradient_accumulation_fusion"], ctx.fallback(NAME, GroupedGemmUnsupported))
+    fall_back = ctx.fallback(NAME, GroupedGemmUnsupported)
+    ops = GroupedGemmOps(ctx["gemm_gradient_accumulation_fusion"], fall_back)
     return [
         Patch(
             f"{GROUPED_GEMM_UTIL}.ops",
             Kind.REPLACE,
             ops,
             update_aliases=False,  # None without the package: other modules' None must stay None
+            versions=LEGACY,
             why="experts.py calls gg.ops.gmm; None without the CUDA grouped_gemm package",
         ),
         Patch(
             f"{GROUPED_GEMM_UTIL}.assert_grouped_gemm_is_available",
             Kind.REPLACE,
             grouped_gemm_available,
+            versions=LEGACY,
             why="GroupedMLP.__init__ asserts the CUDA package; our gmm is provided instead",
         ),
         Patch(
             f"{MOE_EXPERTS}.GroupedMLP.forward",
             Kind.WRAP,
             grouped_mlp_forward,
+            versions=LEGACY,
             why="megatron-core 0.16 asserts bf16 in forward; our gmm computes fp32/fp16 too",
             after=("recompute-activation-function",),
+        ),
+        Patch(
+            f"{MOE_EXPERTS}.SequentialMLP.forward",
+            Kind.WRAP,
+            SequentialExpertsForward(
+                GroupedGemmOps(False, fall_back), ctx["gemm_gradient_accumulation_fusion"], fall_back
+            ),
+            versions=">=0.17",
+            why="moe_grouped_gemm=True builds SequentialMLP on 0.17+: its experts' linears as one grouped GEMM each",
         ),
     ]
 
@@ -60,28 +79,30 @@ def enabled(ctx: Context) -> bool:
 
 FEATURE = Feature(
     name=NAME,
-    summary="megatron's moe_grouped_gemm (GroupedMLP) without the CUDA grouped_gemm package "
-    "(torch_npu.npu_grouped_matmul on NPU, a portable grouped GEMM elsewhere)",
+    summary="megatron's moe_grouped_gemm without the CUDA grouped_gemm package: GroupedMLP's gmm (megatron-core "
+    "<0.17), SequentialMLP's experts as grouped GEMMs (0.17+); npu_grouped_matmul on NPU, portable elsewhere",
     patches=patches,
     flags=(
         Flag(
             "grouped_gemm",
             str,
             "auto",
-            "provide grouped_gemm.ops.gmm for megatron's GroupedMLP (--moe-grouped-gemm): auto = only when the "
-            "CUDA grouped_gemm package is missing; on = also replace an installed package; off = never",
+            "grouped GEMM for megatron's --moe-grouped-gemm experts (GroupedMLP's gmm before megatron-core 0.17, "
+            "SequentialMLP's expert linears from 0.17): auto = only when the CUDA grouped_gemm package is missing; "
+            "on = also replace an installed package; off = never",
             choices=("auto", "on", "off"),
         ),
         Flag(
             "gemm_gradient_accumulation_fusion",
             bool,
             False,
-            "accumulate GroupedMLP's expert weight gradients straight into megatron DDP's main_grad",
+            "accumulate GroupedMLP's expert weight gradients straight into megatron DDP's main_grad "
+            "(megatron-core <0.17; SequentialMLP's per-expert weights: logged, computed normally)",
         ),
     ),
     enabled=enabled,
     backend=kernel_backend,
-    switched_by="--moe-grouped-gemm builds GroupedMLP; on by default when the grouped_gemm package is missing",
+    switched_by="--moe-grouped-gemm; on by default when the grouped_gemm package is missing",
     validate_args_hook=capability_check_hidden,
     switch_on={"grouped_gemm": "on"},
 )

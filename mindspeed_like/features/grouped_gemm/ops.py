@@ -109,9 +109,15 @@ class GroupedGemmOps:
 
 
 def ours_installed() -> bool:
-    """Whether megatron's ``grouped_gemm_util.ops`` is our op (not the CUDA package)."""
-    from megatron.core.transformer.moe import grouped_gemm_util as gg
+    """Whether megatron's grouped GEMM is ours: ``grouped_gemm_util.ops`` is our op (megatron-core
+    <0.17), or (0.17+, no grouped_gemm_util) our SequentialMLP wrapper is in place."""
+    try:
+        from megatron.core.transformer.moe import grouped_gemm_util as gg
+    except ImportError:
+        from megatron.core.transformer.moe.experts import SequentialMLP
 
+        forward = SequentialMLP.__dict__.get("forward")
+        return type(getattr(forward, "_self_wrapper", None)).__name__ == "SequentialExpertsForward"
     return isinstance(gg.ops, GroupedGemmOps)
 
 

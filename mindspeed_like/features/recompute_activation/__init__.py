@@ -5,6 +5,7 @@ function-num-layers N``): the MLP activation output is freed after fc2 and recom
 from __future__ import annotations
 
 from mindspeed_like.engine import Kind, Patch
+from mindspeed_like.features.recompute_activation.checkpoint import needs_hook_safe_checkpoint
 from mindspeed_like.features.recompute_activation.layers import layer_init
 from mindspeed_like.features.recompute_activation.mlp import (
     GroupedMLPForward,
@@ -22,7 +23,10 @@ NAME = "recompute-activation-function"
 def patches(ctx: Context) -> list[Patch]:
     recompute = Recompute(
         num_layers=ctx["recompute_activation_function_num_layers"],
-        hook_safe=not ctx.megatron_at_least("0.16"),
+        # megatron's own CheckpointWithoutOutput only on 0.16.x: before, inputs lose their grads under
+        # saved-tensor hooks; from 0.17 its recompute shares storage through a C++ extension
+        # compiled at the first backward (see checkpoint.py). Elsewhere our copying subclass.
+        hook_safe=needs_hook_safe_checkpoint(ctx),
         fall_back=ctx.fallback(NAME, RecomputeActivationUnsupported, "keeping the activation output"),
     )
     return [
@@ -37,6 +41,7 @@ def patches(ctx: Context) -> list[Patch]:
             f"{MOE_EXPERTS}.GroupedMLP.forward",
             Kind.WRAP,
             GroupedMLPForward(recompute),
+            versions="<0.17",  # GroupedMLP was deleted in 0.17; its experts are SequentialMLP's MLPs there
             why="grouped experts: switch on megatron's own moe_act recompute for the call",
         ),
         Patch(

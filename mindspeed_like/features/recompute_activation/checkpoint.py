@@ -1,9 +1,14 @@
 """The output-discarding checkpoint recompute-activation-function uses, per megatron-core version.
 
-megatron-core's ``tensor_parallel.CheckpointWithoutOutput`` from 0.16; on 0.13-0.15 the subclass
-:func:`hook_safe_checkpoint_class`, because there the inputs lose their gradients under any
-saved-tensor hooks. Its fp8 default is corrected by ``fixes/checkpoint_fp8_default.py``, which the
-feature requires (the subclass inherits the fixed ``__init__``).
+megatron-core's ``tensor_parallel.CheckpointWithoutOutput`` on 0.16.x; on 0.13-0.15 and 0.17+ the
+subclass :func:`hook_safe_checkpoint_class`: on 0.13-0.15 the inputs lose their gradients under
+any saved-tensor hooks; 0.17's ``_recompute`` no longer copies the recomputed output into the
+discarded storage but points that storage at the recomputed one through a C++ extension built
+with ``torch.utils.cpp_extension.load_inline`` at the first backward (a compiler at training
+time, tens of seconds on a CPU host), and when the activation returned a view of its input the
+shared storage is the input's, so fc2's weight gradient is computed from the wrong values. The
+subclass recomputes and copies, as 0.16 does. Its fp8 default is corrected by
+``fixes/checkpoint_fp8_default.py``, which the feature requires (the subclass inherits the fixed ``__init__``).
 """
 
 from __future__ import annotations
@@ -11,6 +16,13 @@ from __future__ import annotations
 import torch
 
 _hook_safe_class = None
+
+
+def needs_hook_safe_checkpoint(ctx) -> bool:
+    """Whether ``ctx``'s megatron-core needs our subclass (0.13-0.15 and 0.17+; see the module
+    doc); megatron's own ``CheckpointWithoutOutput`` serves on 0.16.x only. One rule for the
+    patches and the spec provider."""
+    return not (ctx.megatron_at_least("0.16") and not ctx.megatron_at_least("0.17"))
 
 
 def hook_safe_checkpoint_class() -> type:

@@ -17,12 +17,14 @@ STAGE_LAYER_ATTR = "_mindspeed_like_stage_layer"  # 1-based layer number within 
 def layer_init(wrapped, instance, args, kwargs):
     """Wrapper of ``TransformerLayer.__init__``: records the layer number on its MLPs."""
     wrapped(*args, **kwargs)
-    from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.moe.experts import GroupedMLP
+    from megatron.core.transformer import mlp as mlp_module
+    from megatron.core.transformer.moe import experts
 
+    # GroupedMLP: megatron-core < 0.17 only (deleted in 0.17)
+    kinds = tuple(k for k in (mlp_module.MLP, getattr(experts, "GroupedMLP", None)) if k is not None)
     number = Call(wrapped, args, kwargs)["layer_number"]
     mlp = getattr(instance, "mlp", None)
     if isinstance(mlp, torch.nn.Module):
         for module in mlp.modules():
-            if isinstance(module, (MLP, GroupedMLP)):
+            if isinstance(module, kinds):
                 setattr(module, STAGE_LAYER_ATTR, number)

@@ -6,10 +6,12 @@ fc2's backward needs it (a hook on fc2's output), with the RNG states of the for
 The mechanism is megatron-core's own ``tensor_parallel.CheckpointWithoutOutput`` (0.13+,
 used upstream for ``recompute_modules`` ``moe_act``/``layernorm``); its no-TransformerEngine
 default-argument bug (``fp8=False`` taken as "fp8 on") is corrected by the always-on fix this
-feature requires (``fixes/checkpoint_fp8_default.py``). On 0.13-0.15 a subclass is used instead
-(``checkpoint.py``): there, under any saved-tensor hooks, the recompute's input gradients land on
-tensor objects that backward never reads, and fc1 silently gets no gradient (fixed upstream in
-0.16).
+feature requires (``fixes/checkpoint_fp8_default.py``). On 0.13-0.15 and 0.17+ a subclass is
+used instead (``checkpoint.py``): on 0.13-0.15, under any saved-tensor hooks, the recompute's
+input gradients land on tensor objects that backward never reads, and fc1 silently gets no
+gradient (fixed upstream in 0.16); 0.17 made the recompute share the recomputed storage through a
+C++ extension compiled at the first backward (g++ at training time, and an activation that
+returns a view of its input then hands fc2 the wrong tensor).
 
 Targets, and why each is the right symbol:
 
@@ -25,7 +27,9 @@ Targets, and why each is the right symbol:
   whose fused kernel then runs inside the recompute). The config object seen at forward is
   put back for the recompute, so a wrapper that swaps ``instance.config`` recomputes the same
   math whatever the wrap order.
-- ``megatron.core.transformer.moe.experts.GroupedMLP.forward`` (WRAP): megatron already
+- ``megatron.core.transformer.moe.experts.GroupedMLP.forward`` (WRAP, megatron-core < 0.17:
+  deleted in 0.17, where ``moe_grouped_gemm`` builds SequentialMLP, covered through
+  ``MLP.forward``, also when grouped-gemm runs its experts as grouped GEMMs): megatron already
   recomputes the grouped experts' activation when ``recompute_modules`` has ``moe_act``
   (``self.activation_recompute``, read in ``forward``); the wrapper switches that attribute on
   for the call, so megatron's code does the work. Already on -> untouched (no double recompute).
@@ -113,28 +117,48 @@ def _unsupported(config) -> str | None:
     return None
 
 
+class _PassThrough(torch.nn.Module):
+    """A linear's stand-in while megatron's activation code runs: fc1 hands back the given fc1
+    output and bias, fc2 records and returns its input. An ``nn.Module`` because megatron-core
+    0.17+ calls the linears through ``typed_torch.apply_module``, which refuses anything else."""
+
+    def __init__(self, result=None, fed: list | None = None) -> None:
+        super().__init__()
+        self._result = result
+        self._fed = fed
+
+    def forward(self, hidden_states):
+        if self._fed is None:
+            return self._result
+        self._fed.append(hidden_states)
+        return hidden_states, None
+
+
+_LINEARS = ("linear_fc1", "linear_fc2")
+
+
 def _megatron_activation(wrapped, instance, config):
     """``fn(fc1_output, fc1_bias, per_token_scale) -> activation output`` running megatron's
-    own ``MLP.forward`` between its two linears (shadowed by pass-throughs on the instance)."""
+    own ``MLP.forward`` between its two linears (shadowed by pass-throughs on the instance;
+    whatever stood in the instance's ``__dict__`` before, e.g. grouped-gemm's grouped linears on
+    0.17+, is put back afterwards)."""
 
     def activation(fc1_output, fc1_bias, per_token_scale):
         fed: list[torch.Tensor] = []
-
-        def fc1(_hidden_states):
-            return fc1_output, fc1_bias
-
-        def fc2(intermediate):
-            fed.append(intermediate)
-            return intermediate, None
-
         shadow = instance.__dict__  # found before nn.Module.__getattr__ looks in _modules
+        saved = {name: shadow[name] for name in _LINEARS if name in shadow}
         saved_config = instance.config
-        shadow["linear_fc1"], shadow["linear_fc2"] = fc1, fc2
+        shadow["linear_fc1"] = _PassThrough(result=(fc1_output, fc1_bias))
+        shadow["linear_fc2"] = _PassThrough(fed=fed)
         instance.config = config
         try:
             output, _ = wrapped(fc1_output, per_token_scale=per_token_scale)
         finally:
-            del shadow["linear_fc1"], shadow["linear_fc2"]
+            for name in _LINEARS:
+                if name in saved:
+                    shadow[name] = saved[name]
+                else:
+                    del shadow[name]
             instance.config = saved_config
         if len(fed) != 1 or output is not fed[0]:
             raise RuntimeError(

@@ -32,8 +32,9 @@ Handed back to megatron's path, logged once per reason (an error under ``strict`
 count of 1, fewer local token rows than tiles, frozen weights (megatron uses
 ``linear_with_frozen_weight``), expert layers with explicit expert communication, CPU
 activation offloading, input not already split (``input_is_parallel=False``), a sequence
-length that does not divide by the TP size. Calls that do not communicate (TP size 1, expert
-layers, row-parallel's inner call) pass through silently: there is nothing to overlap.
+length that does not divide by the TP size, a GTP-sharded weight (megatron-core 0.19's
+``gtp_remat_size > 1``: megatron all-gathers it inside its own Function). Calls that do not
+communicate (TP size 1, expert layers, row-parallel's inner call) pass through silently: there is nothing to overlap.
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ class ColumnParallelLinear:
         group = get_tensor_model_parallel_group_if_none(call.get("tp_group"))
         if group is None or group.size() == 1:
             return wrapped(*args, **kwargs)
+        if call.get("gtp_remat_size", 1) > 1:  # megatron-core 0.19+
+            self.overlap.fall_back(GTP_REMAT)
+            return wrapped(*args, **kwargs)
         input, weight = call["input"], call["weight"]
         common = (
             call["gradient_accumulation_fusion"],
@@ -132,7 +136,15 @@ class ColumnParallelLinear:
 # ---------------------------------------------------------------- row-parallel
 
 
+# megatron-core 0.19's GTP rematerialization: the linear's weight is sharded once more over the
+# gtp_remat group and all-gathered inside megatron's Function before each use; the tiled and MC2
+# kernels take the local weight as the full matrix, so such calls are handed back.
+GTP_REMAT = "GTP-sharded weight (gtp_remat_size > 1: megatron all-gathers it inside its own Function)"
+
+
 def _row_unsupported(layer, input) -> str | None:
+    if getattr(layer, "gtp_remat_size", 1) > 1:  # megatron-core 0.19+
+        return GTP_REMAT
     if not layer.weight.requires_grad:
         return "frozen weight (megatron's linear_with_frozen_weight)"
     if not layer.input_is_parallel:

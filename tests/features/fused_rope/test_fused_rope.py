@@ -236,29 +236,49 @@ def _config(**values):
     return types.SimpleNamespace(**base)
 
 
-@pytest.mark.parametrize(
-    "config_values",
-    [{}, {"rotary_interleaved": True}, {"multi_latent_attention": True}],
-    ids=["half", "interleaved", "mla"],
-)
-def test_patched_dispatcher_matches_megatron_sbhd_and_thd(fresh, config_values):
+def _mla_argument() -> dict:
+    """megatron-core 0.19+ asks for MLA's de-interleaving with the call's
+    ``mla_rotary_interleaved`` (default False, whatever the config says); before, the config's
+    ``multi_latent_attention`` decided. The keyword that makes an MLA call on this version."""
+    import inspect
+
     import megatron.core.models.common.embeddings.rope_utils as rope_utils
 
+    params = inspect.signature(inspect.unwrap(rope_utils.apply_rotary_pos_emb)).parameters
+    return {"mla_rotary_interleaved": True} if "mla_rotary_interleaved" in params else {}
+
+
+@pytest.mark.parametrize(
+    "config_values, mla_call",
+    [
+        ({}, False),
+        ({"rotary_interleaved": True}, False),
+        ({"multi_latent_attention": True}, False),
+        ({"multi_latent_attention": True}, True),
+    ],
+    ids=["half", "interleaved", "mla-config", "mla-call"],
+)
+def test_patched_dispatcher_matches_megatron_sbhd_and_thd(fresh, config_values, mla_call):
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+
+    extra = _mla_argument() if mla_call else {}
+    if mla_call and not extra:
+        pytest.skip("megatron-core < 0.19: no mla_rotary_interleaved argument (the config decides: mla-config)")
     original = rope_utils.apply_rotary_pos_emb
     mindspeed_like.configure(device="cpu", use_fused_rotary_pos_emb=True)
     patched = rope_utils.apply_rotary_pos_emb
     config, group = _config(**config_values), _Group(1)
     t = torch.randn(6, 2, 3, 24)
     freqs = torch.rand(6, 1, 1, 16) * 6
-    for kwargs in (dict(mscale=1.0), dict(mscale=1.3)):
+    for kwargs in (dict(mscale=1.0, **extra), dict(mscale=1.3, **extra)):
         ours = patched(t, freqs, config, cp_group=group, **kwargs)
         torch.testing.assert_close(ours, original(t, freqs, config, cp_group=group, **kwargs))
     cu = torch.tensor([0, 2, 6, 9], dtype=torch.int32)
     packed = torch.randn(9, 3, 24)
     per_token = torch.rand(9, 1, 1, 16) * 6  # one freqs row per packed token (megatron >= 0.15 maps row i)
     for rows in (freqs, per_token):
-        ours = patched(packed, rows, config, cu_seqlens=cu, cp_group=group)
-        torch.testing.assert_close(ours, original(packed, rows, config, cu_seqlens=cu, cp_group=group))
+        ours = patched(packed, rows, config, cu_seqlens=cu, cp_group=group, **extra)
+        torch.testing.assert_close(ours, original(packed, rows, config, cu_seqlens=cu, cp_group=group, **extra))
 
 
 def test_unsupported_calls_fall_back_once_or_raise_under_strict(fresh, caplog):
@@ -278,7 +298,8 @@ def test_unsupported_calls_fall_back_once_or_raise_under_strict(fresh, caplog):
     )
     with caplog.at_level(logging.WARNING, logger="mindspeed_like"):
         for _ in range(3):
-            out = patched(t, freqs, _config(multi_latent_attention=True, rotary_interleaved=True), cp_group=_Group(1))
+            mla = _config(multi_latent_attention=True, rotary_interleaved=True)
+            out = patched(t, freqs, mla, cp_group=_Group(1), **_mla_argument())
     assert out.shape == t.shape
     assert sum("rotary_interleaved" in r.getMessage() for r in caplog.records) == 1
     mindspeed_like.configure(strict=True)  # rebuilds the patch: megatron's name now holds the strict one

@@ -18,9 +18,13 @@ import mindspeed_like
 from mindspeed_like import runtime
 from mindspeed_like.features.recompute_activation import mlp as ra
 from mindspeed_like.features.recompute_activation.checkpoint import hook_safe_checkpoint_class
+from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.testing import SavedBytesMeter, init_parallel, tiny_gpt, train_steps
 from mindspeed_like.toolkit.errors import ConfigError
 from mindspeed_like.toolkit.fallback import forget_logged
+
+# megatron-core 0.17 deleted GroupedMLP: moe_grouped_gemm builds SequentialMLP (its experts are MLPs)
+HAS_GROUPED_MLP = megatron_core_version() is not None and megatron_core_version().release < (0, 17)
 
 SEQ, BATCH, HIDDEN = 32, 2, 64
 FFN = 2 * HIDDEN  # tiny_gpt default ffn_hidden_size
@@ -261,6 +265,24 @@ def grouped_gemm_op():
     assert "grouped-gemm" in runtime.enabled_feature_names(runtime.current_config())
 
 
+@pytest.mark.skipif(HAS_GROUPED_MLP, reason="megatron-core < 0.17 builds GroupedMLP: test_grouped_mlp_experts")
+def test_grouped_gemm_experts_on_sequential_mlp(adapter, grouped_gemm_op, monkeypatch):
+    """megatron-core 0.17+: moe_grouped_gemm builds SequentialMLP and grouped-gemm runs all its
+    experts as one call of the lead expert's MLP.forward (grouped linears): the recompute wraps
+    that one call per layer, bitwise equal to the baseline, and frees every routed token's
+    activation output (as many bytes as with megatron's per-expert loop)."""
+    made = _count_checkpoints(monkeypatch)
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, bias_activation_fusion=True)
+    base = _gpt_grads(False, **moe)
+    made.clear()
+    ours = _gpt_grads(True, **moe)
+    _assert_same_grads(base, ours)
+    routed = SEQ * BATCH * 2  # tokens x topk, per layer
+    assert base[2] - ours[2] == 2 * routed * FFN * 4
+    assert len(made) == 2  # one grouped expert call per layer
+
+
+@pytest.mark.skipif(not HAS_GROUPED_MLP, reason="megatron-core 0.17 deleted GroupedMLP")
 def test_grouped_mlp_experts(adapter, grouped_gemm_op, monkeypatch, caplog):
     """GroupedMLP (bf16, as megatron requires): the feature switches on megatron's own
     moe_act recompute: bitwise equal to the baseline, holds exactly what moe_act holds,
@@ -333,7 +355,7 @@ def test_flags_from_the_command_line():
 
 def test_switching_off_restores_megatron(adapter):
     from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.moe.experts import GroupedMLP
+    from megatron.core.transformer.moe import experts
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     def chain(obj):
@@ -344,18 +366,19 @@ def test_switching_off_restores_megatron(adapter):
             obj = obj.__wrapped__
         return links, obj
 
-    targets = ((MLP, "forward"), (GroupedMLP, "forward"), (TransformerLayer, "__init__"))
+    grouped = getattr(experts, "GroupedMLP", None)  # deleted in megatron-core 0.17
+    targets = ((MLP, "forward"), (TransformerLayer, "__init__")) + (((grouped, "forward"),) if grouped else ())
     before = [chain(owner.__dict__[name]) for owner, name in targets]
     mindspeed_like.configure(recompute_activation_function=True)
     during = [chain(owner.__dict__[name]) for owner, name in targets]
     for (links, raw), (new_links, new_raw) in zip(before, during):
         assert new_raw is raw and len(new_links) == len(links) + 1
-    # GroupedMLP.forward: grouped-gemm (on by default here) is declared to sit above us
-    assert during[1][0][0] is before[1][0][0] and type(during[1][0][1]).__name__ == "GroupedMLPForward"
+    if grouped is not None:  # GroupedMLP.forward: grouped-gemm (on by default here) is declared to sit above us
+        assert during[2][0][0] is before[2][0][0] and type(during[2][0][1]).__name__ == "GroupedMLPForward"
     mindspeed_like.configure(recompute_activation_function=False)
     after = [chain(owner.__dict__[name]) for owner, name in targets]
     assert after == before  # the same wrappers (none of ours) over the same megatron functions
-    assert MLP.__dict__["forward"] is before[0][1] and TransformerLayer.__dict__["__init__"] is before[2][1]
+    assert MLP.__dict__["forward"] is before[0][1] and TransformerLayer.__dict__["__init__"] is before[1][1]
 
 
 def test_unknown_layer_number_falls_back_or_errors_under_strict(adapter, caplog):

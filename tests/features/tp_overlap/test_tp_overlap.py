@@ -269,3 +269,20 @@ def test_megatron_lm_command_line_switches_it_on():
     ours = _torchrun(2, _launcher(), [*common, "--use-ascend-coc", "--coc-parallel-num", "4"])
     assert "tp-overlap" in ours[0] and "tp-overlap" not in reference[0]
     assert _losses(ours) == pytest.approx(_losses(reference), rel=1e-5)
+
+
+def test_gtp_sharded_weights_are_handed_back():
+    """megatron-core 0.19's GTP rematerialization (``gtp_remat_size > 1``): the local weight is a
+    shard that megatron all-gathers inside its own Function, so the tiled/MC2 kernels must not
+    take it as the full matrix; the row-parallel check names it before anything else."""
+    import types
+
+    from mindspeed_like.features.tp_overlap.linears import GTP_REMAT, _row_unsupported
+
+    layer = types.SimpleNamespace(gtp_remat_size=2, weight=torch.zeros(2, 2, requires_grad=True))
+    assert _row_unsupported(layer, torch.zeros(4, 2)) == GTP_REMAT
+    plain = types.SimpleNamespace(
+        gtp_remat_size=1,
+        weight=torch.zeros(2, 2, requires_grad=False),
+    )
+    assert _row_unsupported(plain, torch.zeros(4, 2)).startswith("frozen weight")
