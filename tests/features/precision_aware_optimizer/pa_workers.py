@@ -39,17 +39,24 @@ def train(
     extra: Mapping[str, Any] | None = None,
     after=None,
     prepare=None,
+    repeat_batch: bool = False,
     **train_args: Any,
 ) -> dict:
-    """bf16 tiny GPT + DistributedOptimizer on the current DP world; losses (+ ``after``'s result)."""
+    """bf16 tiny GPT + DistributedOptimizer on the current DP world; losses (+ ``after``'s result).
+
+    ``repeat_batch``: every step sees the same batch (the loss curve then falls: a learning curve)."""
     import mindspeed_like
-    from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt, train_steps
+    from mindspeed_like.testing import destroy_parallel, init_parallel, make_batches, tiny_gpt, train_steps
 
     mindspeed_like.reset()
     mindspeed_like.configure(device="cpu", **(features or {}))
     init_parallel(seed=SEED)
     model = tiny_gpt(bf16=True)
     box: dict = {}
+    if repeat_batch:
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        gpt = model.module if hasattr(model, "module") else model
+        train_args["data"] = make_batches(1, 2 * world, gpt.max_sequence_length, gpt.vocab_size, SEED)[0]
 
     def on_optimizer(wrapped, opt):
         box.update(model=wrapped, opt=opt)
@@ -72,3 +79,52 @@ def train(
         out["after"] = after(box["model"], box["opt"])
     destroy_parallel()
     return out
+
+
+CURVES = {
+    "megatron": dict(moments=None),
+    "fp32": dict(moments="fp32"),
+    "fp32+remainders": dict(moments="fp32", remainders=True),
+    "bf16": dict(moments="bf16", grads="bf16", remainders=True),
+    "fp8": dict(moments="fp8", grads="bf16", remainders=True),
+}
+
+
+def curves(steps: int, names: tuple[str, ...] = tuple(CURVES)) -> dict[str, list[float]]:
+    """Loss curves of the named configurations, one after another in this process (DP = world)."""
+    return {name: train(steps=steps, repeat_batch=True, **CURVES[name])["losses"] for name in names}
+
+
+def _states(opt) -> list[torch.Tensor]:
+    inner = opt.optimizer
+    out = [p.detach().clone() for g in inner.param_groups for p in g["params"]]
+    for g in inner.param_groups:
+        for p in g["params"]:
+            out += [t.clone() for t in inner.state[p].values()]
+    for bucket in {id(b): b for b in inner._buckets.values()}.values():
+        out += [s.scales.clone() for s in bucket.stores.values() if s.scales is not None]
+    return out
+
+
+def skipped_step(moments: str) -> dict:
+    """Two steps with a constant loss scale (so megatron checks grads for inf), then a step with an
+    inf in one main grad: megatron must skip it and every weight, state and scale stay bit for bit."""
+
+    def after(model, opt):
+        before = _states(opt)
+        steps_before = [g.get("step") for g in opt.optimizer.param_groups]
+        model.zero_grad_buffer()
+        opt.zero_grad()
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            p.main_grad.fill_(1e-3)
+        params[0].main_grad.view(-1)[0] = float("inf")
+        ok, _, _ = opt.step()
+        after_ = _states(opt)
+        return dict(
+            update_successful=ok,
+            unchanged=len(before) == len(after_) and all(torch.equal(a, b) for a, b in zip(before, after_)),
+            steps=(steps_before, [g.get("step") for g in opt.optimizer.param_groups]),
+        )
+
+    return train(moments, 2, grads="bf16", remainders=True, extra=dict(loss_scale=1.0), after=after)["after"]
