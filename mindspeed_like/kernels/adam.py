@@ -32,8 +32,9 @@ so remainders in checkpoints are interchangeable with TE's. It differs from PyTo
 round-to-nearest-even only on exact ties (low half == 0x8000), by one bf16 ulp.
 
 Layout and the fused pass: per parameter group and parameter dtype (a *bucket*) every state is one
-flat buffer; each parameter owns a segment starting at a multiple of :data:`BLOCK` (so blocks never
-straddle parameters), and ``self.state[p][name]`` is a view of its segment. A step is, per bucket:
+flat buffer; each parameter owns a segment starting at a multiple of :data:`BLOCK` when a state of
+the bucket is block scaled (so blocks never straddle parameters; otherwise segments are unpadded),
+and ``self.state[p][name]`` is a view of its segment. A step is, per bucket:
 gradients and (for remainders) weights gathered into flat fp32 workspaces with ``torch._foreach_copy_``,
 non-fp32 states decoded in one op each, the Adam(W) update as single ops on the flat buffers, states
 encoded back, weights scattered with ``torch._foreach_copy_``. No Python loop over parameters does
@@ -62,8 +63,8 @@ _CODE_DTYPE = {torch.float16: torch.float16, FP8: torch.float8_e4m3fn}
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 
 
-def _pad(n: int) -> int:
-    return -(-n // BLOCK) * BLOCK
+def _pad(n: int, align: int = BLOCK) -> int:
+    return -(-n // align) * align
 
 
 # ---------------------------------------------------------------- block codecs (flat tensors)
@@ -131,6 +132,7 @@ class _Bucket:
     offsets: list[int]
     size: int
     master: str  # "remainder" | "buffer" | "param" (the param is its own master)
+    align: int = BLOCK  # segment alignment: BLOCK when a state is block scaled, else 1 (no padding)
     stores: dict[str, _Store] = field(default_factory=dict)
     remainders: torch.Tensor | None = None
 
@@ -227,12 +229,17 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
             if id(p) not in self._buckets:
                 by_dtype.setdefault(p.dtype, []).append(p)
         for params in by_dtype.values():
+            master = self._master_kind(params[0])
+            scaled = {self.exp_avg_dtype, self.exp_avg_sq_dtype} | (
+                {self.master_weight_dtype} if master == "buffer" else set()
+            )
+            align = BLOCK if scaled & set(_RANGE) else 1
             offsets, size = [], 0
             for p in params:
                 offsets.append(size)
-                size += _pad(p.numel())
+                size += _pad(p.numel(), align)
             device = params[0].device
-            bucket = _Bucket(params, offsets, size, self._master_kind(params[0]))
+            bucket = _Bucket(params, offsets, size, master, align)
             bucket.stores["exp_avg"] = _new_store(self.exp_avg_dtype, size, device)
             bucket.stores["exp_avg_sq"] = _new_store(self.exp_avg_sq_dtype, size, device, sqrt_domain=True)
             if bucket.master == "remainder":
@@ -274,7 +281,7 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
     def _scaled_view(self, p: torch.Tensor, name: str) -> tuple[_Store, slice]:
         bucket, i = self._buckets[id(p)], self._index[id(p)]
         start = bucket.offsets[i]
-        return bucket.stores[name], slice(start, start + _pad(p.numel()))
+        return bucket.stores[name], slice(start, start + _pad(p.numel(), bucket.align))
 
     def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
         """fp32 value of a state (the int16 remainder itself for a remainder master, as TE)."""
@@ -456,7 +463,7 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         saved = []
         for i in frozen:
             p = bucket.params[i]
-            seg = slice(bucket.offsets[i], bucket.offsets[i] + _pad(p.numel()))
+            seg = slice(bucket.offsets[i], bucket.offsets[i] + _pad(p.numel(), bucket.align))
             views = [p.detach()]
             for store in bucket.stores.values():
                 views.append(store.data[seg])
