@@ -128,3 +128,49 @@ def skipped_step(moments: str) -> dict:
         )
 
     return train(moments, 2, grads="bf16", remainders=True, extra=dict(loss_scale=1.0), after=after)["after"]
+
+
+# ---------------------------------------------------------------- checkpoints (fresh processes)
+
+
+def _save(directory: str):
+    def after(model, opt):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f"{directory}/common_{rank}.pt")
+        opt.save_parameter_state(f"{directory}/param_state.pt")  # megatron's DP-zero format
+        return None
+
+    return after
+
+
+def _load(directory: str):
+    def prepare(model, opt):
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        common = torch.load(f"{directory}/common_{rank}.pt", weights_only=False)
+        model.load_state_dict(common["model"])
+        opt.load_state_dict(common["optimizer"])
+        opt.load_parameter_state(f"{directory}/param_state.pt")
+
+    return prepare
+
+
+def checkpoint_save(directory: str, moments: str, first: int, total: int) -> dict:
+    """Train ``total`` steps straight, and ``first`` steps then save (megatron's DP-zero files)."""
+    from mindspeed_like.testing import make_batches
+
+    world = torch.distributed.get_world_size()
+    data = make_batches(total, 2 * world, 32, 256, SEED)
+    cfg = CURVES[moments] if moments in CURVES else dict(moments=moments, grads="bf16", remainders=True)
+    straight = train(steps=total, data=data, **cfg)["losses"]
+    first_part = train(steps=first, data=data[:first], after=_save(directory), **cfg)["losses"]
+    return {"straight": straight, "first": first_part}
+
+
+def checkpoint_load(directory: str, moments: str, first: int, total: int) -> list[float]:
+    """A fresh process: load the checkpoint into ``moments`` states, train the remaining steps."""
+    from mindspeed_like.testing import make_batches
+
+    world = torch.distributed.get_world_size()
+    data = make_batches(total, 2 * world, 32, 256, SEED)
+    cfg = CURVES[moments] if moments in CURVES else dict(moments=moments, grads="bf16", remainders=True)
+    return train(steps=total - first, data=data[first:], prepare=_load(directory), **cfg)["losses"]
