@@ -106,10 +106,18 @@ class BuildOptimizer:
             raise ConfigError(conflict_message())
         from mindspeed_like.kernels.adam import PrecisionAwareAdam
 
-        module, distrib = sys.modules[OPTIMIZER_MODULE], sys.modules[DISTRIB_MODULE]
-        saved = module.Adam, module.USING_PYTORCH_OPTIMIZER, distrib.Adam
-        module.Adam, module.USING_PYTORCH_OPTIMIZER, distrib.Adam = PrecisionAwareAdam, False, PrecisionAwareAdam
+        # (module, name, value) for the call; USING_PYTORCH_OPTIMIZER exists from megatron-core 0.15
+        swaps = [
+            (sys.modules[OPTIMIZER_MODULE], "Adam", PrecisionAwareAdam),
+            (sys.modules[OPTIMIZER_MODULE], "USING_PYTORCH_OPTIMIZER", False),
+            (sys.modules[DISTRIB_MODULE], "Adam", PrecisionAwareAdam),
+        ]
+        swaps = [(m, name, value) for m, name, value in swaps if hasattr(m, name)]
+        saved = [(m, name, getattr(m, name)) for m, name, _ in swaps]
+        for m, name, value in swaps:
+            setattr(m, name, value)
         try:
             return wrapped(*args, **kwargs)
         finally:
-            module.Adam, module.USING_PYTORCH_OPTIMIZER, distrib.Adam = saved
+            for m, name, value in saved:
+                setattr(m, name, value)
