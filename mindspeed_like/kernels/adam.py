@@ -6,7 +6,7 @@ megatron-core's precision-aware optimizer (``OptimizerConfig(use_precision_aware
 in the dtypes it asks for. Only TE's ``FusedAdam`` does that; :class:`PrecisionAwareAdam` is a
 drop-in with the same constructor, ``initialize_state``, ``get_unscaled_state`` /
 ``set_scaled_state`` (what megatron's DistributedOptimizer checkpointing calls), ``state_dict`` /
-``load_state_dict`` (unscaled fp32 values; remainders as int16) and ``zero_grad``.
+``load_state_dict`` (unscaled fp32 values, masters included) and ``zero_grad``.
 
 State dtypes (``exp_avg_dtype`` / ``exp_avg_sq_dtype``):
 
@@ -284,11 +284,15 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         return bucket.stores[name], slice(start, start + _pad(p.numel(), bucket.align))
 
     def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
-        """fp32 value of a state (the int16 remainder itself for a remainder master, as TE)."""
+        """fp32 value of a state. A remainder master is returned as the exact fp32 master (TE returns
+        the int16 remainder; megatron's DP-zero and reshardable checkpoint formats gather every
+        ``param`` into fp32 buffers, where an int16 remainder would be converted numerically and
+        lose its meaning, so the full master is what must travel; :meth:`set_scaled_state` takes
+        either)."""
         self._ensure(param)
         bucket = self._buckets[id(param)]
         if state_name == "master_param" and bucket.master != "buffer":
-            return self.state[param][state_name]
+            return self.master_param(param)
         store, seg = self._scaled_view(param, state_name)
         if store.dtype == torch.float32:
             return self.state[param][state_name]
@@ -305,9 +309,21 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         bucket = self._buckets[id(param)]
         view = self.state[param][state_name]
         if state_name == "master_param" and bucket.master == "remainder":
-            if unscaled_state.dtype != torch.int16:
-                raise TypeError(f"remainder master of a bf16 param takes int16, got {unscaled_state.dtype}")
-            view.copy_(unscaled_state.view(view.shape))
+            if unscaled_state.dtype == torch.int16:  # TE's form: the remainder of the current bf16 param
+                view.copy_(unscaled_state.view(view.shape))
+                return
+            if unscaled_state.dtype != torch.float32:
+                raise TypeError(
+                    f"master_param takes the fp32 master or TE's int16 remainder, got {unscaled_state.dtype}"
+                )
+            # an fp32 master (megatron's checkpoints): weight = master rounded ties away, remainder = low half
+            bits = unscaled_state.reshape(param.shape).contiguous().view(torch.int32)
+            low = bits.view(torch.int16).view(-1, 2)[:, 0].view(param.shape)
+            view.copy_(low)
+            param.data.copy_((bits - low).view(torch.float32))
+            return
+        if state_name == "master_param" and bucket.master == "param":
+            param.data.copy_(unscaled_state.view(param.shape))
             return
         if unscaled_state.dtype != torch.float32:
             raise TypeError(f"set_scaled_state takes the fp32 value of {state_name!r}, got {unscaled_state.dtype}")
@@ -360,12 +376,8 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
                 if name == "step":
                     group_of[id(p)]["step"] = int(value.item() if torch.is_tensor(value) else value)
                 elif value is not None and name in self.state[p]:
-                    if name == "master_param" and self._buckets[id(p)].master == "remainder":
-                        self.set_scaled_state(p, name, value.to(torch.int16))
-                    elif name == "master_param" and self._buckets[id(p)].master == "param":
-                        p.data.copy_(value)
-                    else:
-                        self.set_scaled_state(p, name, value.float())
+                    keep = name == "master_param" and value.dtype == torch.int16  # TE's remainder form
+                    self.set_scaled_state(p, name, value if keep else value.float())
 
     def _all_params(self) -> list[torch.Tensor]:
         return list(chain.from_iterable(g["params"] for g in self.param_groups))

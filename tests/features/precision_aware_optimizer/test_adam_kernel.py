@@ -185,7 +185,7 @@ def test_state_api_round_trip_and_cross_dtype_load(dtype):
     params, fp32_opt = _run(torch.float32, steps=4)
     sd = fp32_opt.state_dict()
     assert all(v["exp_avg"].dtype == torch.float32 for v in sd["state"].values())
-    assert all(v["master_param"].dtype == torch.int16 for v in sd["state"].values())
+    assert all(v["master_param"].dtype == torch.float32 for v in sd["state"].values())  # the exact master
     low = PrecisionAwareAdam(
         params,
         lr=LR,
@@ -233,5 +233,24 @@ def test_contract_errors():
     with pytest.raises(ValueError, match="AMSGrad"):
         PrecisionAwareAdam(p, amsgrad=True)
     opt = PrecisionAwareAdam(p, master_weights=True, store_param_remainders=True)
-    with pytest.raises(TypeError, match="int16"):
-        opt.set_scaled_state(p[0], "master_param", torch.zeros(3))
+    with pytest.raises(TypeError, match="fp32 master or TE's int16 remainder"):
+        opt.set_scaled_state(p[0], "master_param", torch.zeros(3, dtype=torch.float64))
+
+
+def test_fp32_master_sets_weight_and_remainder():
+    """megatron's checkpoints carry fp32 masters: set_scaled_state splits one into the bf16 weight
+    (ties away from zero) and the remainder, and get_unscaled_state gives it back bit for bit;
+    TE's int16 remainder form is accepted too."""
+    gen = torch.Generator().manual_seed(SEED)
+    master = torch.randn(300, generator=gen)
+    ties = torch.tensor([0x3F808000, 0xBF808000, 0x3F818000], dtype=torch.int64).to(torch.int32)
+    master[:3] = ties.view(torch.float32)  # exact ties between two bf16 values
+    p = torch.zeros(300, dtype=torch.bfloat16)
+    opt = PrecisionAwareAdam([p], master_weights=True, store_param_remainders=True, use_decoupled_grad=True)
+    opt.set_scaled_state(p, "master_param", master.clone())
+    assert torch.equal(opt.get_unscaled_state(p, "master_param").view(torch.int32), master.view(torch.int32))
+    assert p[:3].tolist() == [1.0078125, -1.0078125, 1.015625]  # ties rounded away from zero
+    remainder = opt.state[p]["master_param"].clone()
+    opt.set_scaled_state(p, "master_param", torch.zeros_like(remainder))
+    opt.set_scaled_state(p, "master_param", remainder)
+    assert torch.equal(opt.master_param(p).view(torch.int32), master.view(torch.int32))
