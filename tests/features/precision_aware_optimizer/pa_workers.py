@@ -90,6 +90,15 @@ CURVES = {
 }
 
 
+# megatron's DP-zero file is keyed by (param dtype, grad dtype): a checkpoint changes moment dtypes
+# only between runs with the same main-grads dtype
+CONFIGS = {
+    **CURVES,
+    "bf16 moments, fp32 grads": dict(moments="bf16"),
+    "fp8 moments, fp32 grads": dict(moments="fp8"),
+}
+
+
 def curves(steps: int, names: tuple[str, ...] = tuple(CURVES)) -> dict[str, list[float]]:
     """Loss curves of the named configurations, one after another in this process (DP = world)."""
     return {name: train(steps=steps, repeat_batch=True, **CURVES[name])["losses"] for name in names}
@@ -155,12 +164,13 @@ def _load(directory: str):
 
 
 def checkpoint_save(directory: str, moments: str, first: int, total: int) -> dict:
-    """Train ``total`` steps straight, and ``first`` steps then save (megatron's DP-zero files)."""
+    """Train ``total`` steps straight, and ``first`` steps then save (megatron's DP-zero files).
+    ``moments``: a key of :data:`CURVES` ("megatron" is the default path's fp32-state checkpoint)."""
     from mindspeed_like.testing import make_batches
 
     world = torch.distributed.get_world_size()
     data = make_batches(total, 2 * world, 32, 256, SEED)
-    cfg = CURVES[moments] if moments in CURVES else dict(moments=moments, grads="bf16", remainders=True)
+    cfg = CONFIGS[moments]
     straight = train(steps=total, data=data, **cfg)["losses"]
     first_part = train(steps=first, data=data[:first], after=_save(directory), **cfg)["losses"]
     return {"straight": straight, "first": first_part}
@@ -172,5 +182,5 @@ def checkpoint_load(directory: str, moments: str, first: int, total: int) -> lis
 
     world = torch.distributed.get_world_size()
     data = make_batches(total, 2 * world, 32, 256, SEED)
-    cfg = CURVES[moments] if moments in CURVES else dict(moments=moments, grads="bf16", remainders=True)
+    cfg = CONFIGS[moments]
     return train(steps=total - first, data=data[first:], prepare=_load(directory), **cfg)["losses"]

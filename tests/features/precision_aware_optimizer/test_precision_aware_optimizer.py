@@ -86,3 +86,34 @@ def test_reuse_fp32_param_conflict_names_both():
 
     destroy_parallel()
     mindspeed_like.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moments", ["fp32", "fp32+remainders", "bf16", "fp8"])
+def test_checkpoint_round_trip_train3_save_load_train3_equals_train6(tmp_path, moments):
+    """megatron's own checkpoint calls (state_dict + DP-zero parameter state through
+    get_unscaled_state / set_scaled_state), loaded in fresh processes at DP=2: bit for bit."""
+    saved = run_distributed(W.checkpoint_save, 2, str(tmp_path), moments, 3, 6, timeout=900)[0]
+    resumed = run_distributed(W.checkpoint_load, 2, str(tmp_path), moments, 3, 6, timeout=900)[0]
+    assert_losses_equal(saved["first"], saved["straight"][:3], what="first 3 steps")
+    assert_losses_equal(resumed, saved["straight"][3:], what=f"{moments}: resumed steps 4-6 vs 6 straight")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("megatron", "bf16 moments, fp32 grads"),
+        ("bf16 moments, fp32 grads", "fp32"),
+        ("fp8 moments, fp32 grads", "fp32"),
+        ("bf16", "fp32+remainders"),
+    ],
+)
+def test_checkpoint_across_state_dtypes(tmp_path, source, target):
+    """An fp32-state checkpoint (megatron's default path) continues with bf16 states, and a
+    bf16/fp8-state one with fp32 states (same main-grads dtype: megatron's DP-zero file is keyed by
+    it): the resumed curve stays within the bounds above of the source's own straight run."""
+    saved = run_distributed(W.checkpoint_save, 2, str(tmp_path), source, 3, 6, timeout=900)[0]
+    resumed = run_distributed(W.checkpoint_load, 2, str(tmp_path), target, 3, 6, timeout=900)[0]
+    rtol = 6e-2 if "fp8" in source else 2e-2  # the bounds of the curves above
+    assert_losses_close(resumed, saved["straight"][3:], rtol, what=f"{source} checkpoint resumed with {target} states")
