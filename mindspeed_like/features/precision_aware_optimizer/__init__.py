@@ -59,17 +59,20 @@ FEATURE = Feature(
     patches=patches,
     flags=(
         Flag(
-            "portable_precision_aware_optimizer",
+            "no_portable_precision_aware_optimizer",
             bool,
-            True,
-            "when megatron's optimizer config asks for the precision-aware optimizer "
-            "(--use-precision-aware-optimizer) and TransformerEngine's FusedAdam is absent, use "
-            "mindspeed_like's Adam with the same contract (off: megatron's own error)",
+            False,
+            "off switch: by default, when megatron's optimizer config asks for the precision-aware "
+            "optimizer (--use-precision-aware-optimizer) and TransformerEngine's FusedAdam is absent, "
+            "mindspeed_like's Adam with the same contract runs; with this flag megatron's own path "
+            "(its TE error) is kept",
         ),
     ),
+    enabled=lambda ctx: not ctx["no_portable_precision_aware_optimizer"],
+    switched_by="megatron's --use-precision-aware-optimizer without TE (on by default)",
     backend="portable",
     validate_args_hook=check_megatron_args,
-    switch_on={"portable_precision_aware_optimizer": True},
+    switch_on={"no_portable_precision_aware_optimizer": False},
 )
 
 __all__ = ["FEATURE"]

@@ -73,7 +73,7 @@ def test_optimizer_config_without_te(cpu_config):
 def test_off_switch_gives_megatron_its_own_error(cpu_config):
     from megatron.core.optimizer import OptimizerConfig
 
-    cpu_config(portable_precision_aware_optimizer=False)
+    cpu_config(no_portable_precision_aware_optimizer=True)
     with pytest.raises((TypeError, RuntimeError)):
         OptimizerConfig(optimizer="adam", bf16=True, use_distributed_optimizer=True, use_precision_aware_optimizer=True)
     mindspeed_like.reset()
