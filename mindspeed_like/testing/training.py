@@ -51,6 +51,7 @@ def train_steps(
     data: torch.Tensor | None = None,
     on_step: Callable[[int, float], None] | None = None,
     on_optimizer: Callable[[torch.nn.Module, Any], None] | None = None,
+    grad_reduce_in_fp32: bool = True,
 ) -> list[float]:
     """Train ``model`` for ``steps`` steps; return the loss of each step (before its update).
 
@@ -70,6 +71,8 @@ def train_steps(
     each step (progress output). ``on_optimizer(model, optimizer)`` is called once, after the
     (DDP-wrapped) model and megatron's optimizer are built and before the first step (load a
     checkpoint into them, or keep references to read masters or save state afterwards).
+    ``grad_reduce_in_fp32=False`` keeps the grad buffers in the params' dtype (bf16 main grads,
+    as Megatron-LM's ``--main-grads-dtype bf16``).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -90,7 +93,7 @@ def train_steps(
 
     if ddp:
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
+            grad_reduce_in_fp32=grad_reduce_in_fp32,
             overlap_grad_reduce=overlap_grad_reduce,
             use_distributed_optimizer=use_distributed_optimizer,
         )

@@ -1,0 +1,123 @@
+"""The wrappers: megatron's precision-aware optimizer path with our Adam where TE's is absent.
+
+Targets, and why each is the right one (megatron-core 0.16.1):
+
+* ``optimizer_config.OptimizerConfig.__post_init__``: with ``use_precision_aware_optimizer`` it
+  imports TE's FusedAdam and raises ``RuntimeError('... requires FusedAdam from
+  TransformerEngine')``. We run it as if ``optimizer_cpu_offload`` were set (that branch returns
+  right after the same assertions, before the TE import), then recompute the one field that read
+  the flag (``use_precision_aware_optimizer_no_fp8_or_ds_fp8``) from the real value.
+* ``is_te_min_version`` as bound in ``optimizer_config`` and ``optimizer`` (module-local names,
+  not megatron-wide): without TE it raises ``TypeError: '>=' not supported between 'NoneType'
+  and 'Version'``. There it only asks which FusedAdam API exists (``store_param_remainders``
+  from TE 2.1), so without TE it answers for the Adam standing in: :data:`TE_API`.
+* ``optimizer._get_megatron_optimizer_based_on_param_groups``: it picks ``torch.optim.AdamW``
+  when neither TE nor apex is installed (``USING_PYTORCH_OPTIMIZER``) and then passes TE-only
+  keywords to it. For a precision-aware config we run it with the module's ``Adam`` bound to
+  :class:`~mindspeed_like.kernels.adam.PrecisionAwareAdam` and ``USING_PYTORCH_OPTIMIZER``
+  False, restoring both afterwards (megatron builds its optimizers on one thread); likewise
+  ``distrib_optimizer.Adam`` (torch's Adam without TE), which ``DistributedOptimizer.__init__``
+  asserts the inner optimizer is an instance of.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+
+import torch
+from packaging.version import Version
+
+from mindspeed_like.toolkit.binding import Call
+from mindspeed_like.toolkit.errors import ConfigError
+
+TE_API = Version("2.1.0")
+"""The TE FusedAdam API our Adam implements (keywords, initialize_state, get_unscaled_state /
+set_scaled_state, store_param_remainders): megatron's checks of TE >= this pass without TE."""
+
+CONFIG_MODULE = "megatron.core.optimizer.optimizer_config"
+OPTIMIZER_MODULE = "megatron.core.optimizer"
+DISTRIB_MODULE = "megatron.core.optimizer.distrib_optimizer"
+
+
+def te_fused_adam_available() -> bool:
+    """Whether TransformerEngine's FusedAdam can be imported (then megatron's own path is used)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def conflict_message() -> str:
+    return (
+        "--reuse-fp32-param and --use-precision-aware-optimizer both change where the fp32 masters "
+        "live and cannot be combined: the precision-aware optimizer already keeps each master as the "
+        "bf16 weight plus an int16 remainder (store_param_remainders, the same 4 bytes). Drop "
+        "--reuse-fp32-param (or --use-precision-aware-optimizer)."
+    )
+
+
+def te_min_version(version: str, check_equality: bool = True) -> bool:
+    """``is_te_min_version`` for megatron's optimizer modules: TE's answer when TE is installed,
+    otherwise whether the stand-in Adam's API (:data:`TE_API`) is at least ``version``."""
+    if te_fused_adam_available():
+        from megatron.core.utils import is_te_min_version
+
+        return is_te_min_version(version, check_equality)
+    wanted = Version(version)
+    return TE_API >= wanted if check_equality else TE_API > wanted
+
+
+@dataclass(frozen=True)
+class ConfigPostInit:
+    """Wrapper of ``OptimizerConfig.__post_init__``: no TE import demanded when we stand in."""
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        if not instance.use_precision_aware_optimizer or instance.optimizer_cpu_offload or te_fused_adam_available():
+            return wrapped(*args, **kwargs)
+        instance.optimizer_cpu_offload = True
+        try:
+            wrapped(*args, **kwargs)
+        finally:
+            instance.optimizer_cpu_offload = False
+        instance.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = instance.main_params_dtype != torch.float32 or (
+            instance.fp8_recipe in (None, "delayed")
+        )
+        return None
+
+
+@dataclass(frozen=True)
+class BuildOptimizer:
+    """Wrapper of ``_get_megatron_optimizer_based_on_param_groups``: our Adam for precision-aware configs.
+
+    reuse_fp32_param: that feature is on (it cannot be combined: ConfigError)."""
+
+    reuse_fp32_param: bool = False
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        config = Call(wrapped, args, kwargs)["config"]
+        if not getattr(config, "use_precision_aware_optimizer", False) or te_fused_adam_available():
+            return wrapped(*args, **kwargs)
+        if self.reuse_fp32_param:
+            raise ConfigError(conflict_message())
+        from mindspeed_like.kernels.adam import PrecisionAwareAdam
+
+        # (module, name, value) for the call; USING_PYTORCH_OPTIMIZER exists from megatron-core 0.15
+        swaps = [
+            (sys.modules[OPTIMIZER_MODULE], "Adam", PrecisionAwareAdam),
+            (sys.modules[OPTIMIZER_MODULE], "USING_PYTORCH_OPTIMIZER", False),
+            (sys.modules[DISTRIB_MODULE], "Adam", PrecisionAwareAdam),
+        ]
+        swaps = [(m, name, value) for m, name, value in swaps if hasattr(m, name)]
+        saved = [(m, name, getattr(m, name)) for m, name, _ in swaps]
+        for m, name, value in swaps:
+            setattr(m, name, value)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            for m, name, value in saved:
+                setattr(m, name, value)
