@@ -18,6 +18,13 @@ Targets, and why each is the right one (megatron-core 0.16.1):
   False, restoring both afterwards (megatron builds its optimizers on one thread); likewise
   ``distrib_optimizer.Adam`` (torch's Adam without TE), which ``DistributedOptimizer.__init__``
   asserts the inner optimizer is an instance of.
+
+  megatron-core 0.13 passes ``master_weights``/``use_decoupled_grad`` to the Adam only when
+  ``main_params_dtype`` is not fp32 or ``fp8_recipe == "delayed"`` (Megatron-LM's default), while
+  its DistributedOptimizer writes ``decoupled_grad`` whenever
+  ``use_precision_aware_optimizer_no_fp8_or_ds_fp8``; with OptimizerConfig's own default
+  ``fp8_recipe=None`` the Adam then never sees a gradient and nothing trains. 0.14 keyed both on
+  that one field; :class:`_AdamForConfig` builds the Adam by 0.14's rule on every release.
 """
 
 from __future__ import annotations
@@ -108,7 +115,7 @@ class BuildOptimizer:
 
         # (module, name, value) for the call; USING_PYTORCH_OPTIMIZER exists from megatron-core 0.15
         swaps = [
-            (sys.modules[OPTIMIZER_MODULE], "Adam", PrecisionAwareAdam),
+            (sys.modules[OPTIMIZER_MODULE], "Adam", _AdamForConfig(config)),
             (sys.modules[OPTIMIZER_MODULE], "USING_PYTORCH_OPTIMIZER", False),
             (sys.modules[DISTRIB_MODULE], "Adam", PrecisionAwareAdam),
         ]
@@ -121,3 +128,21 @@ class BuildOptimizer:
         finally:
             for m, name, value in saved:
                 setattr(m, name, value)
+
+
+@dataclass(frozen=True)
+class _AdamForConfig:
+    """Stands for ``Adam`` in megatron's optimizer module during one build: PrecisionAwareAdam with
+    the masters and decoupled grads keyed on ``use_precision_aware_optimizer_no_fp8_or_ds_fp8``,
+    the field megatron's DistributedOptimizer reads (0.14+'s rule; see the module docstring)."""
+
+    config: object
+
+    def __call__(self, *args, **kwargs):
+        from mindspeed_like.kernels.adam import PrecisionAwareAdam
+
+        if getattr(self.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+            kwargs.setdefault("master_weights", True)
+            kwargs.setdefault("use_decoupled_grad", True)
+            kwargs.setdefault("master_weight_dtype", self.config.main_params_dtype)
+        return PrecisionAwareAdam(*args, **kwargs)
