@@ -27,7 +27,8 @@ def _feature_rows(ctx) -> list[tuple[str, ...]]:
         else:
             ok = version in SpecifierSet(declared, prereleases=True)
             support = f"{declared} ({version}: {'supported' if ok else 'NOT supported'})"
-        rows.append((feature.name, feature.kind, state, feature.backend_for(ctx), support, flags))
+        level = "-" if feature.optimization_level is None else str(feature.optimization_level)
+        rows.append((feature.name, feature.kind, state, level, feature.backend_for(ctx), support, flags))
     return rows
 
 
@@ -42,11 +43,12 @@ def cmd_features(args: argparse.Namespace, flag_values: dict) -> int:
 
     ctx = runtime.context_for(runtime.resolve_config(code=flag_values, argv=[]))
     config = ctx.config
-    _print_table(("feature", "kind", "state", "backend here", "megatron-core", "flags"), _feature_rows(ctx))
+    _print_table(("feature", "kind", "state", "level", "backend here", "megatron-core", "flags"), _feature_rows(ctx))
     from mindspeed_like import registry
     from mindspeed_like.config import GLOBAL_FLAGS
 
     print("global flags: " + ", ".join(f"{f.option} ({config[f.name]!r})" for f in GLOBAL_FLAGS))
+    _print_levels(config, registry.all_features())
     from mindspeed_like.megatron_version import support_summary
 
     print(support_summary())
@@ -59,6 +61,29 @@ def cmd_features(args: argparse.Namespace, flag_values: dict) -> int:
                 spelling = " / ".join(flag.option_strings)
                 print(f"    {spelling} ({flag.type.__name__}, default {flag.default!r}): {flag.help}")
     return 0
+
+
+def _print_levels(config, features) -> None:
+    """The --optimization-level rule, each level's members, and the level in effect."""
+    from mindspeed_like import levels
+
+    print(f"optimization levels ({levels.RULE}):")
+    for level, meaning in levels.LEVELS.items():
+        names = [f.name for f in features if f.optimization_level == level]
+        print(f"  {level}: {meaning}" + (f": {', '.join(names)}" if names else ""))
+    level = config["optimization_level"]
+    if level is None:
+        print("no --optimization-level given: each feature follows its own flags")
+        return
+    explicit = [
+        name
+        for name, source in config.sources.items()
+        if source not in ("default", "optimization-level") and name != "optimization_level"
+    ]
+    print(
+        f"optimization level {level} in effect"
+        + (f"; set explicitly (overriding it): {', '.join(explicit)}" if explicit else "")
+    )
 
 
 def cmd_report(args: argparse.Namespace, flag_values: dict) -> int:

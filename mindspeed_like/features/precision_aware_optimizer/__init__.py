@@ -73,6 +73,8 @@ FEATURE = Feature(
     backend="portable",
     validate_args_hook=check_megatron_args,
     switch_on={"no_portable_precision_aware_optimizer": False},
+    switch_off={"no_portable_precision_aware_optimizer": True},
+    optimization_level=1,
 )
 
 __all__ = ["FEATURE"]

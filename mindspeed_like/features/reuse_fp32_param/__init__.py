@@ -121,6 +121,7 @@ FEATURE = Feature(
     backend="portable",
     validate_args_hook=w.bf16_required,
     switch_on={"reuse_fp32_param": True},
+    optimization_level=2,
 )
 
 __all__ = ["FEATURE", "ReuseFp32ParamUnsupported", "state_of"]
