@@ -120,6 +120,26 @@ def cmd_demo(args: argparse.Namespace, flag_values: dict) -> int:
     return run_demo(args, flag_values)
 
 
+def cmd_compare(args: argparse.Namespace, flag_values: dict) -> int:
+    """megatron-core's own path vs the features, same model, data and seed; a table and files."""
+    from mindspeed_like.compare import CompareFailed, run_compare
+    from mindspeed_like.compare.report import PLOT_HINT, summary_line, table
+
+    try:
+        result = run_compare(args, flag_values)
+    except CompareFailed as error:
+        print(f"mindspeed-like compare: {error}", file=sys.stderr)
+        return 1
+    print()
+    print(table(result))
+    print()
+    print("summary: " + summary_line(result))
+    print(f"wrote {', '.join(result['files'])}")
+    if not any(path.endswith(".png") for path in result["files"]):
+        print(PLOT_HINT)
+    return 0
+
+
 def cmd_audit(args: argparse.Namespace, flag_values: dict) -> int:
     """Every declared patch target against megatron-core sources, without importing them."""
     from mindspeed_like import audit
@@ -168,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("features", cmd_features, "list every feature: flags, on/off, backend on this host, megatron-core support"),
         ("report", cmd_report, "apply the features for the given flags and print the patch report"),
         ("demo", cmd_demo, "train a small GPT with megatron-core through the adaptor on this machine"),
+        ("compare", cmd_compare, "train a preset twice (megatron-core's path, then the features) and compare"),
         ("run", None, "run a training script with the adaptor imported first: run SCRIPT [ARGS...]"),
         ("audit", cmd_audit, "check every declared patch target against megatron-core sources (not imported)"),
     ):
@@ -180,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
             from mindspeed_like.demo import add_demo_arguments
 
             add_demo_arguments(sub)
+        if name == "compare":
+            from mindspeed_like.compare import add_compare_arguments
+
+            add_compare_arguments(sub)
         if name == "audit":
             sub.add_argument(
                 "--megatron-source",

@@ -16,22 +16,48 @@ import warnings
 import torch
 
 
-def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("demo")
-    group.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    group.add_argument("--num-layers", type=int, default=4)
-    group.add_argument("--hidden-size", type=int, default=256)
-    group.add_argument("--num-attention-heads", type=int, default=8)
-    group.add_argument("--seq-length", type=int, default=128)
-    group.add_argument("--micro-batch-size", type=int, default=8)
+def add_model_arguments(group, **defaults: int) -> None:
+    """The model size and training arguments the demo and `compare` share (named as Megatron-LM's)."""
+    group.add_argument(
+        "--steps", type=int, default=defaults["steps"], help=f"training steps (default {defaults['steps']})"
+    )
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
+        group.add_argument(
+            "--" + name.replace("_", "-"), type=int, default=defaults[name], help=f"(default {defaults[name]})"
+        )
     group.add_argument("--lr", type=float, default=3e-3)
-    group.add_argument("--bf16", action="store_true", help="bf16 mixed precision (Float16Module + fp32 master)")
     group.add_argument("--seed", type=int, default=1234)
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from mindspeed_like.compare.presets import PRESETS
+
+    group = parser.add_argument_group("demo")
+    add_model_arguments(
+        group, steps=40, num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, micro_batch_size=8
+    )
+    group.add_argument("--bf16", action="store_true", help="bf16 mixed precision (Float16Module + fp32 master)")
+    group.add_argument(
+        "--preset", choices=sorted(PRESETS), default="llama", help="model family (default llama; see `compare`)"
+    )
+    group.add_argument(
+        "--compare-steps",
+        type=int,
+        default=0,
+        help="after training, run `mindspeed-like compare` with this many steps and print its one-line summary",
+    )
 
 
 def _positive(name: str, value: int) -> None:
     if value <= 0:
         raise SystemExit(f"mindspeed-like demo: --{name.replace('_', '-')} must be positive, got {value}")
+
+
+def quiet_expected_warnings() -> None:
+    """megatron-core tells at import that TransformerEngine/Apex are absent: true, and expected
+    here; the demo and compare hide only those lines so their own output stays readable."""
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 
 
 def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
@@ -40,16 +66,14 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
     if args.hidden_size % args.num_attention_heads:
         raise SystemExit("mindspeed-like demo: --hidden-size must be divisible by --num-attention-heads")
 
-    # megatron-core tells at import that TransformerEngine/Apex are absent: true, and expected
-    # here; the demo hides only those lines so its own output stays readable.
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
-    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+    quiet_expected_warnings()
 
     import mindspeed_like
     import mindspeed_like.megatron_adaptor  # noqa: F401  (the one line a user adds)
 
     config = mindspeed_like.configure(**flag_values)
     from mindspeed_like.adapters.detect import detect_device
+    from mindspeed_like.compare.presets import PRESETS
     from mindspeed_like.demo_data import megatron_source_bytes, sample_windows
     from mindspeed_like.runtime import enabled_feature_names
     from mindspeed_like.testing import destroy_parallel, init_parallel, param_bytes, tiny_gpt, train_steps
@@ -62,21 +86,23 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
         [sample_windows(tokens, args.micro_batch_size, args.seq_length, generator) for _ in range(args.steps)]
     )
     print(
-        f"data: {tokens.numel():,} bytes of megatron-core source; model: {args.num_layers} layers, "
-        f"hidden {args.hidden_size}, {args.num_attention_heads} heads, seq {args.seq_length}, "
-        f"batch {args.micro_batch_size}, {'bf16' if args.bf16 else 'fp32'}"
+        f"data: {tokens.numel():,} bytes of megatron-core source; model: {args.preset} preset, "
+        f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
+        f"seq {args.seq_length}, batch {args.micro_batch_size}, {'bf16' if args.bf16 else 'fp32'}"
     )
 
     init_parallel(seed=args.seed)
     try:
-        model = tiny_gpt(
+        preset = PRESETS[args.preset]
+        model_args = preset.model_args(
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
             num_attention_heads=args.num_attention_heads,
             seq_length=args.seq_length,
-            vocab_size=256,
-            bf16=args.bf16,
         )
+        if preset.moe:  # megatron's grouped experts where our grouped GEMM runs, else its expert loop
+            model_args["moe_grouped_gemm"] = "grouped-gemm" in features_on
+        model = tiny_gpt(bf16=args.bf16, **model_args)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"parameters: {n_params:,} ({param_bytes(list(model.parameters())) / 2**20:.1f} MiB)")
         start = time.perf_counter()
@@ -109,4 +135,23 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
     if not all(math.isfinite(x) for x in losses):
         print("demo FAILED: a loss is not finite")
         return 1
+    if args.compare_steps > 0:
+        return _compare_summary(args, flag_values)
+    return 0
+
+
+def _compare_summary(args: argparse.Namespace, flag_values: dict) -> int:
+    """The default `mindspeed-like compare` at the demo's preset, summarised in one line."""
+    from mindspeed_like.cli import build_parser
+    from mindspeed_like.compare import run_compare
+    from mindspeed_like.compare.report import summary_line
+
+    compare_args = build_parser().parse_args(
+        ["compare", "--preset", args.preset, "--steps", str(args.compare_steps), "--quiet", "--out", "compare-out"]
+    )
+    print(
+        f"compare ({args.compare_steps} steps, `mindspeed-like compare --preset {args.preset}` defaults):", flush=True
+    )
+    result = run_compare(compare_args, flag_values)
+    print("  " + summary_line(result))
     return 0
