@@ -72,8 +72,6 @@ def _build_model(spec: dict[str, Any], grouped_gemm_on: bool):
 
 def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
     """Train one arm; return its losses, step times, memory split and the features that ran."""
-    from megatron.core import parallel_state
-
     from mindspeed_like.adapters.detect import detect_device
     from mindspeed_like.compare.measure import ActivationProbe, process_peak_bytes, state_bytes, step_time_summary
     from mindspeed_like.demo import quiet_expected_warnings
@@ -83,6 +81,8 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
 
     quiet_expected_warnings()
     features_on = _configure(spec)
+    from megatron.core import parallel_state
+
     device = detect_device(spec["device"])
     rank = torch.distributed.get_rank()
     if device == "cuda":
