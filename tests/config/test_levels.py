@@ -90,3 +90,17 @@ def test_declaration_checks_levels():
     assert feature.off_values == {"use_x": False}
     assert levels.flag_values(1, [feature]) == {"use_x": False}
     assert levels.flag_values(2, [feature]) == {"use_x": True}
+
+
+def test_level_2_conflict_with_precision_aware_optimizer_names_the_level():
+    """Level 2 switches reuse-fp32-param on; megatron's --use-precision-aware-optimizer cannot be
+    combined with it, and the error says the level did it and how to keep the rest."""
+    from mindspeed_like.features.precision_aware_optimizer import FEATURE
+    from mindspeed_like.features.precision_aware_optimizer.optimizer import BuildOptimizer
+
+    ctx = runtime.context_for(runtime.resolve_config(argv=["--optimization-level", "2"], code={"device": "cpu"}))
+    builds = [p.new for p in FEATURE.patches_for(ctx) if isinstance(p.new, BuildOptimizer)]
+    assert builds and builds[0].reuse_fp32_param and builds[0].reuse_from_level
+    config = type("OptimizerConfig", (), {"use_precision_aware_optimizer": True})()
+    with pytest.raises(ConfigError, match="--optimization-level 2 switches --reuse-fp32-param on"):
+        builds[0](lambda config, param_groups: None, None, (), {"config": config, "param_groups": []})

@@ -38,7 +38,10 @@ def patches(ctx: Context) -> list[Patch]:
         Patch(
             f"{o.OPTIMIZER_MODULE}._get_megatron_optimizer_based_on_param_groups",
             Kind.WRAP,
-            o.BuildOptimizer(reuse_fp32_param=bool(ctx.config.get("reuse_fp32_param", False))),
+            o.BuildOptimizer(
+                reuse_fp32_param=bool(ctx.config.get("reuse_fp32_param", False)),
+                reuse_from_level=ctx.config.sources.get("reuse_fp32_param") == "optimization-level",
+            ),
             why="precision-aware configs get PrecisionAwareAdam instead of torch's AdamW",
         ),
     ]
