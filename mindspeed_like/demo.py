@@ -11,26 +11,13 @@ import argparse
 import math
 import resource
 import time
-import warnings
 
 import torch
 
 
-def add_model_arguments(group, **defaults: int) -> None:
-    """The model size and training arguments the demo and `compare` share (named as Megatron-LM's)."""
-    group.add_argument(
-        "--steps", type=int, default=defaults["steps"], help=f"training steps (default {defaults['steps']})"
-    )
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
-        group.add_argument(
-            "--" + name.replace("_", "-"), type=int, default=defaults[name], help=f"(default {defaults[name]})"
-        )
-    group.add_argument("--lr", type=float, default=3e-3)
-    group.add_argument("--seed", type=int, default=1234)
-
-
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     from mindspeed_like.compare.presets import PRESETS
+    from mindspeed_like.run_arguments import add_model_arguments
 
     group = parser.add_argument_group("demo")
     add_model_arguments(
@@ -53,18 +40,13 @@ def _positive(name: str, value: int) -> None:
         raise SystemExit(f"mindspeed-like demo: --{name.replace('_', '-')} must be positive, got {value}")
 
 
-def quiet_expected_warnings() -> None:
-    """megatron-core tells at import that TransformerEngine/Apex are absent: true, and expected
-    here; the demo and compare hide only those lines so their own output stays readable."""
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
-    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
-
-
 def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
     for name in ("steps", "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
         _positive(name, getattr(args, name))
     if args.hidden_size % args.num_attention_heads:
         raise SystemExit("mindspeed-like demo: --hidden-size must be divisible by --num-attention-heads")
+
+    from mindspeed_like.run_arguments import quiet_expected_warnings
 
     quiet_expected_warnings()
 
@@ -142,12 +124,13 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
 
 def _compare_summary(args: argparse.Namespace, flag_values: dict) -> int:
     """The default `mindspeed-like compare` at the demo's preset, summarised in one line."""
-    from mindspeed_like.cli import build_parser
-    from mindspeed_like.compare import run_compare
+    from mindspeed_like.compare import add_compare_arguments, run_compare
     from mindspeed_like.compare.report import summary_line
 
-    compare_args = build_parser().parse_args(
-        ["compare", "--preset", args.preset, "--steps", str(args.compare_steps), "--quiet", "--out", "compare-out"]
+    parser = argparse.ArgumentParser(prog="mindspeed-like compare")
+    add_compare_arguments(parser)
+    compare_args = parser.parse_args(
+        ["--preset", args.preset, "--steps", str(args.compare_steps), "--quiet", "--out", "compare-out"]
     )
     print(
         f"compare ({args.compare_steps} steps, `mindspeed-like compare --preset {args.preset}` defaults):", flush=True

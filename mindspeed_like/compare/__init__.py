@@ -23,7 +23,7 @@ class CompareFailed(RuntimeError):
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    from mindspeed_like.demo import add_model_arguments
+    from mindspeed_like.run_arguments import add_model_arguments
 
     group = parser.add_argument_group("compare")
     group.add_argument("--preset", choices=sorted(PRESETS), default="llama", help="model family (default llama)")

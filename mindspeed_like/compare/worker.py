@@ -74,7 +74,7 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
     """Train one arm; return its losses, step times, memory split and the features that ran."""
     from mindspeed_like.adapters.detect import detect_device
     from mindspeed_like.compare.measure import ActivationProbe, process_peak_bytes, state_bytes, step_time_summary
-    from mindspeed_like.demo import quiet_expected_warnings
+    from mindspeed_like.run_arguments import quiet_expected_warnings
     from mindspeed_like.runtime import ENGINE
     from mindspeed_like.testing import destroy_parallel, train_steps
     from mindspeed_like.toolkit.fallback import fell_back
