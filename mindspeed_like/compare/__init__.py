@@ -10,6 +10,7 @@ No feature flag and no level given means level 2 (every feature that applies). P
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from mindspeed_like.compare.presets import PRESETS
@@ -39,6 +40,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--out", default="compare-out", help="directory for compare.json and compare.png")
     group.add_argument("--timeout", type=float, default=3600, help="seconds per arm before its processes are killed")
     group.add_argument("--quiet", action="store_true", help="no progress line per step")
+    group.add_argument(
+        "--threads", type=int, default=0, help="CPU threads per process (default: the host's cores / processes)"
+    )
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -53,7 +57,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         "tensor_model_parallel_size",
         "data_parallel_size",
         "expert_model_parallel_size",
+        "threads",
     ):
+        if name == "threads" and args.threads == 0:
+            continue
         if getattr(args, name) <= 0:
             raise ConfigError(f"compare: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.hidden_size % args.num_attention_heads:
@@ -125,6 +132,7 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
         device=device,
         data=data,
         progress=not args.quiet,
+        threads=args.threads or max(1, (os.cpu_count() or 1) // world),
     )
     backend = {"cuda": "nccl", "npu": "hccl"}.get(runtime.context_for(config).device, "gloo")
     arms = {}

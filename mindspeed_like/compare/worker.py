@@ -81,6 +81,7 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
 
     quiet_expected_warnings()
     features_on = _configure(spec)
+    torch.set_num_threads(spec["threads"])  # run_distributed starts each child with one
     from megatron.core import parallel_state
 
     device = detect_device(spec["device"])

@@ -76,8 +76,8 @@ def patches(ctx: Context) -> list[Patch]:
         Patch(
             f"{OPTIMIZER}.FP32Optimizer.__init__",
             Kind.WRAP,
-            w.fp32_init,
-            why="flag needs bf16: clear error",
+            w.Fp32Init(ctx.config.sources.get("reuse_fp32_param") == "optimization-level", fall_back),
+            why="flag needs bf16: clear error (a logged fallback when --optimization-level 2 switched it on)",
             after=HOST,
         ),
         Patch(
