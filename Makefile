@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml setup.py
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/mindspeed-like demo $(DEMO_ARGS)
+	$(VENV)/bin/mindspeed-like demo --optimization-level 2 --compare-steps 6 $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -27,7 +27,8 @@ def _feature_rows(ctx) -> list[tuple[str, ...]]:
         else:
             ok = version in SpecifierSet(declared, prereleases=True)
             support = f"{declared} ({version}: {'supported' if ok else 'NOT supported'})"
-        rows.append((feature.name, feature.kind, state, feature.backend_for(ctx), support, flags))
+        level = "-" if feature.optimization_level is None else str(feature.optimization_level)
+        rows.append((feature.name, feature.kind, state, level, feature.backend_for(ctx), support, flags))
     return rows
 
 
@@ -42,11 +43,12 @@ def cmd_features(args: argparse.Namespace, flag_values: dict) -> int:
 
     ctx = runtime.context_for(runtime.resolve_config(code=flag_values, argv=[]))
     config = ctx.config
-    _print_table(("feature", "kind", "state", "backend here", "megatron-core", "flags"), _feature_rows(ctx))
+    _print_table(("feature", "kind", "state", "level", "backend here", "megatron-core", "flags"), _feature_rows(ctx))
     from mindspeed_like import registry
     from mindspeed_like.config import GLOBAL_FLAGS
 
     print("global flags: " + ", ".join(f"{f.option} ({config[f.name]!r})" for f in GLOBAL_FLAGS))
+    _print_levels(config, registry.all_features())
     from mindspeed_like.megatron_version import support_summary
 
     print(support_summary())
@@ -59,6 +61,29 @@ def cmd_features(args: argparse.Namespace, flag_values: dict) -> int:
                 spelling = " / ".join(flag.option_strings)
                 print(f"    {spelling} ({flag.type.__name__}, default {flag.default!r}): {flag.help}")
     return 0
+
+
+def _print_levels(config, features) -> None:
+    """The --optimization-level rule, each level's members, and the level in effect."""
+    from mindspeed_like import levels
+
+    print(f"optimization levels ({levels.RULE}):")
+    for level, meaning in levels.LEVELS.items():
+        names = [f.name for f in features if f.optimization_level == level]
+        print(f"  {level}: {meaning}" + (f": {', '.join(names)}" if names else ""))
+    level = config["optimization_level"]
+    if level is None:
+        print("no --optimization-level given: each feature follows its own flags")
+        return
+    explicit = [
+        name
+        for name, source in config.sources.items()
+        if source not in ("default", "optimization-level") and name != "optimization_level"
+    ]
+    print(
+        f"optimization level {level} in effect"
+        + (f"; set explicitly (overriding it): {', '.join(explicit)}" if explicit else "")
+    )
 
 
 def cmd_report(args: argparse.Namespace, flag_values: dict) -> int:
@@ -93,6 +118,26 @@ def cmd_demo(args: argparse.Namespace, flag_values: dict) -> int:
     from mindspeed_like.demo import run_demo
 
     return run_demo(args, flag_values)
+
+
+def cmd_compare(args: argparse.Namespace, flag_values: dict) -> int:
+    """megatron-core's own path vs the features, same model, data and seed; a table and files."""
+    from mindspeed_like.compare import CompareFailed, run_compare
+    from mindspeed_like.compare.report import PLOT_HINT, summary_line, table
+
+    try:
+        result = run_compare(args, flag_values)
+    except CompareFailed as error:
+        print(f"mindspeed-like compare: {error}", file=sys.stderr)
+        return 1
+    print()
+    print(table(result))
+    print()
+    print("summary: " + summary_line(result))
+    print(f"wrote {', '.join(result['files'])}")
+    if not any(path.endswith(".png") for path in result["files"]):
+        print(PLOT_HINT)
+    return 0
 
 
 def cmd_audit(args: argparse.Namespace, flag_values: dict) -> int:
@@ -143,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("features", cmd_features, "list every feature: flags, on/off, backend on this host, megatron-core support"),
         ("report", cmd_report, "apply the features for the given flags and print the patch report"),
         ("demo", cmd_demo, "train a small GPT with megatron-core through the adaptor on this machine"),
+        ("compare", cmd_compare, "train a preset twice (megatron-core's path, then the features) and compare"),
         ("run", None, "run a training script with the adaptor imported first: run SCRIPT [ARGS...]"),
         ("audit", cmd_audit, "check every declared patch target against megatron-core sources (not imported)"),
     ):
@@ -155,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
             from mindspeed_like.demo import add_demo_arguments
 
             add_demo_arguments(sub)
+        if name == "compare":
+            from mindspeed_like.compare import add_compare_arguments
+
+            add_compare_arguments(sub)
         if name == "audit":
             sub.add_argument(
                 "--megatron-source",

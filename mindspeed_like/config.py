@@ -12,14 +12,14 @@ import argparse
 import difflib
 import os
 import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from mindspeed_like.toolkit.declaration import Feature, Flag
 from mindspeed_like.toolkit.errors import ConfigError
 
 ENV_VAR = "MINDSPEED_LIKE_ARGS"
-SOURCES = ("default", "env", "argv", "megatron-args", "configure")
+SOURCES = ("default", "optimization-level", "env", "argv", "megatron-args", "configure")
 
 GLOBAL_FLAGS = (
     Flag(
@@ -31,6 +31,15 @@ GLOBAL_FLAGS = (
         choices=("auto", "cpu", "cuda", "npu"),
     ),
     Flag("strict", bool, False, "fail instead of falling back when a feature cannot run as asked"),
+    Flag(
+        "optimization_level",
+        int,
+        None,
+        "MindSpeed's levels: 0 = device adapters and fixes only; 1 = + every feature whose results equal "
+        "megatron's bitwise or within fp32 rounding; 2 = + those trading numerics or time for memory "
+        "(`mindspeed-like features` lists the members); flags given explicitly override the level",
+        choices=(0, 1, 2),
+    ),
 )
 
 
@@ -126,6 +135,8 @@ def parse_argv(flags: Sequence[Flag], argv: Sequence[str]) -> dict[str, Any]:
 def check_value(flag: Flag, value: Any, source: str) -> Any:
     """A value set from code must have the flag's type already; return it (ints become floats)."""
     expected = flag.type
+    if value is None and flag.default is None:
+        return None  # "unset": the flag's documented default
     ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
@@ -160,8 +171,12 @@ def resolve(
     argv: Sequence[str] | None = None,
     megatron_args: Mapping[str, Any] | None = None,
     code: Mapping[str, Any] | None = None,
+    level_values: Callable[[int], Mapping[str, Any]] | None = None,
 ) -> Config:
-    """Merge the sources in priority order into one Config."""
+    """Merge the sources in priority order into one Config.
+
+    level_values: the flag values an ``--optimization-level`` stands for; they fill only flags
+    no source set (source "optimization-level"), so explicit flags override the level."""
     values = {f.name: f.default for f in flags}
     sources = {f.name: "default" for f in flags}
     layers = (
@@ -174,6 +189,12 @@ def resolve(
         for name, value in layer.items():
             values[name] = value
             sources[name] = source
+    level = values.get("optimization_level")
+    if level is not None and level_values is not None:
+        for name, value in level_values(level).items():
+            if sources.get(name) == "default":
+                values[name] = value
+                sources[name] = "optimization-level"
     return Config(values, sources)
 
 

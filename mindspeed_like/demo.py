@@ -11,22 +11,28 @@ import argparse
 import math
 import resource
 import time
-import warnings
 
 import torch
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from mindspeed_like.compare.presets import PRESETS
+    from mindspeed_like.run_arguments import add_model_arguments
+
     group = parser.add_argument_group("demo")
-    group.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    group.add_argument("--num-layers", type=int, default=4)
-    group.add_argument("--hidden-size", type=int, default=256)
-    group.add_argument("--num-attention-heads", type=int, default=8)
-    group.add_argument("--seq-length", type=int, default=128)
-    group.add_argument("--micro-batch-size", type=int, default=8)
-    group.add_argument("--lr", type=float, default=3e-3)
+    add_model_arguments(
+        group, steps=40, num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, micro_batch_size=8
+    )
     group.add_argument("--bf16", action="store_true", help="bf16 mixed precision (Float16Module + fp32 master)")
-    group.add_argument("--seed", type=int, default=1234)
+    group.add_argument(
+        "--preset", choices=sorted(PRESETS), default="llama", help="model family (default llama; see `compare`)"
+    )
+    group.add_argument(
+        "--compare-steps",
+        type=int,
+        default=0,
+        help="after training, run `mindspeed-like compare` with this many steps and print its one-line summary",
+    )
 
 
 def _positive(name: str, value: int) -> None:
@@ -40,16 +46,16 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
     if args.hidden_size % args.num_attention_heads:
         raise SystemExit("mindspeed-like demo: --hidden-size must be divisible by --num-attention-heads")
 
-    # megatron-core tells at import that TransformerEngine/Apex are absent: true, and expected
-    # here; the demo hides only those lines so its own output stays readable.
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
-    warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+    from mindspeed_like.run_arguments import quiet_expected_warnings
+
+    quiet_expected_warnings()
 
     import mindspeed_like
     import mindspeed_like.megatron_adaptor  # noqa: F401  (the one line a user adds)
 
     config = mindspeed_like.configure(**flag_values)
     from mindspeed_like.adapters.detect import detect_device
+    from mindspeed_like.compare.presets import PRESETS
     from mindspeed_like.demo_data import megatron_source_bytes, sample_windows
     from mindspeed_like.runtime import enabled_feature_names
     from mindspeed_like.testing import destroy_parallel, init_parallel, param_bytes, tiny_gpt, train_steps
@@ -62,21 +68,23 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
         [sample_windows(tokens, args.micro_batch_size, args.seq_length, generator) for _ in range(args.steps)]
     )
     print(
-        f"data: {tokens.numel():,} bytes of megatron-core source; model: {args.num_layers} layers, "
-        f"hidden {args.hidden_size}, {args.num_attention_heads} heads, seq {args.seq_length}, "
-        f"batch {args.micro_batch_size}, {'bf16' if args.bf16 else 'fp32'}"
+        f"data: {tokens.numel():,} bytes of megatron-core source; model: {args.preset} preset, "
+        f"{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
+        f"seq {args.seq_length}, batch {args.micro_batch_size}, {'bf16' if args.bf16 else 'fp32'}"
     )
 
     init_parallel(seed=args.seed)
     try:
-        model = tiny_gpt(
+        preset = PRESETS[args.preset]
+        model_args = preset.model_args(
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
             num_attention_heads=args.num_attention_heads,
             seq_length=args.seq_length,
-            vocab_size=256,
-            bf16=args.bf16,
         )
+        if preset.moe:  # megatron's grouped experts where our grouped GEMM runs, else its expert loop
+            model_args["moe_grouped_gemm"] = "grouped-gemm" in features_on
+        model = tiny_gpt(bf16=args.bf16, **model_args)
         n_params = sum(p.numel() for p in model.parameters())
         print(f"parameters: {n_params:,} ({param_bytes(list(model.parameters())) / 2**20:.1f} MiB)")
         start = time.perf_counter()
@@ -109,4 +117,24 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
     if not all(math.isfinite(x) for x in losses):
         print("demo FAILED: a loss is not finite")
         return 1
+    if args.compare_steps > 0:
+        return _compare_summary(args, flag_values)
+    return 0
+
+
+def _compare_summary(args: argparse.Namespace, flag_values: dict) -> int:
+    """The default `mindspeed-like compare` at the demo's preset, summarised in one line."""
+    from mindspeed_like.compare import add_compare_arguments, run_compare
+    from mindspeed_like.compare.report import summary_line
+
+    parser = argparse.ArgumentParser(prog="mindspeed-like compare")
+    add_compare_arguments(parser)
+    compare_args = parser.parse_args(
+        ["--preset", args.preset, "--steps", str(args.compare_steps), "--quiet", "--out", "compare-out"]
+    )
+    print(
+        f"compare ({args.compare_steps} steps, `mindspeed-like compare --preset {args.preset}` defaults):", flush=True
+    )
+    result = run_compare(compare_args, flag_values)
+    print("  " + summary_line(result))
     return 0

@@ -20,7 +20,7 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 
 from mindspeed_like import config as config_mod
-from mindspeed_like import registry
+from mindspeed_like import levels, registry
 from mindspeed_like.adapters.detect import detect_device
 from mindspeed_like.config import Config
 from mindspeed_like.engine import PatchEngine, PatchError, PatchRecord
@@ -54,7 +54,12 @@ def resolve_config(code: Mapping[str, Any] | None = None, argv: list[str] | None
         argv=sys.argv[1:] if argv is None else argv,
         megatron_args=_megatron_args,
         code=merged,
+        level_values=_level_values,
     )
+
+
+def _level_values(level: int) -> dict[str, Any]:
+    return levels.flag_values(level, registry.all_features())
 
 
 def context_for(config: Config) -> Context:

@@ -21,6 +21,7 @@ target and an explicit kind; the engine
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.metadata
 import inspect
@@ -72,6 +73,19 @@ class _Active:
     had_own_attr: bool  # False: the attribute was inherited, undo deletes ours
 
 
+@dataclass(frozen=True)
+class _CountingWrapper:
+    """A WRAP patch's wrapper that counts its calls under its feature's name first."""
+
+    inner: Callable
+    counter: collections.Counter
+    feature: str
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        self.counter[self.feature] += 1
+        return self.inner(wrapped, instance, args, kwargs)
+
+
 class PatchEngine:
     """Applies patches by feature and undoes them by identity.
 
@@ -96,6 +110,10 @@ class PatchEngine:
         self._queued_swaps: list[tuple[Any, Any, tuple[str, str] | None]] = []
         self._batch_depth = 0
         self._scoped_cache: tuple[Any, list[types.ModuleType]] = (None, [])
+        self.calls: collections.Counter | None = None
+        """Calls into WRAP patches per feature, when a Counter is set here before the features
+        are applied (`mindspeed-like compare` does, to tell a feature that ran from one that
+        was on but never reached); None (default): nothing is counted."""
 
     # ------------------------------------------------------------------ public API
     def applicable(self, patches: Iterable[Patch]) -> list[Patch]:
@@ -332,7 +350,8 @@ class PatchEngine:
             original = vars(owner)[attr]
         if patch.kind is Kind.WRAP and not callable(original) and not isinstance(original, (staticmethod, classmethod)):
             raise self._error(feature, patch, "is not callable (WRAP needs a callable)")
-        installed = wrapt.FunctionWrapper(original, patch.new) if patch.kind is Kind.WRAP else patch.new
+        wrapper = patch.new if self.calls is None else _CountingWrapper(patch.new, self.calls, feature)
+        installed = wrapt.FunctionWrapper(original, wrapper) if patch.kind is Kind.WRAP else patch.new
         setattr(owner, attr, installed)
         entry = _Active(feature, patch, owner, attr, original, installed, had_own)
         if isinstance(owner, types.ModuleType) and patch.update_aliases:

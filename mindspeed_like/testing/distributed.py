@@ -21,7 +21,15 @@ class DistributedError(RuntimeError):
 
 
 def _child(
-    rank: int, world_size: int, port: int, store_path: str, fn: Callable, args: tuple, kwargs: dict, results
+    rank: int,
+    world_size: int,
+    port: int,
+    store_path: str,
+    backend: str,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    results,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -39,7 +47,7 @@ def _child(
 
         # A file rendezvous, not MASTER_PORT: a port chosen free by the parent can be taken by
         # another suite before rank 0 binds it (EADDRINUSE when test runs overlap).
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         try:
             value = fn(*args, **kwargs)
         finally:
@@ -49,13 +57,16 @@ def _child(
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120, **kwargs: Any) -> list:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 120, backend: str = "gloo", **kwargs: Any
+) -> list:
     """Call ``fn(*args, **kwargs)`` in ``world_size`` spawned processes; return per-rank results.
 
     Each child gets ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT`` (for code that starts its
     own rendezvous), ``RANK``/``WORLD_SIZE``, ``OMP_NUM_THREADS=1`` and an initialized gloo
     default process group, rendezvoused through a private file (destroyed after ``fn``
-    returns). ``fn`` must be importable (module level) and its return value picklable.
+    returns; ``backend``: another torch.distributed backend, e.g. nccl on GPUs). ``fn`` must be
+    importable (module level) and its return value picklable.
     A child's exception is raised here as :class:`DistributedError` with its traceback;
     after ``timeout`` seconds the remaining children are killed.
     """
@@ -72,7 +83,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         # The ``finally`` below kills any child still alive.
         procs = [
             ctx.Process(
-                target=_child, args=(rank, world_size, port, store_path, fn, args, kwargs, results), daemon=False
+                target=_child,
+                args=(rank, world_size, port, store_path, backend, fn, args, kwargs, results),
+                daemon=False,
             )
             for rank in range(world_size)
         ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -52,6 +53,8 @@ def train_steps(
     on_step: Callable[[int, float], None] | None = None,
     on_optimizer: Callable[[torch.nn.Module, Any], None] | None = None,
     grad_reduce_in_fp32: bool = True,
+    device: torch.device | str | None = None,
+    forward_context: Callable[[int], contextlib.AbstractContextManager] | None = None,
 ) -> list[float]:
     """Train ``model`` for ``steps`` steps; return the loss of each step (before its update).
 
@@ -72,7 +75,9 @@ def train_steps(
     (DDP-wrapped) model and megatron's optimizer are built and before the first step (load a
     checkpoint into them, or keep references to read masters or save state afterwards).
     ``grad_reduce_in_fp32=False`` keeps the grad buffers in the params' dtype (bf16 main grads,
-    as Megatron-LM's ``--main-grads-dtype bf16``).
+    as Megatron-LM's ``--main-grads-dtype bf16``). ``device``: where the batches go (default:
+    the CPU, where the tests run). ``forward_context(step)``: a context manager entered around
+    that step's forward and loss (e.g. a saved-for-backward meter), exited before its backward.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -110,13 +115,17 @@ def train_steps(
         batch = data[step]
         rows = batch.shape[0] // dp_size
         batch = batch[dp_rank * rows : (dp_rank + 1) * rows]
+        if device is not None:
+            batch = batch.to(device)
         tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         if ddp:
             model.zero_grad_buffer()
         opt.zero_grad()
-        per_token = model(tokens, position_ids, None, labels=labels)
-        loss = per_token.float().mean()
+        around = forward_context(step) if forward_context is not None else contextlib.nullcontext()
+        with around:
+            per_token = model(tokens, position_ids, None, labels=labels)
+            loss = per_token.float().mean()
         (loss * opt.get_loss_scale()).backward()
         if ddp:
             model.finish_grad_sync()

@@ -151,6 +151,12 @@ class Feature:
     switch_on: the flag values that switch the feature on in a typical run (what the
         all-features test and optimization levels use); empty for features the device or
         megatron's own config switch on.
+    switch_off: the flag values that switch it off, where a flag's default does not (a feature
+        on by default, or a non-bool switch such as ``grouped_gemm="auto"``); by default the
+        defaults of the ``switch_on`` flags.
+    optimization_level: the lowest ``--optimization-level`` that switches the feature on (1: its
+        results equal megatron's bitwise or within fp32 rounding; 2: it trades numerics or time
+        for memory; see ``mindspeed_like.levels``); None: no level touches it.
     """
 
     name: str
@@ -168,15 +174,30 @@ class Feature:
     activate: Callable[[Context], None] | None = None
     kind: str = "feature"
     switch_on: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    switch_off: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    optimization_level: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip() or " " in self.name:
             raise ValueError(f"feature name {self.name!r} must be a non-empty word (e.g. 'my-feature')")
         if self.kind not in ("feature", "adapter", "fix", "integration"):
             raise ValueError(f"feature {self.name!r}: kind {self.kind!r} is not one of feature/adapter/fix/integration")
-        unknown = set(self.switch_on) - {f.name for f in self.flags}
-        if unknown:
-            raise ValueError(f"feature {self.name!r}: switch_on names flags it does not declare: {sorted(unknown)}")
+        declared = {f.name for f in self.flags}
+        for what, values in (("switch_on", self.switch_on), ("switch_off", self.switch_off)):
+            unknown = set(values) - declared
+            if unknown:
+                raise ValueError(f"feature {self.name!r}: {what} names flags it does not declare: {sorted(unknown)}")
+        if self.optimization_level is not None:
+            if self.optimization_level not in (1, 2):
+                raise ValueError(f"feature {self.name!r}: optimization_level must be 1 or 2 (or None)")
+            if not self.switch_on:
+                raise ValueError(f"feature {self.name!r}: an optimization_level needs switch_on (the values it sets)")
+
+    @property
+    def off_values(self) -> dict[str, Any]:
+        """The flag values that switch the feature off (``switch_off`` over the flags' defaults)."""
+        defaults = {f.name: f.default for f in self.flags if f.name in self.switch_on}
+        return {**defaults, **self.switch_off}
 
     def is_enabled(self, ctx: Context) -> bool:
         if self.enabled is not None:

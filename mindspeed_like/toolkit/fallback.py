@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from mindspeed_like.toolkit.errors import FeatureUnsupported
 
 _logged: dict[str, set[str]] = {}
+_fell_back: dict[str, list[str]] = {}  # feature -> reasons it handed a call back, in order
 _lock = threading.Lock()
 
 
@@ -22,6 +23,15 @@ def forget_logged() -> None:
     """Every reason may be logged once more (a fresh start, e.g. after ``mindspeed_like.reset()``)."""
     with _lock:
         _logged.clear()
+        _fell_back.clear()
+
+
+def fell_back() -> dict[str, list[str]]:
+    """The features that handed at least one call back to megatron in this process (since the
+    last ``forget_logged()``), each with its distinct reasons: what `mindspeed-like compare`
+    reports as "did not run"."""
+    with _lock:
+        return {feature: list(reasons) for feature, reasons in _fell_back.items()}
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,10 @@ class Fallback:
     def __call__(self, reason: str) -> None:
         if self.strict:
             raise self.error(f"{self.feature} cannot run this call ({reason}) and strict is on")
+        with _lock:
+            reasons = _fell_back.setdefault(self.feature, [])
+            if reason not in reasons:
+                reasons.append(reason)
         self.once(reason, f"{self.feature}: {self.instead} ({reason})")
 
     def once(self, key: str, message: str, level: int = logging.WARNING) -> None:

@@ -61,3 +61,17 @@ def test_demo_smoke():
     result = _cli("demo", "--steps", "3", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("\nstep ") == 3 and "summary:" in result.stdout
+
+
+def test_features_shows_levels_their_members_and_the_level_in_effect():
+    result = _cli("features", "--optimization-level", "1", "--reuse-fp32-param")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "level 1 = results bitwise or within fp32 rounding" in out
+    members_2 = "recompute-activation-function, reuse-fp32-param"
+    assert f"2: + the features that trade numerics or time for memory: {members_2}" in out
+    assert "optimization level 1 in effect; set explicitly (overriding it): reuse_fp32_param" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+    assert rows["flash-attention"][2:4] == ["on", "1"]
+    assert rows["recompute-activation-function"][2:4] == ["off", "2"]
+    assert rows["reuse-fp32-param"][2:4] == ["on", "2"]

@@ -82,6 +82,7 @@ FEATURE = Feature(
     backend=kernel_backend,
     validate=validate,
     switch_on={"use_flash_attn": True},
+    optimization_level=1,
 )
 
 __all__ = ["FEATURE", "FlashAttentionUnsupported"]

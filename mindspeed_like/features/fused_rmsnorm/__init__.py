@@ -32,6 +32,7 @@ FEATURE = Feature(
     ),
     backend=kernel_backend,
     switch_on={"use_fused_rmsnorm": True},
+    optimization_level=1,
 )
 
 __all__ = ["FEATURE", "FusedRMSNorm"]

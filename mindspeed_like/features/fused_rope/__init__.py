@@ -41,6 +41,7 @@ FEATURE = Feature(
     ),
     backend=kernel_backend,
     switch_on={"use_fused_rotary_pos_emb": True},
+    optimization_level=1,
 )
 
 __all__ = ["FEATURE", "FusedRopeUnsupported"]

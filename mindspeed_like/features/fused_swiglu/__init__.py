@@ -44,4 +44,5 @@ FEATURE = Feature(
     ),
     backend=kernel_backend,
     switch_on={"use_fused_swiglu": True},
+    optimization_level=1,
 )

@@ -105,6 +105,8 @@ FEATURE = Feature(
     switched_by="--moe-grouped-gemm; on by default when the grouped_gemm package is missing",
     validate_args_hook=capability_check_hidden,
     switch_on={"grouped_gemm": "on"},
+    switch_off={"grouped_gemm": "off"},
+    optimization_level=1,
 )
 
 __all__ = ["FEATURE", "GroupedGemmOps", "GroupedGemmUnsupported", "grouped_gemm_package_installed"]

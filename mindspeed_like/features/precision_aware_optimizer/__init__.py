@@ -38,7 +38,10 @@ def patches(ctx: Context) -> list[Patch]:
         Patch(
             f"{o.OPTIMIZER_MODULE}._get_megatron_optimizer_based_on_param_groups",
             Kind.WRAP,
-            o.BuildOptimizer(reuse_fp32_param=bool(ctx.config.get("reuse_fp32_param", False))),
+            o.BuildOptimizer(
+                reuse_fp32_param=bool(ctx.config.get("reuse_fp32_param", False)),
+                reuse_from_level=ctx.config.sources.get("reuse_fp32_param") == "optimization-level",
+            ),
             why="precision-aware configs get PrecisionAwareAdam instead of torch's AdamW",
         ),
     ]
@@ -73,6 +76,8 @@ FEATURE = Feature(
     backend="portable",
     validate_args_hook=check_megatron_args,
     switch_on={"no_portable_precision_aware_optimizer": False},
+    switch_off={"no_portable_precision_aware_optimizer": True},
+    optimization_level=1,
 )
 
 __all__ = ["FEATURE"]

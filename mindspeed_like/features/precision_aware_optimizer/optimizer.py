@@ -59,12 +59,18 @@ def te_fused_adam_available() -> bool:
     return True
 
 
-def conflict_message() -> str:
+def conflict_message(from_level: bool = False) -> str:
+    """from_level: --reuse-fp32-param was switched on by --optimization-level 2, not given."""
+    fix = (
+        "--optimization-level 2 switches --reuse-fp32-param on: use --optimization-level 1 (plus "
+        "--recompute-activation-function if you want it), or configure(reuse_fp32_param=False)"
+        if from_level
+        else "Drop --reuse-fp32-param (or --use-precision-aware-optimizer)"
+    )
     return (
         "--reuse-fp32-param and --use-precision-aware-optimizer both change where the fp32 masters "
         "live and cannot be combined: the precision-aware optimizer already keeps each master as the "
-        "bf16 weight plus an int16 remainder (store_param_remainders, the same 4 bytes). Drop "
-        "--reuse-fp32-param (or --use-precision-aware-optimizer)."
+        f"bf16 weight plus an int16 remainder (store_param_remainders, the same 4 bytes). {fix}."
     )
 
 
@@ -104,13 +110,14 @@ class BuildOptimizer:
     reuse_fp32_param: that feature is on (it cannot be combined: ConfigError)."""
 
     reuse_fp32_param: bool = False
+    reuse_from_level: bool = False
 
     def __call__(self, wrapped, instance, args, kwargs):
         config = Call(wrapped, args, kwargs)["config"]
         if not getattr(config, "use_precision_aware_optimizer", False) or te_fused_adam_available():
             return wrapped(*args, **kwargs)
         if self.reuse_fp32_param:
-            raise ConfigError(conflict_message())
+            raise ConfigError(conflict_message(self.reuse_from_level))
         from mindspeed_like.kernels.adam import PrecisionAwareAdam
 
         # (module, name, value) for the call; USING_PYTORCH_OPTIMIZER exists from megatron-core 0.15

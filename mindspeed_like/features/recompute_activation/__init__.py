@@ -95,6 +95,7 @@ FEATURE = Feature(
     validate=validate,
     backend="any",
     switch_on={"recompute_activation_function": True},
+    optimization_level=2,
 )
 
 __all__ = ["FEATURE", "RecomputeActivationUnsupported"]

@@ -76,8 +76,8 @@ def patches(ctx: Context) -> list[Patch]:
         Patch(
             f"{OPTIMIZER}.FP32Optimizer.__init__",
             Kind.WRAP,
-            w.fp32_init,
-            why="flag needs bf16: clear error",
+            w.Fp32Init(ctx.config.sources.get("reuse_fp32_param") == "optimization-level", fall_back),
+            why="flag needs bf16: clear error (a logged fallback when --optimization-level 2 switched it on)",
             after=HOST,
         ),
         Patch(
@@ -121,6 +121,7 @@ FEATURE = Feature(
     backend="portable",
     validate_args_hook=w.bf16_required,
     switch_on={"reuse_fp32_param": True},
+    optimization_level=2,
 )
 
 __all__ = ["FEATURE", "ReuseFp32ParamUnsupported", "state_of"]

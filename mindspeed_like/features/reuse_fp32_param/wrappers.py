@@ -101,9 +101,21 @@ class Float16Init:
         return result
 
 
-def fp32_init(wrapped, instance, args, kwargs):
-    """Wrapper of ``FP32Optimizer.__init__``: the feature needs bf16, a clear error."""
-    raise ConfigError(bf16_required_message("megatron built FP32Optimizer (neither bf16 nor fp16 is on)"))
+@dataclass(frozen=True)
+class Fp32Init:
+    """Wrapper of ``FP32Optimizer.__init__``: the feature needs bf16. Asked for by name, that is a
+    clear error; switched on by ``--optimization-level 2`` (which means "where it applies"), the
+    run goes on with megatron's FP32Optimizer and the fallback says so once."""
+
+    from_level: bool
+    fall_back: Fallback
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        what = "megatron built FP32Optimizer (neither bf16 nor fp16 is on)"
+        if not self.from_level:
+            raise ConfigError(bf16_required_message(what))
+        self.fall_back(f"fp32 training: {what}; it saves memory only in bf16 training")
+        return wrapped(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -209,7 +221,8 @@ def load_state_dict(wrapped, instance, args, kwargs):
 
 @contextlib.contextmanager
 def bf16_required(args) -> Iterator[None]:
-    """validate_args hook (Megatron-LM): --reuse-fp32-param without --bf16 is a start-up error."""
+    """validate_args hook (Megatron-LM): --reuse-fp32-param without --bf16 is a start-up error
+    (given on the command line; switched on by --optimization-level 2 it steps aside in fp32)."""
     yield
-    if not getattr(args, "bf16", False):
+    if getattr(args, "reuse_fp32_param", False) and not getattr(args, "bf16", False):
         raise ConfigError(bf16_required_message("--bf16 is not set"))

@@ -85,6 +85,7 @@ FEATURE = Feature(
     validate=validate,
     switched_by="--use-tiled-tp-overlap / --use-fused-tp-comm-matmul",
     switch_on={"use_tiled_tp_overlap": True},
+    optimization_level=1,
 )
 
 __all__ = ["FEATURE", "TpOverlapUnsupported"]

@@ -185,6 +185,18 @@ def test_flag_requires_bf16_fp32_optimizer():
         train_steps(tiny_gpt(), 1)
 
 
+def test_level_2_in_fp32_steps_aside_with_a_logged_fallback(caplog):
+    """--optimization-level 2 means "where it applies": an fp32 run trains as megatron's, logged."""
+    import mindspeed_like
+
+    mindspeed_like.configure(device="cpu", optimization_level=2)
+    init_parallel(seed=W.SEED)
+    losses = train_steps(tiny_gpt(), 2)
+    assert len(losses) == 2
+    assert "reuse-fp32-param: keeping megatron's separate fp32 masters (fp32 training" in caplog.text
+    mindspeed_like.reset()
+
+
 def test_flag_requires_bf16_fp16_optimizer():
     W.configure(True)
     init_parallel(seed=W.SEED)
@@ -198,7 +210,10 @@ def test_megatron_lm_validate_args_requires_bf16():
     from mindspeed_like.features.reuse_fp32_param.wrappers import bf16_required
 
     W.configure(True)
-    with pytest.raises(ConfigError, match="--bf16 is not set"), bf16_required(SimpleNamespace(bf16=False)):
+    with pytest.raises(ConfigError, match="--bf16 is not set"):
+        with bf16_required(SimpleNamespace(bf16=False, reuse_fp32_param=True)):
+            pass
+    with bf16_required(SimpleNamespace(bf16=False, reuse_fp32_param=False)):  # on by --optimization-level
         pass
     with bf16_required(SimpleNamespace(bf16=True)):
         pass

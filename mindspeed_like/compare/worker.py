@@ -1,0 +1,147 @@
+"""One arm of a comparison, run in its own process(es): megatron-core's own path, or the features.
+
+The parent hands over everything explicitly (the spec): the child forgets the command line and,
+for megatron's arm, ``MINDSPEED_LIKE_ARGS``, then configures exactly what the spec says, so the
+two arms differ only in the features. Both build the model from the same seed and train on the
+same batches (windows of megatron-core's own source, byte-level).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+MEGATRON = "megatron"
+FEATURES = "features"
+
+
+def _configure(spec: dict[str, Any]) -> list[str]:
+    """Apply the arm's configuration; return the features it switches on."""
+    sys.argv = sys.argv[:1]  # the parent's command line is not this run's
+    if spec["arm"] == MEGATRON:
+        os.environ.pop("MINDSPEED_LIKE_ARGS", None)
+    import collections
+
+    import mindspeed_like
+    from mindspeed_like.runtime import ENGINE, enabled_feature_names
+
+    ENGINE.calls = collections.Counter()  # which features megatron actually called into
+
+    if spec["arm"] == MEGATRON:
+        config = mindspeed_like.configure(optimization_level=0, device=spec["device"])
+    else:
+        config = mindspeed_like.configure(**spec["flags"])
+    return enabled_feature_names(config)
+
+
+def _build_model(spec: dict[str, Any], grouped_gemm_on: bool):
+    """The preset's GPT. MoE: megatron's arm runs its expert loop (SequentialMLP); the features
+    arm, with grouped-gemm on, megatron's ``moe_grouped_gemm=True`` given the expert loop's
+    weights, so both arms start from the same function."""
+    from mindspeed_like.compare.presets import PRESETS
+    from mindspeed_like.testing import tiny_gpt
+    from mindspeed_like.testing.parallel import init_parallel
+
+    preset = PRESETS[spec["preset"]]
+    args = preset.model_args(**spec["size"])
+    args.update(bf16=spec["bf16"], sequence_parallel=spec["sp"])
+    seed = spec["seed"]
+    init_parallel(tp=spec["tp"], ep=spec["ep"], seed=seed)
+    if not preset.moe or not grouped_gemm_on:
+        return tiny_gpt(**args)
+    reference = tiny_gpt(wrap_float16=False, **dict(args, moe_grouped_gemm=False))
+    init_parallel(tp=spec["tp"], ep=spec["ep"], seed=seed)
+    model = tiny_gpt(wrap_float16=False, **dict(args, moe_grouped_gemm=True))
+    if any(".experts.weight1" in name for name, _ in model.named_parameters()):  # GroupedMLP (< 0.17)
+        from mindspeed_like.testing.moe import copy_sequential_into_grouped
+
+        copy_sequential_into_grouped(reference, model, 8 // spec["ep"])
+    else:  # 0.17+: SequentialMLP either way, the same parameters from the same seed
+        model.load_state_dict(reference.state_dict())
+    del reference
+    if spec["bf16"]:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(model.config, model)
+    return model
+
+
+def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train one arm; return its losses, step times, memory split and the features that ran."""
+    from mindspeed_like.adapters.detect import detect_device
+    from mindspeed_like.compare.measure import ActivationProbe, process_peak_bytes, state_bytes, step_time_summary
+    from mindspeed_like.run_arguments import quiet_expected_warnings
+    from mindspeed_like.runtime import ENGINE
+    from mindspeed_like.testing import destroy_parallel, train_steps
+    from mindspeed_like.toolkit.fallback import fell_back
+
+    quiet_expected_warnings()
+    features_on = _configure(spec)
+    torch.set_num_threads(spec["threads"])  # run_distributed starts each child with one
+    from megatron.core import parallel_state
+
+    device = detect_device(spec["device"])
+    rank = torch.distributed.get_rank()
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    model = _build_model(spec, grouped_gemm_on="grouped-gemm" in features_on)
+    if device != "cpu":
+        model = model.to(torch.device(device, torch.cuda.current_device() if device == "cuda" else 0))
+    probe = ActivationProbe(step=spec["steps"] - 1)
+    held: dict[str, Any] = {}
+    stamps: list[float] = []
+
+    def on_optimizer(ddp_model, optimizer) -> None:
+        held.update(model=ddp_model, optimizer=optimizer)
+        probe.exclude = [*ddp_model.parameters(), *_masters(optimizer)]
+        stamps.append(time.perf_counter())
+
+    def on_step(step: int, loss: float) -> None:
+        stamps.append(time.perf_counter())
+        if rank == 0 and spec.get("progress", True):
+            ms = (stamps[-1] - stamps[-2]) * 1000
+            print(f"  [{spec['arm']:>8}] step {step + 1:3d}/{spec['steps']}  loss {loss:.4f}  {ms:7.0f} ms", flush=True)
+
+    try:
+        losses = train_steps(
+            model,
+            spec["steps"],
+            data=spec["data"],
+            lr=spec["lr"],
+            micro_batch_size=spec["micro_batch_size"],
+            seq_length=spec["size"]["seq_length"],
+            use_distributed_optimizer=spec["distributed_optimizer"],
+            device=None if device == "cpu" else next(model.parameters()).device,
+            on_step=on_step,
+            on_optimizer=on_optimizer,
+            forward_context=probe,
+        )
+        memory = state_bytes(held["model"], held["optimizer"])
+        tokens_per_step = spec["micro_batch_size"] * parallel_state.get_data_parallel_world_size()
+        tokens_per_step *= spec["size"]["seq_length"]
+    finally:
+        destroy_parallel()
+    times = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {
+        "arm": spec["arm"],
+        "rank": rank,
+        "device": device,
+        "features_on": features_on,
+        "fell_back": fell_back(),
+        "calls": dict(ENGINE.calls or {}),
+        "losses": losses,
+        "step_times_s": times,
+        "step_time": step_time_summary(times),
+        "tokens_per_step": tokens_per_step,
+        "memory": {**memory, "activations": probe.bytes, "process_peak": process_peak_bytes(device)},
+    }
+
+
+def _masters(optimizer) -> list[torch.Tensor]:
+    from mindspeed_like.compare.measure import _optimizer_tensors
+
+    return list(_optimizer_tensors(optimizer))
