@@ -34,6 +34,9 @@ class Flag:
     aliases: further option strings, e.g. MindSpeed's spelling of the same switch.
     megatron_defines: Megatron-LM's own parser already has this option; when its parser is in
         use the value is read from Megatron's parsed args, not defined twice.
+    generic: the name is common in training scripts' own flags (``--device``, ``--strict``): on a
+        script's command line only the namespaced ``--mindspeed-<name>`` is read, so the import
+        line never takes a script's flag; env, configure() and Megatron-LM's parser accept both.
     """
 
     name: str
@@ -43,14 +46,24 @@ class Flag:
     aliases: tuple[str, ...] = ()
     choices: tuple[Any, ...] | None = None
     megatron_defines: bool = False
+    generic: bool = False
 
     @property
     def option(self) -> str:
         return "--" + self.name.replace("_", "-")
 
     @property
+    def namespaced_option(self) -> str:
+        return "--mindspeed-" + self.name.replace("_", "-")
+
+    @property
     def option_strings(self) -> tuple[str, ...]:
-        return (self.option, *self.aliases)
+        return (self.option, *self.aliases, *((self.namespaced_option,) if self.generic else ()))
+
+    @property
+    def argv_option_strings(self) -> tuple[str, ...]:
+        """The spellings read from a script's own command line (``sys.argv``)."""
+        return (self.namespaced_option,) if self.generic else self.option_strings
 
 
 @dataclass(frozen=True, eq=False)
