@@ -167,6 +167,9 @@ class Feature:
     switch_off: the flag values that switch it off, where a flag's default does not (a feature
         on by default, or a non-bool switch such as ``grouped_gemm="auto"``); by default the
         defaults of the ``switch_on`` flags.
+    before_switch_off: called before the feature's patches are removed (switched off by
+        configure(), or reset()) when state built with them can outlive them: bring that state
+        back to megatron's own form, or raise ConfigError to refuse the switch.
     optimization_level: the lowest ``--optimization-level`` that switches the feature on (1: its
         results equal megatron's bitwise or within fp32 rounding; 2: it trades numerics or time
         for memory; see ``mindspeed_like.levels``); None: no level touches it.
@@ -189,6 +192,7 @@ class Feature:
     switch_on: Mapping[str, Any] = field(default_factory=dict, compare=False)
     switch_off: Mapping[str, Any] = field(default_factory=dict, compare=False)
     optimization_level: int | None = None
+    before_switch_off: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip() or " " in self.name:

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mindspeed_like.features.reuse_fp32_param import distributed
+from mindspeed_like.features.reuse_fp32_param import distributed, live
 from mindspeed_like.features.reuse_fp32_param.float16 import (
     STATE_ATTR,
     ReuseState,
@@ -133,6 +133,7 @@ class DistributedInit:
             self.fall_back(f"DistributedOptimizer: {state}")
         else:
             setattr(instance, STATE_ATTR, state)
+            live.track(instance)
         return result
 
 
