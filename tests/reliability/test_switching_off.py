@@ -110,3 +110,13 @@ def test_live_distributed_optimizer_refuses_the_switch_and_says_how():
     assert out["still_on"] is True
     assert "DistributedOptimizer" in out["reset"]
     assert out["off"] is True
+
+
+def test_switching_on_after_the_optimizer_exists_is_said_not_silent(caplog):
+    model, opt, batch = _train(reuse=False)
+    mindspeed_like.configure(reuse_fp32_param=True)
+    _one_more_step(model, opt, batch)
+    assert "was built before --reuse-fp32-param was switched on and keeps megatron's separate fp32 masters" in (
+        caplog.text
+    )
+    mindspeed_like.reset()

@@ -57,7 +57,7 @@ def patches(ctx: Context) -> list[Patch]:
         Patch(
             f"{OPTIMIZER}.MixedPrecisionOptimizer.step_with_ready_grads",
             Kind.WRAP,
-            w.step_with_ready_grads,
+            w.StepWithReadyGrads(fall_back),
             why="buffers become exact fp32 masters only around the inner optimizer step",
         ),
         Patch(

@@ -20,6 +20,15 @@ from mindspeed_like.features.reuse_fp32_param.float16 import STATE_ATTR, ReuseSt
 from mindspeed_like.toolkit.errors import ConfigError
 
 _live: weakref.WeakSet = weakref.WeakSet()
+_seen: weakref.WeakSet = weakref.WeakSet()  # every optimizer built while the feature was on
+
+
+def seen(optimizer) -> None:
+    _seen.add(optimizer)
+
+
+def was_seen(optimizer) -> bool:
+    return optimizer in _seen
 
 
 def track(optimizer) -> None:
