@@ -108,6 +108,3 @@ def share(optimizer, fall_back: Fallback) -> None:
             main.data = kernel.fp32_view(buf, model.shape)
             state.entries.append(Shared(model, main, buf, kernel._empty_side(buf.device)))
     setattr(optimizer, STATE_ATTR, state)
-    from mindspeed_like.features.reuse_fp32_param.live import track
-
-    track(optimizer)

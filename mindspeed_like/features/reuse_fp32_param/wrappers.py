@@ -99,6 +99,8 @@ class Float16Init:
         if not _holds_bf16_params(instance):
             return result
         share(instance, self.fall_back)
+        if state_of(instance) is not None:
+            live.track(instance)
         return result
 
 
