@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import shlex
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -29,8 +31,15 @@ GLOBAL_FLAGS = (
         "where megatron runs: auto (npu if torch_npu works, else cuda if available, else cpu), "
         "or force cpu / cuda / npu",
         choices=("auto", "cpu", "cuda", "npu"),
+        generic=True,
     ),
-    Flag("strict", bool, False, "fail instead of falling back when a feature cannot run as asked"),
+    Flag(
+        "strict",
+        bool,
+        False,
+        "fail instead of falling back when a feature cannot run as asked",
+        generic=True,
+    ),
     Flag(
         "optimization_level",
         int,
@@ -89,21 +98,25 @@ def all_flags(features: Iterable[Feature]) -> list[Flag]:
     return list(flags.values())
 
 
-def add_flag(parser: argparse.ArgumentParser | Any, flag: Flag, suppress_default: bool = True) -> None:
-    """Add one flag to an argparse parser (or group). Defaults suppressed so 'given' is visible."""
+def add_flag(
+    parser: argparse.ArgumentParser | Any, flag: Flag, suppress_default: bool = True, argv: bool = False
+) -> None:
+    """Add one flag to an argparse parser (or group). Defaults suppressed so 'given' is visible.
+    argv: the spellings read from a script's own command line (see ``Flag.generic``)."""
     default = argparse.SUPPRESS if suppress_default else flag.default
+    options = flag.argv_option_strings if argv else flag.option_strings
     if flag.type is bool:
-        parser.add_argument(*flag.option_strings, dest=flag.name, action="store_true", default=default, help=flag.help)
+        parser.add_argument(*options, dest=flag.name, action="store_true", default=default, help=flag.help)
     else:
         parser.add_argument(
-            *flag.option_strings, dest=flag.name, type=flag.type, choices=flag.choices, default=default, help=flag.help
+            *options, dest=flag.name, type=flag.type, choices=flag.choices, default=default, help=flag.help
         )
 
 
-def build_parser(flags: Sequence[Flag]) -> argparse.ArgumentParser:
+def build_parser(flags: Sequence[Flag], argv: bool = False) -> argparse.ArgumentParser:
     parser = _RaisingParser(prog="mindspeed_like", add_help=False, allow_abbrev=False)
     for flag in flags:
-        add_flag(parser, flag)
+        add_flag(parser, flag, argv=argv)
     return parser
 
 
@@ -116,7 +129,14 @@ def parse_env(flags: Sequence[Flag], text: str | None) -> dict[str, Any]:
     """Parse MINDSPEED_LIKE_ARGS; it holds only our flags, so anything unknown is an error."""
     if not text or not text.strip():
         return {}
-    namespace, unknown = build_parser(flags).parse_known_args(shlex.split(text))
+    try:
+        tokens = shlex.split(text)
+    except ValueError as error:  # e.g. "No closing quotation"
+        raise ConfigError(
+            f"{ENV_VAR}={text!r} cannot be split into flags ({error}); balance its quotes, "
+            f"e.g. {ENV_VAR}='--device cpu --use-flash-attn'"
+        ) from None
+    namespace, unknown = build_parser(flags).parse_known_args(tokens)
     options = [o for f in flags for o in f.option_strings]
     for token in unknown:
         if token.startswith("-"):
@@ -127,9 +147,96 @@ def parse_env(flags: Sequence[Flag], text: str | None) -> dict[str, Any]:
 
 
 def parse_argv(flags: Sequence[Flag], argv: Sequence[str]) -> dict[str, Any]:
-    """Our flags from a command line; everything else is Megatron's and passes through."""
-    namespace, _ = build_parser(flags).parse_known_args(list(argv))
-    return vars(namespace)
+    """Our flags from a script's command line; everything else is the script's or Megatron's and
+    passes through. Never an error: the command line belongs to the script, so a value our parser
+    rejects is dropped with a one-time warning, and an unknown option that looks like a
+    misspelling of ours (not one of Megatron-LM's) gets a one-time warning with the suggestion."""
+    tokens = list(argv)
+    parser = build_parser(flags, argv=True)
+    while True:
+        try:
+            namespace, unknown = parser.parse_known_args(tokens)
+        except ConfigError as error:
+            options = _options_in_error(str(error))
+            remaining = _drop_options(tokens, options)
+            _warn_once(
+                f"mindspeed_like: ignoring {'/'.join(options) or 'the command line'} "
+                f"({str(error).removeprefix('mindspeed_like: ')}); the script keeps its command line. "
+                f"Fix the value, or set it in {ENV_VAR} or mindspeed_like.configure()."
+            )
+            if not options or remaining == tokens:
+                return {}
+            tokens = remaining
+            continue
+        _warn_misspelt(unknown, flags)
+        return vars(namespace)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _options_in_error(message: str) -> list[str]:
+    """The option strings argparse names in its error (``argument --a/--b: invalid ...``)."""
+    match = re.search(r"argument (\S+?):", message)
+    return match.group(1).split("/") if match else []
+
+
+def _drop_options(tokens: list[str], options: Sequence[str]) -> list[str]:
+    """``tokens`` without each occurrence of ``options`` and its value."""
+    out: list[str] = []
+    skip = False
+    for token in tokens:
+        if skip:
+            skip = False
+            if not token.startswith("-"):
+                continue
+        if token in options:
+            skip = True
+            continue
+        if any(token.startswith(option + "=") for option in options):
+            continue
+        out.append(token)
+    return out
+
+
+def _warn_misspelt(unknown: Sequence[str], flags: Sequence[Flag]) -> None:
+    from mindspeed_like.toolkit.megatron_lm_options import MEGATRON_LM_OPTIONS
+
+    ours = {o for f in flags for o in f.argv_option_strings}
+    generic = {o for f in flags if f.generic for o in (f.option, *f.aliases)}
+    for token in unknown:
+        if not token.startswith("--") or token == "--":
+            continue
+        option = token.split("=", 1)[0]
+        if option in MEGATRON_LM_OPTIONS or option in generic:
+            continue
+        suggestion = _close_option(option, ours)
+        if suggestion is not None:
+            _warn_once(
+                f"mindspeed_like: {option} on the command line is not one of our flags and is left to the "
+                f"script; did you mean {suggestion}? (`mindspeed-like features -v` lists them)"
+            )
+
+
+def _close_option(option: str, ours: Iterable[str]) -> str | None:
+    """Ours, if ``option`` is a misspelling of it: underscores for dashes, a prefix or an
+    extension of it, or a close spelling."""
+    normalized = option.replace("_", "-").lower()
+    candidates = sorted(ours)
+    if normalized in candidates:
+        return normalized
+    for candidate in candidates:
+        shorter, longer = sorted((normalized, candidate), key=len)
+        if len(shorter) >= 10 and longer.startswith(shorter) and len(longer) - len(shorter) <= 2:
+            return candidate
+    close = difflib.get_close_matches(normalized, candidates, n=1, cutoff=0.88)
+    return close[0] if close else None
 
 
 def check_value(flag: Flag, value: Any, source: str) -> Any:
@@ -137,16 +244,37 @@ def check_value(flag: Flag, value: Any, source: str) -> Any:
     expected = flag.type
     if value is None and flag.default is None:
         return None  # "unset": the flag's documented default
+    value = _plain_scalar(value, expected)
     ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
     if not ok:
+        example = flag.default if flag.default is not None else _EXAMPLES.get(expected, expected())
+        kind = type(value).__module__ + "." + type(value).__name__ if type(value).__module__ != "builtins" else ""
         raise ConfigError(
-            f"{source}: {flag.name}={value!r} has type {type(value).__name__}, expected {expected.__name__} "
-            f"(e.g. {flag.name}={flag.default!r})"
+            f"{source}: {flag.name}={value!r} has type {kind or type(value).__name__}, expected {expected.__name__} "
+            f"(e.g. {flag.name}={example!r}" + (", or None for the default" if flag.default is None else "") + ")"
         )
     if flag.choices is not None and value not in flag.choices:
         raise ConfigError(f"{source}: {flag.name}={value!r} is not one of {list(flag.choices)}")
+    return value
+
+
+_EXAMPLES: dict[type, Any] = {int: 2, float: 0.5, str: "value", bool: True}
+
+
+def _plain_scalar(value: Any, expected: type) -> Any:
+    """numpy's scalars as the Python values they stand for (``np.bool_`` -> bool, ``np.int64`` ->
+    int, ``np.float32`` -> float): configs built from numpy/pandas data carry them."""
+    if type(value).__module__ != "numpy" or getattr(value, "ndim", 0) != 0:
+        return value
+    kind = getattr(getattr(value, "dtype", None), "kind", "")
+    if expected is bool and kind == "b":
+        return bool(value)
+    if expected in (int, float) and kind in "iu":
+        return int(value)
+    if expected is float and kind == "f":
+        return float(value)
     return value
 
 

@@ -135,6 +135,8 @@ def apply(code: Mapping[str, Any] | None = None) -> Config:
             ENGINE.check(plan)  # stacking and duplicates, before anything changes
         except PatchError as error:
             raise ConfigError(f"{error}") from error
+        applied = {record.feature for record in ENGINE.report()}
+        _before_switch_off([name for name, patches in plan.items() if not patches and name in applied])
         if code:
             _code_overrides.update(config_mod.normalize_names(flags(), code, "configure()"))
         for name, patches in plan.items():
@@ -150,6 +152,18 @@ def apply(code: Mapping[str, Any] | None = None) -> Config:
                 raise
         _current = ctx
         return config
+
+
+def _before_switch_off(names: list[str]) -> None:
+    """Each feature about to lose its patches brings the state built with them back to
+    megatron's form, or refuses (ConfigError) before anything changes."""
+    for name in names:
+        try:
+            feature = registry.feature_by_name(name)
+        except KeyError:
+            continue
+        if feature.before_switch_off is not None:
+            feature.before_switch_off()
 
 
 def set_megatron_args(values: Mapping[str, Any]) -> Context:
@@ -182,6 +196,7 @@ def reset() -> None:
     already logged: the state of a fresh import."""
     global _current
     with _lock:
+        _before_switch_off(sorted({record.feature for record in ENGINE.report()}))
         ENGINE.remove_all()
         _code_overrides.clear()
         _megatron_args.clear()

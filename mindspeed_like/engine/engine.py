@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib.metadata
+import importlib.util
 import inspect
 import logging
 import sys
@@ -241,9 +242,17 @@ class PatchEngine:
         return any(module_name == s or module_name.startswith(s + ".") for s in self.alias_scopes)
 
     def _error(self, feature: str, patch: Patch, detail: str) -> PatchTargetError:
+        installed = self._describe(patch.target)
+        package = patch.target.split(".")[0]
+        if importlib.util.find_spec(package) is None:
+            return PatchTargetError(
+                f"feature '{feature}': patch target '{patch.target}' {detail}: {package} is not installed "
+                f"in this Python ({sys.executable}). Install it (e.g. pip install megatron-core) into the "
+                "environment that runs your script."
+            )
         return PatchTargetError(
             f"feature '{feature}': patch target '{patch.target}' {detail} "
-            f"(installed: {self._describe(patch.target)}). The installed version does not have "
+            f"(installed: {installed}). The installed version does not have "
             f"what this feature patches; use a supported version or switch the feature off."
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -14,6 +15,19 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from mindspeed_like.testing.parallel import free_port
+
+FAILURE_GRACE_S = 3.0
+"""After one rank fails, how long the others get to report their own failure or death."""
+
+
+def _exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"process killed by {name} (exit code {code})"
+    return f"process exited with code {code}"
 
 
 class DistributedError(RuntimeError):
@@ -99,25 +113,30 @@ def run_distributed(
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    grace_until: float | None = None  # after a failure, a moment for the other ranks to report
     try:
         while len(values) + len(failures) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if grace_until is not None and now >= grace_until:
+                break
+            if now >= deadline:
                 missing = sorted(set(range(world_size)) - set(values) - set(failures))
                 failures.update({r: f"timed out after {timeout:.0f} s" for r in missing})
                 break
             try:
-                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                rank, ok, value = results.get(timeout=min(deadline - now, 0.5))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in values and r not in failures]
-                for rank in dead:  # died without reporting (segfault, os._exit, OOM kill)
-                    time.sleep(0.2)
-                    if results.empty():
-                        failures[rank] = f"process exited with code {procs[rank].exitcode} without a result"
+                for rank, proc in enumerate(procs):  # died without reporting (segfault, os._exit, OOM kill)
+                    if rank not in values and rank not in failures and not proc.is_alive() and results.empty():
+                        failures[rank] = f"{_exit_description(proc.exitcode)} without a result"
+                if failures and grace_until is None:
+                    grace_until = time.monotonic() + FAILURE_GRACE_S
                 continue
             (values if ok else failures)[rank] = value
-            if not ok:
-                break  # one failure usually leaves the others blocked in a collective
+            if not ok and grace_until is None:
+                # one failure usually leaves the others blocked in a collective: wait briefly for
+                # the ranks that failed too (or died), then stop them
+                grace_until = time.monotonic() + FAILURE_GRACE_S
     finally:
         for proc in procs:
             proc.join(timeout=5 if not failures else 0.5)
@@ -126,6 +145,11 @@ def run_distributed(
                 proc.join()
         shutil.rmtree(store_dir, ignore_errors=True)
     if failures:
-        text = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items()))
-        raise DistributedError(f"{len(failures)} of {world_size} ranks failed:\n{text}")
+        for rank in set(range(world_size)) - set(values) - set(failures):
+            failures[rank] = "still running when another rank failed; killed (likely blocked in a collective)"
+        hard = sorted(r for r, msg in failures.items() if "without a result" in msg)
+        order = hard + sorted(r for r in failures if r not in hard)
+        text = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in order)
+        first = f"; rank {hard[0]} died first ({failures[hard[0]]})" if hard else ""
+        raise DistributedError(f"{len(failures)} of {world_size} ranks failed{first}:\n{text}")
     return [values[r] for r in range(world_size)]

@@ -15,18 +15,20 @@ def free_port() -> int:
 
 
 def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, **kwargs) -> None:
-    """Initialize megatron's parallel state (and a 1-process gloo group if none exists) and seed.
+    """Initialize megatron's parallel state (and the default process group if none exists) and seed.
 
-    Extra keyword arguments go to ``parallel_state.initialize_model_parallel``. Calling it
-    again re-initializes the model-parallel groups (the default process group is kept).
+    Without a default process group: under a launcher (torchrun sets ``RANK`` / ``WORLD_SIZE`` /
+    ``MASTER_ADDR`` / ``MASTER_PORT``) every rank joins that world (gloo, ``env://``); otherwise a
+    one-process gloo group. Extra keyword arguments go to
+    ``parallel_state.initialize_model_parallel``. Calling it again re-initializes the
+    model-parallel groups (the default process group is kept).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not dist.is_initialized():
-        # An in-process store: a one-rank group needs no port (and so cannot collide with one).
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        _init_default_group()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
         _destroy_subgroups()
@@ -38,6 +40,30 @@ def init_parallel(tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 1234, **kwa
     )
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+class LauncherEnvironmentError(RuntimeError):
+    """A launcher's environment is incomplete: the ranks cannot find each other."""
+
+
+def _init_default_group() -> None:
+    import os
+
+    import torch.distributed as dist
+
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or int(world) == 1:
+        # An in-process store: a one-rank group needs no port (and so cannot collide with one).
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise LauncherEnvironmentError(
+            f"WORLD_SIZE={world} says this process is one of {world} ranks, but {', '.join(missing)} "
+            "is not set, so it cannot join them. Start it with torchrun (which sets RANK, WORLD_SIZE, "
+            "MASTER_ADDR and MASTER_PORT), or unset WORLD_SIZE for a single process."
+        )
+    dist.init_process_group("gloo", init_method="env://", rank=int(os.environ["RANK"]), world_size=int(world))
 
 
 def destroy_parallel(process_group: bool = False) -> None:

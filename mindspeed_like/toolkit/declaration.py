@@ -34,6 +34,9 @@ class Flag:
     aliases: further option strings, e.g. MindSpeed's spelling of the same switch.
     megatron_defines: Megatron-LM's own parser already has this option; when its parser is in
         use the value is read from Megatron's parsed args, not defined twice.
+    generic: the name is common in training scripts' own flags (``--device``, ``--strict``): on a
+        script's command line only the namespaced ``--mindspeed-<name>`` is read, so the import
+        line never takes a script's flag; env, configure() and Megatron-LM's parser accept both.
     """
 
     name: str
@@ -43,14 +46,24 @@ class Flag:
     aliases: tuple[str, ...] = ()
     choices: tuple[Any, ...] | None = None
     megatron_defines: bool = False
+    generic: bool = False
 
     @property
     def option(self) -> str:
         return "--" + self.name.replace("_", "-")
 
     @property
+    def namespaced_option(self) -> str:
+        return "--mindspeed-" + self.name.replace("_", "-")
+
+    @property
     def option_strings(self) -> tuple[str, ...]:
-        return (self.option, *self.aliases)
+        return (self.option, *self.aliases, *((self.namespaced_option,) if self.generic else ()))
+
+    @property
+    def argv_option_strings(self) -> tuple[str, ...]:
+        """The spellings read from a script's own command line (``sys.argv``)."""
+        return (self.namespaced_option,) if self.generic else self.option_strings
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,6 +167,9 @@ class Feature:
     switch_off: the flag values that switch it off, where a flag's default does not (a feature
         on by default, or a non-bool switch such as ``grouped_gemm="auto"``); by default the
         defaults of the ``switch_on`` flags.
+    before_switch_off: called before the feature's patches are removed (switched off by
+        configure(), or reset()) when state built with them can outlive them: bring that state
+        back to megatron's own form, or raise ConfigError to refuse the switch.
     optimization_level: the lowest ``--optimization-level`` that switches the feature on (1: its
         results equal megatron's bitwise or within fp32 rounding; 2: it trades numerics or time
         for memory; see ``mindspeed_like.levels``); None: no level touches it.
@@ -176,6 +192,7 @@ class Feature:
     switch_on: Mapping[str, Any] = field(default_factory=dict, compare=False)
     switch_off: Mapping[str, Any] = field(default_factory=dict, compare=False)
     optimization_level: int | None = None
+    before_switch_off: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip() or " " in self.name:

@@ -73,9 +73,10 @@ def test_bad_levels_are_clear_errors(bad):
         runtime.resolve_config(argv=[], code={"optimization_level": bad})
 
 
-def test_bad_level_on_the_command_line_is_an_error():
-    with pytest.raises(ConfigError, match="optimization-level"):
-        runtime.resolve_config(argv=["--optimization-level", "5"])
+def test_bad_level_on_the_command_line_is_a_warning_and_no_level():
+    with pytest.warns(UserWarning, match="ignoring --optimization-level.*invalid choice: 5"):
+        config = runtime.resolve_config(argv=["--optimization-level", "5"])
+    assert config["optimization_level"] is None
 
 
 def test_declaration_checks_levels():

@@ -17,11 +17,13 @@ wrapper only, and ``adapted()`` tells whether the import happened.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import sys
 
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.declaration import Context, Feature, on_device
+from mindspeed_like.toolkit.errors import ConfigError
 
 logger = logging.getLogger("mindspeed_like")
 
@@ -50,6 +52,12 @@ PATCHES = [
 
 
 def _activate(ctx: Context) -> None:
+    if importlib.util.find_spec("torch_npu") is None:
+        raise ConfigError(
+            "--device npu: torch_npu is not installed, so there is no NPU to run on. Install torch-npu "
+            "matching your torch and Huawei's CANN on the Ascend host (pip install 'mindspeed_like[npu]'), "
+            "or use --device auto / cpu / cuda"
+        )
     importlib.import_module("torch_npu")
     if not adapted():
         importlib.import_module(TRANSFER_MODULE)

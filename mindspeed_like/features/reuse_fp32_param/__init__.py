@@ -5,6 +5,7 @@ identical training. Layouts: ``float16.py``, ``distributed.py``; targets: ``wrap
 from __future__ import annotations
 
 from mindspeed_like.engine import Kind, Patch
+from mindspeed_like.features.reuse_fp32_param import live
 from mindspeed_like.features.reuse_fp32_param import wrappers as w
 from mindspeed_like.features.reuse_fp32_param.float16 import ReuseFp32ParamUnsupported, state_of
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
@@ -56,7 +57,7 @@ def patches(ctx: Context) -> list[Patch]:
         Patch(
             f"{OPTIMIZER}.MixedPrecisionOptimizer.step_with_ready_grads",
             Kind.WRAP,
-            w.step_with_ready_grads,
+            w.StepWithReadyGrads(fall_back),
             why="buffers become exact fp32 masters only around the inner optimizer step",
         ),
         Patch(
@@ -121,6 +122,7 @@ FEATURE = Feature(
     backend="portable",
     validate_args_hook=w.bf16_required,
     switch_on={"reuse_fp32_param": True},
+    before_switch_off=live.before_switch_off,
     optimization_level=2,
 )
 

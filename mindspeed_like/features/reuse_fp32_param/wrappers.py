@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mindspeed_like.features.reuse_fp32_param import distributed
+from mindspeed_like.features.reuse_fp32_param import distributed, live
 from mindspeed_like.features.reuse_fp32_param.float16 import (
     STATE_ATTR,
     ReuseState,
@@ -95,9 +95,12 @@ class Float16Init:
 
     def __call__(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
+        live.seen(instance)
         if not _holds_bf16_params(instance):
             return result
         share(instance, self.fall_back)
+        if state_of(instance) is not None:
+            live.track(instance)
         return result
 
 
@@ -126,6 +129,7 @@ class DistributedInit:
 
     def __call__(self, wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
+        live.seen(instance)
         if not _holds_bf16_params(instance):
             return result
         state = distributed.build(instance)
@@ -133,6 +137,7 @@ class DistributedInit:
             self.fall_back(f"DistributedOptimizer: {state}")
         else:
             setattr(instance, STATE_ATTR, state)
+            live.track(instance)
         return result
 
 
@@ -143,6 +148,23 @@ def materialize_first(wrapped, instance, args, kwargs):
         with torch.no_grad():
             state.materialize()
     return wrapped(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class StepWithReadyGrads:
+    """Wrapper of ``MixedPrecisionOptimizer.step_with_ready_grads``: the buffers hold exact fp32
+    masters only around the inner step. An optimizer built before the feature was switched on
+    keeps megatron's layout: said once (an error under strict), not silently."""
+
+    fall_back: Fallback
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        if state_of(instance) is None and not live.was_seen(instance):
+            self.fall_back(
+                f"{type(instance).__name__} was built before --reuse-fp32-param was switched on and keeps "
+                "megatron's separate fp32 masters; build the optimizer after switching the feature on"
+            )
+        return step_with_ready_grads(wrapped, instance, args, kwargs)
 
 
 def step_with_ready_grads(wrapped, instance, args, kwargs):
