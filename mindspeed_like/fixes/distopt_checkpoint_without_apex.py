@@ -18,13 +18,13 @@ every checkpoint format on resume (measured on 0.13-0.19, DP=2, a tiny GPT):
 * ``_set_main_param_and_optimizer_states`` (the legacy ``load_parameter_state`` and
   ``dp_reshardable`` paths) copies every key of the parameter's optimizer state, ``step``
   included, from the loaded tensors, which never carry a step (it is saved in the param groups):
-  ``KeyError: 'step'``; ``dp_reshardable`` hands back, as the loaded ``step``, the live tensor
-  it was given when the state dict was built (a non-persistent object), so the resumed run
-  restarts its bias correction at the fresh optimizer's step. With an fp32 model the main parameter is a view of the model's leaf
-  parameter and the legacy path does not run under ``no_grad``: "a view of a leaf Variable that
-  requires grad is being used in an in-place operation". Here the step is always the one
-  ``load_state_dict`` just set from the checkpoint's param groups, and the copy runs under ``no_grad`` (every other load path of megatron already
-  does).
+  ``KeyError: 'step'``; ``dp_reshardable`` hands back, as the loaded ``step``, the live tensor it
+  was given when the state dict was built (a non-persistent object), so the resumed run restarts
+  its bias correction at the fresh optimizer's step. With an fp32 model the main parameter is a
+  view of the model's leaf parameter and the legacy path does not run under ``no_grad``: "a view
+  of a leaf Variable that requires grad is being used in an in-place operation". Here the step is
+  always the one ``load_state_dict`` just set from the checkpoint's param groups, and the copy
+  runs under ``no_grad`` (megatron's other load paths already do).
 
 Each wrapper does nothing when megatron took its apex/TE branch (``HAVE_APEX_OR_TE`` read at
 call time from the installed module) or when the inner optimizer keeps no per-parameter step.
