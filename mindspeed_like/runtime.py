@@ -25,6 +25,7 @@ from mindspeed_like.adapters.detect import detect_device
 from mindspeed_like.config import Config
 from mindspeed_like.engine import PatchEngine, PatchError, PatchRecord
 from mindspeed_like.megatron_version import SUPPORTED, TESTED_VERSIONS, megatron_core_version, version_of
+from mindspeed_like.toolkit import built_models
 from mindspeed_like.toolkit.declaration import Context, Flag
 from mindspeed_like.toolkit.errors import ConfigError
 from mindspeed_like.toolkit.fallback import forget_logged
@@ -136,6 +137,7 @@ def apply(code: Mapping[str, Any] | None = None) -> Config:
         except PatchError as error:
             raise ConfigError(f"{error}") from error
         applied = {record.feature for record in ENGINE.report()}
+        _report_switch_after_construction(ctx, applied)
         _before_switch_off([name for name, patches in plan.items() if not patches and name in applied])
         if code:
             _code_overrides.update(config_mod.normalize_names(flags(), code, "configure()"))
@@ -152,6 +154,32 @@ def apply(code: Mapping[str, Any] | None = None) -> Config:
                 raise
         _current = ctx
         return config
+
+
+def _report_switch_after_construction(ctx: Context, applied: set[str]) -> None:
+    """A construction-time feature switched while megatron models exist changes nothing for
+    them: logged once (a ConfigError under --strict, raised before anything changes)."""
+    now_on = set(ctx.enabled_names)
+    switched = [
+        feature
+        for feature in registry.all_features()
+        if feature.built_at_construction and (feature.name in now_on) != (feature.name in applied)
+    ]
+    if not switched:
+        return
+    models = built_models.live_count()
+    if not models:
+        return
+    for feature in switched:
+        state = "on" if feature.name in now_on else "off"
+        reason = (
+            f"switched {state} while {models} megatron model(s) exist: those keep "
+            f"{feature.built_at_construction} as they were built; build the model after configure() "
+            "for the switch to apply to it"
+        )
+        if ctx.strict:
+            raise ConfigError(f"{feature.name} {reason} (strict is on: nothing was changed)")
+        ctx.fallback(feature.name, ConfigError, f"switched {state} for models built from now on")(reason)
 
 
 def _before_switch_off(names: list[str]) -> None:

@@ -173,6 +173,10 @@ class Feature:
     optimization_level: the lowest ``--optimization-level`` that switches the feature on (1: its
         results equal megatron's bitwise or within fp32 rounding; 2: it trades numerics or time
         for memory; see ``mindspeed_like.levels``); None: no level touches it.
+    built_at_construction: what a model keeps from the moment it was built when the feature is
+        switched on or off later (e.g. "its RMSNorm modules"); empty for features that act at
+        call time. Switching such a feature while a megatron model exists is a logged fallback
+        (a ConfigError under --strict): that model keeps what it was built with.
     """
 
     name: str
@@ -193,6 +197,7 @@ class Feature:
     switch_off: Mapping[str, Any] = field(default_factory=dict, compare=False)
     optimization_level: int | None = None
     before_switch_off: Callable[[], None] | None = None
+    built_at_construction: str = ""
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip() or " " in self.name:

@@ -120,3 +120,37 @@ def test_switching_on_after_the_optimizer_exists_is_said_not_silent(caplog):
         caplog.text
     )
     mindspeed_like.reset()
+
+
+def _norm_types(model) -> set[str]:
+    return {type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__}
+
+
+@pytest.mark.parametrize("first, then", [(False, True), (True, False)], ids=["on-later", "off-later"])
+def test_construction_time_feature_switched_after_the_model_exists_is_said(first, then, caplog):
+    """fused-rmsnorm picks the norm module when a layer is built: switching it afterwards leaves
+    the existing model as it is, which the user is told (and refused under strict)."""
+    mindspeed_like.reset()
+    mindspeed_like.configure(device="cpu", use_fused_rmsnorm=first)
+    init_parallel(seed=SEED)
+    model = tiny_gpt(normalization="RMSNorm")
+    before = _norm_types(model)
+    with caplog.at_level("WARNING", logger="mindspeed_like"):
+        mindspeed_like.configure(use_fused_rmsnorm=then)
+    assert _norm_types(model) == before  # the model keeps what it was built with ...
+    state = "on" if then else "off"
+    assert f"fused-rmsnorm: switched {state} for models built from now on (switched {state} while 1 megatron" in (
+        caplog.text
+    )  # ... and the user is told so
+    assert "keep its RMSNorm modules" in caplog.text
+    assert "build the model after configure()" in caplog.text
+    # a model built now follows the switch, without a word
+    caplog.clear()
+    del model
+    rebuilt = tiny_gpt(normalization="RMSNorm")
+    assert ("FusedRMSNorm" in _norm_types(rebuilt)) is then
+    mindspeed_like.configure(strict=True)
+    with pytest.raises(ConfigError, match=r"fused-rmsnorm switched \w+ while 1 megatron model\(s\) exist.*strict is on"):
+        mindspeed_like.configure(use_fused_rmsnorm=first)
+    assert mindspeed_like.current_config()["use_fused_rmsnorm"] is then  # refused: nothing changed
+    mindspeed_like.reset()

@@ -33,6 +33,7 @@ FEATURE = Feature(
     backend=kernel_backend,
     switch_on={"use_fused_rmsnorm": True},
     optimization_level=1,
+    built_at_construction="its RMSNorm modules (the norm class is chosen when a layer is built)",
 )
 
 __all__ = ["FEATURE", "FusedRMSNorm"]
