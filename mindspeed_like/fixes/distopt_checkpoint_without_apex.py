@@ -25,6 +25,9 @@ every checkpoint format on resume (measured on 0.13-0.19, DP=2, a tiny GPT):
   of a leaf Variable that requires grad is being used in an in-place operation". Here the step is
   always the one ``load_state_dict`` just set from the checkpoint's param groups, and the copy
   runs under ``no_grad`` (megatron's other load paths already do).
+* ``get_parameter_state_fs_bucket_space`` (0.13/0.14's ``fully_sharded_bucket_space``) puts the
+  0-dim step among each parameter's bucket tensors, and the save asserts every one has the
+  parameter's length. Here the step is left out (it is saved in the param groups).
 
 Each wrapper does nothing when megatron took its apex/TE branch (``HAVE_APEX_OR_TE`` read at
 call time from the installed module) or when the inner optimizer keeps no per-parameter step.
@@ -95,6 +98,19 @@ def _set_states_keeping_step(wrapped, instance, args, kwargs):
         return wrapped(model_param, tensors)
 
 
+def _bucket_space_without_step(wrapped, instance, args, kwargs):
+    state = wrapped(*args, **kwargs)
+    if _torch_adam_branch():
+        for gbuf_index, per_dtype in state.items():
+            if not isinstance(gbuf_index, int):
+                continue  # per_bucket_numel and the like
+            for buckets in per_dtype.values():
+                for bucket in buckets:
+                    for tensors in bucket:
+                        tensors.pop("step", None)
+    return state
+
+
 def _bind_set_states(model_param: torch.nn.Parameter, tensors: dict[str, Any]) -> tuple:
     """megatron's signature: ``_set_main_param_and_optimizer_states(self, model_param, tensors)``."""
     return model_param, tensors
@@ -131,6 +147,17 @@ PATCHES = [
         before=(REUSE,),
     ),
 ]
+
+PATCHES.append(
+    Patch(
+        f"{DISTOPT}.get_parameter_state_fs_bucket_space",
+        Kind.WRAP,
+        _bucket_space_without_step,
+        versions="<0.15",  # 0.15 renamed the format dp_reshardable and skips the step itself
+        before=(REUSE,),
+        why="the 0-dim per-parameter step is not bucket state (its save asserted a [numel] shape)",
+    )
+)
 
 FEATURE = Feature(
     name="fix-distopt-checkpoint-without-apex",

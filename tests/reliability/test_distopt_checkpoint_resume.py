@@ -42,10 +42,23 @@ OLD_MODEL_SPACE_NEEDS_NUMPY_1 = pytest.mark.xfail(
 )
 
 
+# Left as megatron has it (measured on 0.13.1 with numpy 1.26 too): 0.13/0.14's deprecated
+# bucket-space format fails at save inside megatron's torch strategy
+# (`assert offset == sh_ten.local_chunk_offset_in_global()` for the flattened bucket ranges).
+OLD_BUCKET_SPACE_SAVE_FAILS = pytest.mark.xfail(
+    reason="megatron-core < 0.15: the deprecated fully_sharded_bucket_space save fails in megatron's torch "
+    "strategy (flattened bucket ranges); use fully_sharded_model_space or dp_zero_gather_scatter",
+    raises=DistributedError,
+    strict=True,
+)
+
+
 def _marks(fmt: str, fast: bool) -> list:
     marks = [] if fast else [pytest.mark.slow]
     if fmt == "fully_sharded_model_space":
         marks.append(OLD_MODEL_SPACE_NEEDS_NUMPY_1)
+    if fmt == "fully_sharded_bucket_space":
+        marks.append(OLD_BUCKET_SPACE_SAVE_FAILS)
     return marks
 
 
