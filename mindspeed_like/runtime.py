@@ -226,6 +226,7 @@ def reset() -> None:
     with _lock:
         _before_switch_off(sorted({record.feature for record in ENGINE.report()}))
         ENGINE.remove_all()
+        built_models.forget()
         _code_overrides.clear()
         _megatron_args.clear()
         forget_logged()

@@ -26,3 +26,9 @@ def live_count() -> int:
     gc.collect()
     with _lock:
         return len(_blocks)
+
+
+def forget() -> None:
+    """``reset()``: the state of a fresh import, which knows of no model built before it."""
+    with _lock:
+        _blocks.clear()

@@ -148,10 +148,14 @@ def test_construction_time_feature_switched_after_the_model_exists_is_said(first
     caplog.clear()
     del model
     rebuilt = tiny_gpt(normalization="RMSNorm")
+    assert "fused-rmsnorm" not in caplog.text
     assert ("FusedRMSNorm" in _norm_types(rebuilt)) is then
     mindspeed_like.configure(strict=True)
     refused = r"fused-rmsnorm switched \w+ while 1 megatron model\(s\) exist.*strict is on"
     with pytest.raises(ConfigError, match=refused):
         mindspeed_like.configure(use_fused_rmsnorm=first)
     assert mindspeed_like.current_config()["use_fused_rmsnorm"] is then  # refused: nothing changed
+    mindspeed_like.reset()  # the state of a fresh import: it knows of no model built before
+    mindspeed_like.configure(device="cpu", strict=True, use_fused_rmsnorm=first)
+    assert mindspeed_like.current_config()["use_fused_rmsnorm"] is first
     mindspeed_like.reset()
