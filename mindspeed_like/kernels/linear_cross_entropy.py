@@ -1,0 +1,152 @@
+"""The output layer and the vocab-parallel cross-entropy in one chunked autograd function: the
+``[tokens, vocab/TP]`` logits never exist, only one chunk's ``[chunk, vocab/TP]`` at a time.
+
+Per chunk of tokens, the same arithmetic as megatron's output layer followed by its
+``vocab_parallel_cross_entropy`` (``tensor_parallel/cross_entropy.py``):
+``logits = hidden @ weight^T`` in the model's dtype, then in fp32: the max over the vocabulary
+(all-reduced MAX over TP), logits minus max, the target's logit on the rank whose vocab shard
+holds it (SUM over TP), ``sum(exp)`` (SUM over TP), ``loss = log(sum_exp) - target_logit``.
+Forward keeps only the per-token log-sum-exp ``[tokens]`` (fp32) besides the inputs; backward
+recomputes each chunk's logits, forms ``softmax - onehot`` scaled by the incoming per-token
+gradient (megatron's loss is per token: the caller's mask and normalisation arrive there), casts
+it to the model's dtype as megatron's autograd does, and produces that chunk's rows of
+``d hidden`` and its term of ``d weight`` (accumulated in fp32, or into ``weight.main_grad``
+with gradient-accumulation fusion, megatron's rule reproduced by the tp-overlap wgrad helper).
+
+Cost: one more ``hidden @ weight^T`` than megatron (recomputed in backward), in exchange for the
+``[tokens, vocab/TP]`` logits, their fp32 copy and the fp32 softmax megatron keeps for backward.
+The partial ``d hidden`` of this TP rank's vocab shard is reduced by the caller's
+``copy_to_tensor_model_parallel_region`` / sequence-parallel gather (megatron's own functions).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_like.kernels.tp_overlap.wgrad import weight_gradient
+
+AUTO_CHUNK_BYTES = 256 * 2**20
+"""The default chunk: its fp32 logits take at most this many bytes (256 MiB)."""
+MIN_AUTO_CHUNK, MAX_AUTO_CHUNK = 64, 8192
+
+
+def auto_chunk_tokens(vocab_per_rank: int) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits fit ``AUTO_CHUNK_BYTES`` (clamped to
+    [64, 8192]: below 64 rows the matmuls lose efficiency, above 8192 nothing is gained)."""
+    fitting = AUTO_CHUNK_BYTES // (4 * max(1, vocab_per_rank))
+    return int(min(MAX_AUTO_CHUNK, max(MIN_AUTO_CHUNK, fitting)))
+
+
+def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _local_targets(labels: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets as indices into this rank's vocab shard, and where the target is on another rank."""
+    local = labels - vocab_start
+    elsewhere = (local < 0) | (local >= vocab_local)
+    return local.masked_fill(elsewhere, 0), elsewhere
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """``(hidden [N, H], weight [V/TP, H], labels [N]) -> per-token loss [N]`` (fp32)."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk: int,
+        vocab_start: int,
+        tp_group,
+        accumulation_fusion: bool,
+    ) -> torch.Tensor:
+        tokens, vocab_local = hidden.shape[0], weight.shape[0]
+        loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        for lo in range(0, tokens, chunk):
+            hi = min(tokens, lo + chunk)
+            logits = torch.matmul(hidden[lo:hi], weight.t()).float()
+            top = logits.max(dim=-1).values
+            _all_reduce(top, dist.ReduceOp.MAX, tp_group)
+            logits.sub_(top.unsqueeze(-1))
+            local, elsewhere = _local_targets(labels[lo:hi], vocab_start, vocab_local)
+            sums = torch.empty(2, hi - lo, dtype=torch.float32, device=hidden.device)
+            sums[0] = logits.gather(1, local.unsqueeze(-1)).squeeze(-1).masked_fill_(elsewhere, 0.0)
+            sums[1] = logits.exp_().sum(dim=-1)
+            _all_reduce(sums, dist.ReduceOp.SUM, tp_group)
+            target_logit, sum_exp = sums[0], sums[1]
+            log_sum_exp = torch.log(sum_exp)
+            loss[lo:hi] = log_sum_exp - target_logit
+            lse[lo:hi] = log_sum_exp + top
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk, ctx.vocab_start, ctx.accumulation_fusion = chunk, vocab_start, accumulation_fusion
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        tokens, vocab_local = hidden.shape[0], weight.shape[0]
+        grad_hidden = torch.empty_like(hidden)
+        fusion = ctx.accumulation_fusion and hasattr(weight, "main_grad")
+        grad_weight = None if fusion else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for lo in range(0, tokens, ctx.chunk):
+            hi = min(tokens, lo + ctx.chunk)
+            probs = torch.matmul(hidden[lo:hi], weight.t()).float()
+            probs.sub_(lse[lo:hi].unsqueeze(-1)).exp_()
+            local, elsewhere = _local_targets(labels[lo:hi], ctx.vocab_start, vocab_local)
+            rows = torch.arange(hi - lo, device=probs.device)
+            probs[rows, local] -= (~elsewhere).to(probs.dtype)
+            grad_logits = probs.mul_(grad_loss[lo:hi].unsqueeze(-1)).to(hidden.dtype)
+            grad_hidden[lo:hi] = torch.matmul(grad_logits, weight)
+            if fusion:
+                weight_gradient(
+                    weight, grad_logits, hidden[lo:hi], accumulation_fusion=True, compute=True, input_dtype=hidden.dtype
+                )
+            else:
+                grad_weight += torch.matmul(grad_logits.t(), hidden[lo:hi]).float()
+        if fusion:
+            # megatron's dummy gradient (or None) once the chunks are accumulated into main_grad
+            grad_weight = weight_gradient(
+                weight, grad_logits, hidden[:0], accumulation_fusion=True, compute=False, input_dtype=hidden.dtype
+            )
+        else:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int = 0,
+    vocab_start: int = 0,
+    tp_group=None,
+    accumulation_fusion: bool = False,
+) -> torch.Tensor:
+    """Per-token cross-entropy of ``hidden [..., H] @ weight [V/TP, H]^T`` against ``labels
+    [...]`` (global vocabulary ids; this rank holds ``[vocab_start, vocab_start + V/TP)``), fp32,
+    shaped like ``labels``. ``chunk_tokens`` 0: :func:`auto_chunk_tokens`."""
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on the tokens")
+    if hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"hidden size {hidden.shape[-1]} != the output weight's {weight.shape[-1]}")
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens must be >= 0 (0: automatic), got {chunk_tokens}")
+    chunk = chunk_tokens or auto_chunk_tokens(weight.shape[0])
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    tokens = flat_hidden.shape[0]
+    loss = ChunkedLinearCrossEntropy.apply(
+        flat_hidden,
+        weight,
+        labels.reshape(-1),
+        max(1, min(chunk, tokens or 1)),
+        vocab_start,
+        tp_group,
+        accumulation_fusion,
+    )
+    return loss.view(labels.shape)
