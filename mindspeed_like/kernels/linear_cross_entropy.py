@@ -6,7 +6,7 @@ Per chunk of tokens, the same arithmetic as megatron's output layer followed by 
 ``logits = hidden @ weight^T`` in the model's dtype, then in fp32: the max over the vocabulary
 (all-reduced MAX over TP), logits minus max, the target's logit on the rank whose vocab shard
 holds it (SUM over TP), ``sum(exp)`` (SUM over TP), ``loss = log(sum_exp) - target_logit``.
-Forward keeps only the per-token log-sum-exp ``[tokens]`` (fp32) besides the inputs; backward
+Forward keeps only the per-token log-sum-exp (fp32) and target index (int32) besides the inputs; backward
 recomputes each chunk's logits, forms ``softmax - onehot`` scaled by the incoming per-token
 gradient (megatron's loss is per token: the caller's mask and normalisation arrive there), casts
 it to the model's dtype as megatron's autograd does, and produces that chunk's rows of
@@ -43,11 +43,17 @@ def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group) -> None:
         dist.all_reduce(tensor, op=op, group=group)
 
 
-def _local_targets(labels: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Targets as indices into this rank's vocab shard, and where the target is on another rank."""
+def _local_targets(labels: torch.Tensor, vocab_start: int, vocab_local: int) -> torch.Tensor:
+    """Targets as int32 indices into this rank's vocab shard; -1 where another rank holds it
+    (int32: backward keeps 4 bytes a token, less than megatron's int64 target + bool mask)."""
     local = labels - vocab_start
-    elsewhere = (local < 0) | (local >= vocab_local)
-    return local.masked_fill(elsewhere, 0), elsewhere
+    return local.masked_fill_((local < 0) | (local >= vocab_local), -1).to(torch.int32)
+
+
+def _split(local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index into the shard, usable by gather; where the target is on another rank)."""
+    elsewhere = local < 0
+    return local.clamp(min=0).long(), elsewhere
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -67,13 +73,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         tokens, vocab_local = hidden.shape[0], weight.shape[0]
         loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        targets = _local_targets(labels, vocab_start, vocab_local)
         for lo in range(0, tokens, chunk):
             hi = min(tokens, lo + chunk)
             logits = torch.matmul(hidden[lo:hi], weight.t()).float()
             top = logits.max(dim=-1).values
             _all_reduce(top, dist.ReduceOp.MAX, tp_group)
             logits.sub_(top.unsqueeze(-1))
-            local, elsewhere = _local_targets(labels[lo:hi], vocab_start, vocab_local)
+            local, elsewhere = _split(targets[lo:hi])
             sums = torch.empty(2, hi - lo, dtype=torch.float32, device=hidden.device)
             sums[0] = logits.gather(1, local.unsqueeze(-1)).squeeze(-1).masked_fill_(elsewhere, 0.0)
             sums[1] = logits.exp_().sum(dim=-1)
@@ -82,14 +89,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             log_sum_exp = torch.log(sum_exp)
             loss[lo:hi] = log_sum_exp - target_logit
             lse[lo:hi] = log_sum_exp + top
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk, ctx.vocab_start, ctx.accumulation_fusion = chunk, vocab_start, accumulation_fusion
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk, ctx.accumulation_fusion = chunk, accumulation_fusion
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        hidden, weight, labels, lse = ctx.saved_tensors
-        tokens, vocab_local = hidden.shape[0], weight.shape[0]
+        hidden, weight, targets, lse = ctx.saved_tensors
+        tokens = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden)
         fusion = ctx.accumulation_fusion and hasattr(weight, "main_grad")
         grad_weight = None if fusion else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -97,7 +104,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             hi = min(tokens, lo + ctx.chunk)
             probs = torch.matmul(hidden[lo:hi], weight.t()).float()
             probs.sub_(lse[lo:hi].unsqueeze(-1)).exp_()
-            local, elsewhere = _local_targets(labels[lo:hi], ctx.vocab_start, vocab_local)
+            local, elsewhere = _split(targets[lo:hi])
             rows = torch.arange(hi - lo, device=probs.device)
             probs[rows, local] -= (~elsewhere).to(probs.dtype)
             grad_logits = probs.mul_(grad_loss[lo:hi].unsqueeze(-1)).to(hidden.dtype)
