@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import common  # benchmarks/ is the script directory (as in fused_ops_swiglu.py)
 import torch
-from torch.profiler import profile
-from torch.profiler._memory_profiler import Action
 
 import mindspeed_like
 from mindspeed_like.kernels.backend import force_backend
@@ -58,25 +56,6 @@ def _step(module, q, k, v, grad):
     return run
 
 
-def peak_bytes(fn) -> int:
-    """Peak of (bytes created - bytes destroyed) while ``fn`` runs, from the profiler's memory
-    timeline. Only tensors created inside ``fn`` count: freeing an older tensor (last step's
-    gradients) must not lower the figure."""
-    with profile(profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        fn()
-    current = peak = 0
-    created: set = set()
-    for _, action, (key, _version), size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            created.add(key)
-            current += size
-        elif action == Action.DESTROY and key in created:
-            created.discard(key)
-            current -= size
-        peak = max(peak, current)
-    return peak
-
-
 def run(args, results: common.Results) -> None:
     mindspeed_like.reset()
     mindspeed_like.configure(device="cpu")
@@ -97,7 +76,7 @@ def run(args, results: common.Results) -> None:
                         seconds = common.median_seconds(step, args.repeats)
                         if not on:
                             _fresh_megatron_buffer()
-                        figures[name] = (seconds, peak_bytes(step))
+                        figures[name] = (seconds, common.peak_bytes(step))
                 (base_s, base_b), (ours_s, ours_b) = figures["megatron"], figures["ours"]
                 results.add(
                     s=s,

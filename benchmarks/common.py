@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.profiler import profile
+from torch.profiler._memory_profiler import Action
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -32,6 +34,25 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> floa
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def peak_bytes(fn: Callable[[], Any]) -> int:
+    """Peak of (bytes created - bytes destroyed) while ``fn`` runs, from the profiler's memory
+    timeline. Only tensors created inside ``fn`` count: freeing an older tensor (last step's
+    gradients) must not lower the figure."""
+    with profile(profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    current = peak = 0
+    created: set = set()
+    for _, action, (key, _version), size in prof._memory_profile().timeline:
+        if action == Action.CREATE:
+            created.add(key)
+            current += size
+        elif action == Action.DESTROY and key in created:
+            created.discard(key)
+            current -= size
+        peak = max(peak, current)
+    return peak
 
 
 def host() -> dict[str, Any]:

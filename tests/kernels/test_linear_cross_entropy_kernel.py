@@ -85,7 +85,7 @@ def test_bad_input_is_refused_with_the_reason():
 
 
 def test_auto_chunk_is_bounded_by_memory():
-    assert auto_chunk_tokens(128 * 1024) * 128 * 1024 * 4 <= 256 * 2**20
+    assert auto_chunk_tokens(128 * 1024) * 128 * 1024 * 4 <= 64 * 2**20
     assert auto_chunk_tokens(10) == 8192
     assert auto_chunk_tokens(10**9) == 64
 

@@ -53,7 +53,7 @@ FEATURE = Feature(
             int,
             0,
             "tokens per chunk of --use-fused-linear-cross-entropy; 0: as many as keep one chunk's fp32 logits "
-            "within 256 MiB (64-8192)",
+            "within 64 MiB (64-8192)",
         ),
     ),
     validate=validate,

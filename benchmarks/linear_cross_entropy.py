@@ -1,0 +1,197 @@
+"""Output layer + loss fwd+bwd: megatron-core's path (its ColumnParallelLinear output layer, then
+``vocab_parallel_cross_entropy`` on the logits, as ``GPTModel`` does) vs ours
+(``--use-fused-linear-cross-entropy``: the same layer's weight through the chunked kernel, via the
+feature's own ``fused_output_loss``), in one run on the same weights and inputs, at TP=1 and TP=2
+(2 processes, one thread each; per-rank figures of rank 0).
+
+Block: hidden states ``[tokens, 1, hidden]`` -> per-token loss -> ``loss.mean().backward()``.
+Time: median of ``--repeats`` passes. Memory: peak bytes created during one pass (torch.profiler
+memory timeline, as benchmarks/common.py's ``peak_bytes``; the weights and inputs exist before
+and are not counted). Targets (checked here): peak memory of the block >= 4x lower at vocab
+128k; time <= 1.2x megatron's. Then the whole-model check: a GPT with a 128k vocabulary, one
+training forward+backward, peak with and without the flag.
+
+    python benchmarks/linear_cross_entropy.py [--quick] [--tokens N] [--hidden H] [--repeats N] [--json out.json]
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import common  # benchmarks/ is the script directory
+import torch
+
+import mindspeed_like
+from mindspeed_like.testing import destroy_parallel, gpt_config, init_parallel, run_distributed, tiny_gpt
+
+MiB = 2**20
+VOCABS = (32768, 131072, 151936)
+TARGET_VOCAB, TARGET_MEMORY, TARGET_TIME = 131072, 4.0, 1.2
+
+
+def _output_layer(vocab: int, hidden: int, dtype: torch.dtype):
+    from megatron.core import tensor_parallel
+
+    config = gpt_config(hidden_size=hidden, num_attention_heads=8, bf16=dtype == torch.bfloat16, params_dtype=dtype)
+    return tensor_parallel.ColumnParallelLinear(
+        hidden,
+        vocab,
+        config=config,
+        init_method=config.init_method,
+        bias=False,
+        gather_output=False,
+        skip_bias_add=False,
+    )
+
+
+def _megatron_step(layer, hidden, labels):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    def step():
+        layer.weight.grad = hidden.grad = None
+        logits, _ = layer(hidden)
+        vocab_parallel_cross_entropy(logits, labels).mean().backward()
+
+    return step
+
+
+def _our_step(layer, hidden, labels, chunk_tokens: int):
+    from mindspeed_like.features.fused_linear_cross_entropy.postprocess import fused_output_loss
+
+    model = SimpleNamespace(output_layer=layer, share_embeddings_and_output_weights=False)
+
+    def step():
+        layer.weight.grad = hidden.grad = None
+        fused_output_loss(model, hidden, labels.t(), chunk_tokens).mean().backward()
+
+    return step
+
+
+def measure(tp: int, vocabs: tuple[int, ...], tokens: int, hidden_size: int, dtype_name: str, repeats: int) -> list:
+    """One rank's figures per vocabulary (run in each process of a TP group)."""
+    import torch.distributed as dist
+
+    dtype = getattr(torch, dtype_name)
+    mindspeed_like.reset()
+    mindspeed_like.configure(device="cpu")
+    init_parallel(tp=tp, seed=0)
+    rows = []
+    try:
+        for vocab in vocabs:
+            layer = _output_layer(vocab, hidden_size, dtype)
+            gen = torch.Generator().manual_seed(vocab)
+            hidden = torch.randn(tokens, 1, hidden_size, generator=gen).to(dtype).requires_grad_()
+            labels = torch.randint(0, vocab, (tokens, 1), generator=gen)
+            figures = {}
+            for name, step in (
+                ("megatron", _megatron_step(layer, hidden, labels)),
+                ("ours", _our_step(layer, hidden, labels, 0)),
+            ):
+                figures[name] = (common.median_seconds(step, repeats), common.peak_bytes(step))
+            (base_s, base_b), (ours_s, ours_b) = figures["megatron"], figures["ours"]
+            rows.append(
+                dict(
+                    tp=tp,
+                    vocab=vocab,
+                    hidden=hidden_size,
+                    tokens=tokens,
+                    dtype=dtype_name,
+                    megatron_ms=base_s * 1e3,
+                    ours_ms=ours_s * 1e3,
+                    time_ratio=ours_s / base_s,
+                    megatron_peak_MiB=base_b / MiB,
+                    ours_peak_MiB=ours_b / MiB,
+                    memory_ratio=base_b / max(ours_b, 1),
+                )
+            )
+            if dist.get_rank() == 0:
+                print("measured:", rows[-1], flush=True)
+            del layer, hidden
+    finally:
+        destroy_parallel()
+        mindspeed_like.reset()
+    return rows
+
+
+def whole_model(vocab: int, seq: int, hidden: int) -> dict:
+    """A GPT (2 layers) with a large vocabulary: peak of one training forward+backward."""
+    peaks = {}
+    for on in (False, True):
+        mindspeed_like.reset()
+        mindspeed_like.configure(device="cpu", use_fused_linear_cross_entropy=on)
+        init_parallel(seed=0)
+        model = tiny_gpt(
+            wrap_float16=False, vocab_size=vocab, seq_length=seq, hidden_size=hidden, num_attention_heads=8
+        )
+        ids = torch.randint(0, vocab, (1, seq))
+        positions = torch.arange(seq).unsqueeze(0)
+
+        def step(model=model, ids=ids, positions=positions):
+            model.zero_grad(set_to_none=True)
+            model(ids, positions, None, labels=ids).float().mean().backward()
+
+        step()  # gradients exist before the measured pass, as in training
+        peaks[on] = common.peak_bytes(step)
+        destroy_parallel()
+        del model
+    mindspeed_like.reset()
+    return dict(
+        vocab=vocab,
+        seq=seq,
+        hidden=hidden,
+        megatron_peak_MiB=peaks[False] / MiB,
+        ours_peak_MiB=peaks[True] / MiB,
+        memory_ratio=peaks[False] / max(peaks[True], 1),
+    )
+
+
+def check_targets(results: common.Results) -> list[str]:
+    lines = []
+    for row in results.rows:
+        if row["vocab"] != TARGET_VOCAB:
+            continue
+        memory_ok = row["memory_ratio"] >= TARGET_MEMORY
+        time_ok = row["time_ratio"] <= TARGET_TIME
+        lines.append(
+            f"TP={row['tp']} vocab {row['vocab']} {row['dtype']}: peak {row['memory_ratio']:.2f}x lower "
+            f"(target >= {TARGET_MEMORY:g}x: {'met' if memory_ok else 'missed'}), time {row['time_ratio']:.2f}x "
+            f"megatron's (target <= {TARGET_TIME:g}x: {'met' if time_ok else 'missed'})"
+        )
+    return lines or [f"targets are checked at vocab {TARGET_VOCAB} (not run)"]
+
+
+def main() -> None:
+    parser = common.parser(__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens per pass (default 1024)")
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (default 1 2)")
+    parser.add_argument(
+        "--vocabs", type=int, nargs="+", help=f"vocabulary sizes (default {' '.join(map(str, VOCABS))})"
+    )
+    args = parser.parse_args()
+    vocabs = tuple(args.vocabs or ((8192, TARGET_VOCAB) if args.quick else VOCABS))
+    tokens = 256 if args.quick else args.tokens
+    results = common.Results("linear_cross_entropy")
+    for tp in args.tp:
+        if tp == 1:
+            rows = measure(1, vocabs, tokens, args.hidden, args.dtype, args.repeats)
+        else:
+            rows = run_distributed(
+                measure, tp, tp, vocabs, tokens, args.hidden, args.dtype, args.repeats, timeout=7200
+            )[0]
+        for row in rows:
+            results.add(**row)
+    results.print_table()
+    for line in check_targets(results):
+        print(line)
+    model = whole_model(TARGET_VOCAB, 1024 if args.quick else 4096, 256 if args.quick else 512)
+    print(
+        f"whole GPT (2 layers, hidden {model['hidden']}, vocab {model['vocab']}, seq {model['seq']}): peak "
+        f"{model['megatron_peak_MiB']:.1f} MiB -> {model['ours_peak_MiB']:.1f} MiB ({model['memory_ratio']:.2f}x lower)"
+    )
+    results.write_json(args.json, whole_model=model)
+
+
+if __name__ == "__main__":
+    main()
