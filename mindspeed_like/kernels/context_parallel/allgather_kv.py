@@ -1,0 +1,80 @@
+"""All-gather K/V (MindSpeed's ``kvallgather_cp_algo``, Llama-3 style): every rank gathers the
+whole sequence's keys and values (unexpanded GQA groups) and attends with its own queries.
+Each local query chunk ``j`` sees keys ``[0, (j+1)*c)`` when causal: the earlier chunks without a
+mask and its own chunk causally, two blocks merged with their log-sum-exp. Backward: each block's
+dQ locally, dK/dV of the whole sequence summed over the CP ranks and each rank keeps its chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_like.kernels.context_parallel.blocks import (
+    Accumulator,
+    block_backward,
+    block_forward,
+    expand_heads,
+    reduce_heads,
+)
+from mindspeed_like.kernels.context_parallel.groups import CPGroup
+from mindspeed_like.kernels.context_parallel.zigzag import gathered_to_natural, rank_chunks, reorder_chunks
+
+
+def _gather_natural(t: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(cp.size)]
+    dist.all_gather(parts, t.contiguous(), group=cp.group)
+    return reorder_chunks(torch.cat(parts, dim=2), gathered_to_natural(cp.size), dim=2)
+
+
+def _blocks(cp: CPGroup, chunk: int, causal: bool):
+    """Per local query chunk (its rows here): the key ranges and whether each is causal."""
+    for local, j in enumerate(rank_chunks(cp.rank, cp.size)):
+        rows = slice(local * chunk, (local + 1) * chunk)
+        if not causal:
+            yield rows, [(slice(None), False)]
+        else:
+            earlier = [(slice(0, j * chunk), False)] if j else []
+            yield rows, [*earlier, (slice(j * chunk, (j + 1) * chunk), True)]
+
+
+class _AllGatherKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float, cp: CPGroup):
+        heads, chunk = q.shape[1], q.shape[2] // 2
+        k_all, v_all = _gather_natural(k, cp), _gather_natural(v, cp)
+        acc = Accumulator(q)
+        for rows, keys in _blocks(cp, chunk, causal):
+            for key_rows, diagonal in keys:
+                kb, vb = expand_heads(k_all[:, :, key_rows], heads), expand_heads(v_all[:, :, key_rows], heads)
+                out, lse = block_forward(q[:, :, rows], kb, vb, diagonal, scale)
+                acc.merge(out, lse, rows)
+        out = acc.out.to(q.dtype)
+        ctx.save_for_backward(q, k_all, v_all, out, acc.lse)
+        ctx.causal, ctx.scale, ctx.cp = causal, scale, cp
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        cp, heads, groups, chunk = ctx.cp, q.shape[1], k_all.shape[1], q.shape[2] // 2
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dkv = torch.zeros((2, *k_all.shape), dtype=torch.float32, device=q.device)
+        for rows, keys in _blocks(cp, chunk, ctx.causal):
+            for key_rows, diagonal in keys:
+                kb, vb = expand_heads(k_all[:, :, key_rows], heads), expand_heads(v_all[:, :, key_rows], heads)
+                dq_b, dk_b, dv_b = block_backward(
+                    dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[:, :, rows], diagonal, ctx.scale
+                )
+                dq[:, :, rows] += dq_b.float()
+                dkv[0][:, :, key_rows] += reduce_heads(dk_b.float(), groups)
+                dkv[1][:, :, key_rows] += reduce_heads(dv_b.float(), groups)
+        dist.all_reduce(dkv, group=cp.group)
+        mine = torch.cat([dkv[..., j * chunk : (j + 1) * chunk, :] for j in rank_chunks(cp.rank, cp.size)], dim=-2)
+        return dq.to(q.dtype), mine[0].to(k_all.dtype), mine[1].to(v_all.dtype), None, None, None
+
+
+def allgather_kv_attention(q, k, v, cp: CPGroup, *, causal: bool, scale: float) -> torch.Tensor:
+    """``q [b, n, 2c, d]``, ``k/v [b, groups, 2c, d]`` (zigzag chunks) -> ``[b, n, 2c, d]``."""
+    return _AllGatherKV.apply(q, k, v, causal, scale, cp)

@@ -1,0 +1,92 @@
+"""Ring attention over megatron's zigzag split (MindSpeed's ``megatron_cp_algo``).
+
+Rank ``r`` holds query/key/value chunks ``(r, 2*CP-1-r)``. At step ``i`` it holds the K/V block of
+rank ``src = r - i``; while that block's attention runs, the next block is already on its way
+(``isend``/``irecv`` posted before the compute). Causal work per step is the same on every rank
+and fully masked blocks are skipped:
+  ``i == 0``: both local chunks against both, causal (the two chunks concatenated are in order);
+  ``src < r``: both query chunks against the block's FIRST chunk, no mask;
+  ``src > r``: the SECOND query chunk against the whole block, no mask.
+Partial results are merged exactly with their log-sum-exp. Backward runs the same ring: each
+block's dK/dV accumulator travels with the block (K/V on their way while the block computes, the
+accumulator after it) and arrives home after CP steps; dQ stays local.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mindspeed_like.kernels.context_parallel.blocks import (
+    Accumulator,
+    block_backward,
+    block_forward,
+    expand_heads,
+    reduce_heads,
+)
+from mindspeed_like.kernels.context_parallel.groups import CPGroup, wait
+
+
+def _plan(i: int, rank: int, size: int, causal: bool, chunk: int):
+    """(query rows, key rows, causal) for step ``i``, or None for nothing to compute."""
+    everything = slice(None)
+    if not causal:
+        return everything, everything, False
+    if i == 0:
+        return everything, everything, True
+    src = (rank - i) % size
+    if src < rank:
+        return everything, slice(0, chunk), False
+    return slice(chunk, None), everything, False
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, scale: float, cp: CPGroup):
+        heads, chunk = q.shape[1], q.shape[2] // 2
+        acc = Accumulator(q)
+        kv = torch.stack([k, v])
+        for i in range(cp.size):
+            requests, incoming = cp.ring_exchange(kv) if i < cp.size - 1 else ([], None)
+            q_rows, k_rows, diagonal = _plan(i, cp.rank, cp.size, causal, chunk)
+            kb = expand_heads(kv[0][:, :, k_rows], heads)
+            vb = expand_heads(kv[1][:, :, k_rows], heads)
+            out, lse = block_forward(q[:, :, q_rows], kb, vb, diagonal, scale)
+            acc.merge(out, lse, q_rows)
+            wait(requests)
+            kv = incoming
+        out = acc.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc.lse)
+        ctx.causal, ctx.scale, ctx.cp = causal, scale, cp
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, heads, groups, chunk = ctx.cp, q.shape[1], k.shape[1], q.shape[2] // 2
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        for i in range(cp.size):
+            requests, incoming = cp.ring_exchange(kv) if i < cp.size - 1 else ([], None)
+            q_rows, k_rows, diagonal = _plan(i, cp.rank, cp.size, ctx.causal, chunk)
+            kb = expand_heads(kv[0][:, :, k_rows], heads)
+            vb = expand_heads(kv[1][:, :, k_rows], heads)
+            dq_b, dk_b, dv_b = block_backward(
+                dout[:, :, q_rows], q[:, :, q_rows], kb, vb, out[:, :, q_rows], lse[:, :, q_rows], diagonal, ctx.scale
+            )
+            dq[:, :, q_rows] += dq_b.float()
+            dkv[0][:, :, k_rows] += reduce_heads(dk_b.float(), groups)
+            dkv[1][:, :, k_rows] += reduce_heads(dv_b.float(), groups)
+            # the accumulator follows its block: after CP hops it is back with its owner
+            dkv_requests, dkv = cp.ring_exchange(dkv)
+            wait(requests + dkv_requests)
+            kv = incoming
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q, k, v, cp: CPGroup, *, causal: bool, scale: float) -> torch.Tensor:
+    """``q [b, n, 2c, d]``, ``k/v [b, groups, 2c, d]`` (this rank's zigzag chunks) -> ``[b, n, 2c, d]``."""
+    if cp.size == 1:
+        raise ValueError("ring attention needs a context-parallel group of more than one rank")
+    return _RingAttention.apply(q, k, v, causal, scale, cp)

@@ -1,0 +1,111 @@
+"""Context-parallel attention against one-rank attention over the whole sequence (float64).
+
+Every rank builds the same full q/k/v and output gradient, keeps megatron's zigzag chunks
+(``r`` and ``2*CP-1-r``), runs an algorithm, and compares its output and its q/k/v gradients
+with the float64 reference's rows for those chunks. fp32 within 1e-6 (relative, over each
+tensor); bf16 within 2e-2 (bf16 inputs and outputs; fp32 merge and accumulation).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mindspeed_like.testing import run_distributed
+
+ALGOS = ("ring", "ulysses", "allgather_kv")
+
+
+def _full(b, heads, groups, seq, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, heads, seq, d, generator=g)
+    k = torch.randn(b, groups, seq, d, generator=g)
+    v = torch.randn(b, groups, seq, d, generator=g)
+    dout = torch.randn(b, heads, seq, d, generator=g)
+    return q, k, v, dout
+
+
+def _reference(q, k, v, dout, causal, scale):
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    scores = q64 @ k64.repeat_interleave(rep, 1).transpose(-1, -2) * scale
+    if causal:
+        s = q.shape[2]
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.softmax(scores, -1) @ v64.repeat_interleave(rep, 1)
+    out.backward(dout.double())
+    return out.detach(), q64.grad, k64.grad, v64.grad
+
+
+def _mine(t, rank, size):
+    chunks = t.chunk(2 * size, dim=2)
+    return torch.cat([chunks[rank], chunks[2 * size - 1 - rank]], dim=2)
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def worker(algo, causal, heads, groups, d, dtype_name) -> dict:
+    import torch.distributed as dist
+
+    from mindspeed_like.kernels.context_parallel import (
+        CPGroup,
+        allgather_kv_attention,
+        ring_attention,
+        ulysses_attention,
+    )
+
+    size, rank = dist.get_world_size(), dist.get_rank()
+    cp = CPGroup(dist.group.WORLD, tuple(range(size)))
+    dtype = getattr(torch, dtype_name)
+    q, k, v, dout = _full(2, heads, groups, 8 * size, d)
+    scale = d**-0.5
+    ref = _reference(q, k, v, dout, causal, scale)
+    fn = {"ring": ring_attention, "ulysses": ulysses_attention, "allgather_kv": allgather_kv_attention}[algo]
+    local = [_mine(t, rank, size).to(dtype).requires_grad_() for t in (q, k, v)]
+    out = fn(*local, cp, causal=causal, scale=scale)
+    out.backward(_mine(dout, rank, size).to(dtype))
+    got = (out.detach(), *(t.grad for t in local))
+    return {name: _rel(a, _mine(b, rank, size)) for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+
+
+SLOW = pytest.mark.slow  # each case spawns CP processes (~5 s); the default lane keeps one of each kind
+CASES = [
+    # (cp, causal, heads, groups, head dim)
+    (2, True, 4, 2, 13),  # causal, GQA, odd head dim
+    pytest.param(2, False, 4, 4, 16, marks=SLOW),
+    pytest.param(2, True, 4, 4, 16, marks=SLOW),
+    pytest.param(2, True, 2, 2, 8, marks=SLOW),
+    pytest.param(4, True, 4, 4, 8, marks=SLOW),
+    pytest.param(4, False, 8, 4, 8, marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("cp, causal, heads, groups, d", CASES)
+def test_fp32_matches_one_rank_float64(algo, cp, causal, heads, groups, d):
+    for rank in run_distributed(worker, cp, algo, causal, heads, groups, d, "float32", timeout=120):
+        assert all(err < 1e-6 for err in rank.values()), rank
+
+
+@pytest.mark.parametrize("algo", ["ring", pytest.param("allgather_kv", marks=SLOW)])
+def test_mqa_one_key_value_group(algo):
+    for rank in run_distributed(worker, 2, algo, True, 4, 1, 8, "float32", timeout=120):
+        assert all(err < 1e-6 for err in rank.values()), rank
+
+
+@pytest.mark.parametrize(
+    "algo", ["ring", pytest.param("ulysses", marks=SLOW), pytest.param("allgather_kv", marks=SLOW)]
+)
+def test_bf16_within_stated_tolerance(algo):
+    for rank in run_distributed(worker, 2, algo, True, 4, 2, 16, "bfloat16", timeout=120):
+        assert all(err < 2e-2 for err in rank.values()), rank
+
+
+@SLOW
+def test_ulysses_names_the_numbers_when_heads_do_not_divide():
+    from mindspeed_like.testing.distributed import DistributedError
+
+    with pytest.raises(DistributedError, match="2 key/value groups per TP rank must both divide by CP=4"):
+        run_distributed(worker, 4, "ulysses", True, 4, 2, 8, "float32", timeout=120)
