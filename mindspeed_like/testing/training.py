@@ -70,7 +70,9 @@ def train_steps(
     model's vocabulary, identical on every rank. ``global_batch = micro_batch_size * DP``;
     each data-parallel rank trains on its own ``micro_batch_size`` rows. The loss is the mean
     of GPTModel's per-token loss, averaged over the data-parallel group (so a DP=2 run is
-    comparable with a DP=1 run on the whole batch). ``on_step(step, loss)`` is called after
+    comparable with a DP=1 run on the whole batch). Under context parallelism each CP rank keeps
+    its zigzag chunks of every sequence (megatron's ``get_batch_on_this_cp_rank``) and the loss is
+    averaged over the data- and context-parallel ranks. ``on_step(step, loss)`` is called after
     each step (progress output). ``on_optimizer(model, optimizer)`` is called once, after the
     (DDP-wrapped) model and megatron's optimizer are built and before the first step (load a
     checkpoint into them, or keep references to read masters or save state afterwards).
@@ -90,7 +92,9 @@ def train_steps(
     seq_length = seq_length or gpt.max_sequence_length
     dp_size = parallel_state.get_data_parallel_world_size()
     dp_rank = parallel_state.get_data_parallel_rank()
-    dp_group = parallel_state.get_data_parallel_group()
+    cp_size = parallel_state.get_context_parallel_world_size()
+    # the loss is averaged over every rank that holds other tokens: data- and context-parallel
+    loss_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if data is None:
         data = make_batches(steps, micro_batch_size * dp_size, seq_length, gpt.vocab_size, seed)
     elif data.dim() == 2:
@@ -119,6 +123,11 @@ def train_steps(
             batch = batch.to(device)
         tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        if cp_size > 1:  # megatron's zigzag split: this CP rank's two chunks of each sequence
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            mine = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": position_ids})
+            tokens, labels, position_ids = mine["tokens"], mine["labels"], mine["position_ids"]
         if ddp:
             model.zero_grad_buffer()
         opt.zero_grad()
@@ -131,9 +140,9 @@ def train_steps(
             model.finish_grad_sync()
         opt.step()
         reported = loss.detach().clone()
-        if dp_size > 1:
-            dist.all_reduce(reported, group=dp_group)
-            reported /= dp_size
+        if dp_size * cp_size > 1:
+            dist.all_reduce(reported, group=loss_group)
+            reported /= dp_size * cp_size
         losses.append(reported.item())
         if on_step is not None:
             on_step(step, losses[-1])

@@ -2,8 +2,9 @@
 
 Switched on when the device resolves to cpu (``--device cpu``, or ``auto`` without an NPU or a
 GPU). Its patches live in one module per area of megatron: ``rng``, ``norm``, ``devices``,
-``optimizer``, ``moe``, ``schedules`` (pipeline parallelism) and ``checkpointing``
-(``dist_checkpointing``); each module's docstring says why each target is the right one.
+``optimizer``, ``moe``, ``schedules`` (pipeline parallelism), ``checkpointing``
+(``dist_checkpointing``) and ``context_parallel`` (the rotary embedding per CP rank); each
+module's docstring says why each target is the right one.
 Almost all of them run megatron's own function bodies as host twins (``host_view``):
 ``torch.cuda`` seen as the CPU, ``'cuda'`` constants read ``'cpu'``, ``x.cuda()`` read
 ``x.cpu()``. Nothing in torch is changed: the feature makes no global change.
@@ -11,7 +12,7 @@ Almost all of them run megatron's own function bodies as host twins (``host_view
 
 from __future__ import annotations
 
-from mindspeed_like.adapters.cpu import checkpointing, devices, moe, norm, optimizer, rng, schedules
+from mindspeed_like.adapters.cpu import checkpointing, context_parallel, devices, moe, norm, optimizer, rng, schedules
 from mindspeed_like.toolkit.declaration import Feature, on_device
 
 NAME = "cpu-adapter"
@@ -27,6 +28,7 @@ FEATURE = Feature(
         *moe.PATCHES,
         *schedules.PATCHES,
         *checkpointing.PATCHES,
+        *context_parallel.PATCHES,
     ],
     enabled=on_device("cpu"),
     backend="cpu",

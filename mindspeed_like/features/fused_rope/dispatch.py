@@ -66,8 +66,10 @@ def _unsupported(call: Call, per_token_thd_freqs: bool) -> str | None:
     t, freqs, config = call["t"], call["freqs"], call["config"]
     if getattr(config, "apply_rope_fusion", False):
         return "config.apply_rope_fusion selects megatron's TransformerEngine RoPE"
-    if _cp_size(call.get("cp_group")) > 1:
-        return "context parallel > 1"
+    if _cp_size(call.get("cp_group")) > 1 and call.get("cu_seqlens") is not None:
+        # sbhd: RotaryEmbedding already gave this CP rank the freqs of its zigzag chunks; packed
+        # sequences need megatron's per-sequence CP slicing of the freqs
+        return "context parallel > 1 with packed sequences (thd)"
     mla = mla_interleaved(call)
     if mla and getattr(config, "rotary_interleaved", False):
         return "multi_latent_attention with rotary_interleaved"

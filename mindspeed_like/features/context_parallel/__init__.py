@@ -1,0 +1,83 @@
+"""context-parallel (on wherever megatron's config has ``context_parallel_size > 1``): megatron-core's
+local-spec attention over a sequence split across ranks, without TransformerEngine. Algorithms
+(MindSpeed's spellings, ``--context-parallel-algo``): ``megatron_cp_algo`` (ring, default),
+``ulysses_cp_algo``, ``kvallgather_cp_algo``. Targets and coverage: ``attention.py``."""
+
+from __future__ import annotations
+
+from mindspeed_like.engine import Kind, Patch
+from mindspeed_like.features.context_parallel.attention import (
+    ALGORITHMS,
+    ContextParallelForward,
+    ContextParallelUnsupported,
+    construct,
+)
+from mindspeed_like.toolkit.declaration import Context, Feature, Flag
+from mindspeed_like.toolkit.errors import ConfigError
+from mindspeed_like.toolkit.targets import DOT_PRODUCT_ATTENTION
+
+NAME = "context-parallel"
+CHOICES = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo", "kvallgather_cp_algo")
+
+
+def patches(ctx: Context) -> list[Patch]:
+    return [
+        Patch(
+            f"{DOT_PRODUCT_ATTENTION}.DotProductAttention.__init__",
+            Kind.WRAP,
+            construct,
+            why="the local spec's attention asserts context_parallel_size == 1 in its constructor",
+            after=("cpu-adapter",),
+        ),
+        Patch(
+            f"{DOT_PRODUCT_ATTENTION}.DotProductAttention.forward",
+            Kind.WRAP,
+            ContextParallelForward(ctx["context_parallel_algo"]),
+            why="attention over the CP ranks' zigzag chunks (CP == 1: megatron's or flash-attention's call)",
+            after=("flash-attention",),
+        ),
+    ]
+
+
+def validate(ctx: Context) -> None:
+    algo = ctx["context_parallel_algo"]
+    if algo == "hybrid_cp_algo":
+        raise ConfigError(
+            "--context-parallel-algo hybrid_cp_algo (Ulysses inside, ring across) is not implemented in this "
+            "release: use megatron_cp_algo (ring), ulysses_cp_algo or kvallgather_cp_algo"
+        )
+    if ctx["ulysses_degree_in_cp"] is not None:
+        raise ConfigError("--ulysses-degree-in-cp applies only to --context-parallel-algo hybrid_cp_algo")
+    if algo not in ALGORITHMS:  # argparse's choices catch the command line; configure() comes here
+        raise ConfigError(f"--context-parallel-algo {algo!r} is not one of {', '.join(CHOICES)}")
+
+
+FEATURE = Feature(
+    name=NAME,
+    summary="context parallelism without TransformerEngine: ring, Ulysses and all-gather-KV attention",
+    patches=patches,
+    flags=(
+        Flag(
+            "context_parallel_algo",
+            str,
+            "megatron_cp_algo",
+            "attention algorithm at megatron's --context-parallel-size > 1: megatron_cp_algo (ring), "
+            "ulysses_cp_algo (all-to-all over heads), kvallgather_cp_algo (all-gather K/V)",
+            choices=CHOICES,
+        ),
+        Flag("ulysses_degree_in_cp", int, None, "hybrid_cp_algo only: the Ulysses group size inside the CP group"),
+        Flag(
+            "no_portable_context_parallel",
+            bool,
+            False,
+            "off switch: keep megatron's local attention at context_parallel_size > 1 (its 'only supported by "
+            "TEDotProductAttention' assertion), e.g. when TransformerEngine's attention is used",
+        ),
+    ),
+    enabled=lambda ctx: not ctx["no_portable_context_parallel"],
+    validate=validate,
+    backend="portable",
+    switched_by="megatron's --context-parallel-size > 1 (off: --no-portable-context-parallel)",
+)
+
+__all__ = ["FEATURE", "ContextParallelUnsupported"]

@@ -1,0 +1,118 @@
+"""context-parallel's mechanism: megatron's local-spec core attention at ``context_parallel_size > 1``.
+
+Targets (WRAP, both on ``megatron.core.transformer.dot_product_attention.DotProductAttention``):
+- ``__init__`` asserts ``context_parallel_size == 1`` ("Context parallelism is only supported by
+  TEDotProductAttention!"), in every release 0.13-0.19. The constructor runs with a view of the
+  config whose ``context_parallel_size`` is 1 (nothing else in it reads the field) and the real
+  config is put back on the module.
+- ``forward`` receives this rank's zigzag chunks of q/k/v (megatron's ``get_batch_on_this_cp_rank``
+  split the batch, ``RotaryEmbedding`` rotated them at their global positions); at CP > 1 it runs
+  the chosen algorithm of ``kernels/context_parallel`` on the CP group and returns
+  ``[sq, b, heads * head_dim]`` as megatron's forward does. At CP == 1 the call is megatron's (or
+  flash-attention's) untouched.
+
+Megatron semantics kept: the net softmax scale (``softmax_scale`` times the softmax's own scale,
+as flash-attention), causal for ``AttnMaskType.causal`` (a given mask of a causal layer is taken
+as the causal mask), GQA groups unexpanded on the wire. Refused with the reason (megatron has no
+CP path without TransformerEngine to hand back to): packed sequences (thd), an explicit padding or
+arbitrary mask, attention bias, a sliding window, attention dropout while training, and softmax
+types other than vanilla.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mindspeed_like.kernels.context_parallel import (
+    CPGroup,
+    allgather_kv_attention,
+    ring_attention,
+    ulysses_attention,
+)
+from mindspeed_like.toolkit.binding import Call
+from mindspeed_like.toolkit.errors import FeatureUnsupported
+from mindspeed_like.toolkit.overrides import with_fields
+
+ALGORITHMS = {
+    "megatron_cp_algo": ring_attention,
+    "ulysses_cp_algo": ulysses_attention,
+    "kvallgather_cp_algo": allgather_kv_attention,
+}
+
+
+class ContextParallelUnsupported(FeatureUnsupported):
+    """A call context-parallel attention cannot compute (and megatron cannot without TE)."""
+
+
+def cp_size_of(config) -> int:
+    return int(getattr(config, "context_parallel_size", 1) or 1)
+
+
+def construct(wrapped, instance, args, kwargs):
+    """``DotProductAttention.__init__`` past its CP assertion, the real config kept."""
+    call = Call(wrapped, args, kwargs)
+    config = call["config"]
+    if cp_size_of(config) <= 1:
+        return wrapped(*args, **kwargs)
+    result = call(config=with_fields(config, context_parallel_size=1))
+    instance.config = config
+    return result
+
+
+def _cp_group(module) -> CPGroup:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = getattr(getattr(module, "pg_collection", None), "cp", None)
+    if group is not None:
+        return CPGroup(group, tuple(dist.get_process_group_ranks(group)))
+    return CPGroup(
+        parallel_state.get_context_parallel_group(), tuple(parallel_state.get_context_parallel_global_ranks())
+    )
+
+
+def _refusal(module, call: Call, causal: bool) -> str | None:
+    if call.get("packed_seq_params") is not None:
+        return "packed sequences (thd) with context parallelism are not supported; use padded sequences (sbhd)"
+    if call.get("attention_bias") is not None:
+        return "attention bias"
+    if call.get("attention_mask") is not None and not causal:
+        return "an explicit padding/arbitrary attention mask (only causal or no mask)"
+    if getattr(module.scale_mask_softmax, "window_size", None) is not None:
+        return "a sliding window (config.window_size)"
+    if getattr(module.config, "softmax_type", "vanilla") != "vanilla":
+        return f"softmax_type {module.config.softmax_type!r}"
+    if module.attention_dropout.training and float(module.attention_dropout.p) > 0:
+        return "attention dropout while training (set attention_dropout=0.0)"
+    return None
+
+
+@dataclass(frozen=True)
+class ContextParallelForward:
+    """Wrapper of ``DotProductAttention.forward``."""
+
+    algorithm: str
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        if cp_size_of(instance.config) <= 1:
+            return wrapped(*args, **kwargs)
+        from megatron.core.transformer.enums import AttnMaskType
+
+        call = Call(wrapped, args, kwargs)
+        mask_type = call.get("attn_mask_type") or instance.attn_mask_type
+        causal = mask_type == AttnMaskType.causal
+        reason = _refusal(instance, call, causal)
+        if reason is not None:
+            raise ContextParallelUnsupported(
+                f"context-parallel attention (CP={cp_size_of(instance.config)}) cannot compute this call: {reason}"
+            )
+        query, key, value = call["query"], call["key"], call["value"]
+        sq, b = query.shape[:2]
+        if sq % 2:
+            raise ContextParallelUnsupported(
+                f"context-parallel attention expects megatron's two zigzag chunks per rank; got {sq} local tokens"
+            )
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        scale = instance.softmax_scale * (instance.scale_mask_softmax.scale or 1.0)
+        out = ALGORITHMS[self.algorithm](q, k, v, _cp_group(instance), causal=causal, scale=scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
