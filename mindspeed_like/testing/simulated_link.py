@@ -11,8 +11,9 @@ per rank: all-gather and reduce-scatter move ``(w - 1) / w`` of the full tensor,
 twice that.
 
 Patched for the block (and restored): ``torch.distributed.all_gather_into_tensor``,
-``reduce_scatter_tensor``, ``all_reduce`` (our kernels and megatron's mappings look them up
-there at call time) and the copies megatron took at import
+``reduce_scatter_tensor``, ``all_reduce``, ``isend`` (our kernels and megatron's mappings look
+them up there at call time; an ``isend`` books the whole tensor on the sender's link, ring
+neighbours sending equal sizes at once) and the copies megatron took at import
 (``tensor_parallel.layers/mappings.dist_all_gather_func`` / ``dist_reduce_scatter_func``).
 ``stats`` reports the total simulated transfer time and how long callers were blocked on it.
 """
@@ -73,14 +74,14 @@ def _world(group) -> int:
     return dist.get_world_size(group)
 
 
-def _delayed(original, link: _Link, volume):
+def _delayed(original, link: _Link, volume, always_async: bool = False):
     def call(*args, **kwargs):
         group = kwargs.get("group")
         world = _world(group)
         nbytes = volume(args, world)
         done = link.book(nbytes)
         work = original(*args, **kwargs)
-        if kwargs.get("async_op", False):
+        if always_async or kwargs.get("async_op", False):
             return _DelayedWork(work, link, done)
         link.block_until(done)
         return work
@@ -101,6 +102,10 @@ def _reduce_bytes(args, world):  # (tensor,)
     return 2 * args[0].numel() * args[0].element_size() * (world - 1) / world
 
 
+def _send_bytes(args, world):  # (tensor, dst): point to point, the whole tensor
+    return args[0].numel() * args[0].element_size()
+
+
 @contextlib.contextmanager
 def simulated_link(bandwidth_bytes_per_second: float) -> Iterator[LinkStats]:
     link = _Link(bandwidth_bytes_per_second)
@@ -108,6 +113,7 @@ def simulated_link(bandwidth_bytes_per_second: float) -> Iterator[LinkStats]:
     scatter = _delayed(dist.reduce_scatter_tensor, link, _scatter_bytes)
     reduce = _delayed(dist.all_reduce, link, _reduce_bytes)
     swaps = [
+        (dist, "isend", _delayed(dist.isend, link, _send_bytes, always_async=True)),
         (dist, "all_gather_into_tensor", gather),
         (dist, "reduce_scatter_tensor", scatter),
         (dist, "all_reduce", reduce),

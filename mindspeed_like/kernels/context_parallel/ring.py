@@ -8,8 +8,9 @@ and fully masked blocks are skipped:
   ``src < r``: both query chunks against the block's FIRST chunk, no mask;
   ``src > r``: the SECOND query chunk against the whole block, no mask.
 Partial results are merged exactly with their log-sum-exp. Backward runs the same ring: each
-block's dK/dV accumulator travels with the block (K/V on their way while the block computes, the
-accumulator after it) and arrives home after CP steps; dQ stays local.
+block's dK/dV accumulator travels with the block and arrives home after CP steps: K/V are on their way while
+the block computes, and the accumulator of block ``i`` while block ``i+1`` computes (only the last
+hop is exposed); dQ stays local.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        pending, arriving = [], None  # the accumulator of the block in hand, on its way here
         for i in range(cp.size):
             requests, incoming = cp.ring_exchange(kv) if i < cp.size - 1 else ([], None)
             q_rows, k_rows, diagonal = _plan(i, cp.rank, cp.size, ctx.causal, chunk)
@@ -76,12 +77,17 @@ class _RingAttention(torch.autograd.Function):
                 dout[:, :, q_rows], q[:, :, q_rows], kb, vb, out[:, :, q_rows], lse[:, :, q_rows], diagonal, ctx.scale
             )
             dq[:, :, q_rows] += dq_b.float()
+            # this block's share, added to its accumulator once that arrives (it travelled during
+            # the compute above); then the accumulator moves on while the next block computes
+            wait(pending)
+            dkv = arriving if arriving is not None else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             dkv[0][:, :, k_rows] += reduce_heads(dk_b.float(), groups)
             dkv[1][:, :, k_rows] += reduce_heads(dv_b.float(), groups)
-            # the accumulator follows its block: after CP hops it is back with its owner
-            dkv_requests, dkv = cp.ring_exchange(dkv)
-            wait(requests + dkv_requests)
+            pending, arriving = cp.ring_exchange(dkv)  # after CP hops it is back with its owner
+            wait(requests)
             kv = incoming
+        wait(pending)
+        dkv = arriving
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
