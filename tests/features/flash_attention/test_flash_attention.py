@@ -521,7 +521,9 @@ def test_flag_off_restores_megatrons_forward(clean):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     mindspeed_like.reset()
-    mindspeed_like.configure(device="cpu")
+    # context-parallel (on by default) also wraps forward, above flash-attention: off here, so
+    # that megatron's own forward is what flash-attention wraps and gives back
+    mindspeed_like.configure(device="cpu", no_portable_context_parallel=True)
     original = DotProductAttention.__dict__["forward"]
     mindspeed_like.configure(use_flash_attn=True)
     assert DotProductAttention.__dict__["forward"] is not original

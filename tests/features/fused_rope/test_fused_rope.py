@@ -303,8 +303,11 @@ def test_unsupported_calls_fall_back_once_or_raise_under_strict(fresh, caplog):
     assert out.shape == t.shape
     assert sum("rotary_interleaved" in r.getMessage() for r in caplog.records) == 1
     mindspeed_like.configure(strict=True)  # rebuilds the patch: megatron's name now holds the strict one
-    with pytest.raises(fused_rope.FusedRopeUnsupported, match="context parallel"):
-        rope_utils.apply_rotary_pos_emb(t, freqs, config, cp_group=_Group(2))
+    with pytest.raises(fused_rope.FusedRopeUnsupported, match="context parallel > 1 with packed sequences"):
+        rope_utils.apply_rotary_pos_emb(packed, freqs, config, cu_seqlens=cu, cp_group=_Group(2))
+    # sbhd under CP: RotaryEmbedding already gave this rank its chunks' freqs; the fused kernel takes it
+    fused = rope_utils.apply_rotary_pos_emb(t, freqs, config, cp_group=_Group(2))
+    torch.testing.assert_close(fused, rope_utils.apply_rotary_pos_emb.__wrapped__(t, freqs, config, cp_group=_Group(2)))
 
 
 def _tp2_sp_worker(seed: int) -> dict:
