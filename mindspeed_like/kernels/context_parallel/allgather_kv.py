@@ -10,13 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mindspeed_like.kernels.context_parallel.blocks import (
-    Accumulator,
-    block_backward,
-    block_forward,
-    expand_heads,
-    reduce_heads,
-)
+from mindspeed_like.kernels.context_parallel.blocks import Accumulator, attend, block_grads
 from mindspeed_like.kernels.context_parallel.groups import CPGroup
 from mindspeed_like.kernels.context_parallel.zigzag import gathered_to_natural, rank_chunks, reorder_chunks
 
@@ -41,14 +35,12 @@ def _blocks(cp: CPGroup, chunk: int, causal: bool):
 class _AllGatherKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, cp: CPGroup):
-        heads, chunk = q.shape[1], q.shape[2] // 2
+        chunk = q.shape[2] // 2
         k_all, v_all = _gather_natural(k, cp), _gather_natural(v, cp)
         acc = Accumulator(q)
         for rows, keys in _blocks(cp, chunk, causal):
             for key_rows, diagonal in keys:
-                kb, vb = expand_heads(k_all[:, :, key_rows], heads), expand_heads(v_all[:, :, key_rows], heads)
-                out, lse = block_forward(q[:, :, rows], kb, vb, diagonal, scale)
-                acc.merge(out, lse, rows)
+                attend(acc, q, k_all, v_all, rows, key_rows, diagonal, scale)
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k_all, v_all, out, acc.lse)
         ctx.causal, ctx.scale, ctx.cp = causal, scale, cp
@@ -57,19 +49,16 @@ class _AllGatherKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k_all, v_all, out, lse = ctx.saved_tensors
-        cp, heads, groups, chunk = ctx.cp, q.shape[1], k_all.shape[1], q.shape[2] // 2
+        cp, chunk = ctx.cp, q.shape[2] // 2
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros((2, *k_all.shape), dtype=torch.float32, device=q.device)
         for rows, keys in _blocks(cp, chunk, ctx.causal):
             for key_rows, diagonal in keys:
-                kb, vb = expand_heads(k_all[:, :, key_rows], heads), expand_heads(v_all[:, :, key_rows], heads)
-                dq_b, dk_b, dv_b = block_backward(
-                    dout[:, :, rows], q[:, :, rows], kb, vb, out[:, :, rows], lse[:, :, rows], diagonal, ctx.scale
-                )
-                dq[:, :, rows] += dq_b.float()
-                dkv[0][:, :, key_rows] += reduce_heads(dk_b.float(), groups)
-                dkv[1][:, :, key_rows] += reduce_heads(dv_b.float(), groups)
+                dq_b, dk_b, dv_b = block_grads(dout, q, out, lse, k_all, v_all, rows, key_rows, diagonal, ctx.scale)
+                dq[:, :, rows] += dq_b
+                dkv[0][:, :, key_rows] += dk_b
+                dkv[1][:, :, key_rows] += dv_b
         dist.all_reduce(dkv, group=cp.group)
         mine = torch.cat([dkv[..., j * chunk : (j + 1) * chunk, :] for j in rank_chunks(cp.rank, cp.size)], dim=-2)
         return dq.to(q.dtype), mine[0].to(k_all.dtype), mine[1].to(v_all.dtype), None, None, None

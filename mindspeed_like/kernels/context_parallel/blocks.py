@@ -79,3 +79,21 @@ def reduce_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     """The gradient of :func:`expand_heads`: the heads of each group summed."""
     b, heads, s, d = t.shape
     return t if groups == heads else t.view(b, groups, heads // groups, s, d).sum(2)
+
+
+def attend(acc: Accumulator, q, k, v, q_rows: slice, k_rows: slice, diagonal: bool, scale: float) -> None:
+    """Rows ``q_rows`` of ``q`` against keys/values ``k_rows`` (GQA groups expanded here), merged."""
+    heads = q.shape[1]
+    kb, vb = expand_heads(k[:, :, k_rows], heads), expand_heads(v[:, :, k_rows], heads)
+    out, lse = block_forward(q[:, :, q_rows], kb, vb, diagonal, scale)
+    acc.merge(out, lse, q_rows)
+
+
+def block_grads(dout, q, out, lse, k, v, q_rows: slice, k_rows: slice, diagonal: bool, scale: float):
+    """That block's (dq rows, dk rows, dv rows) in fp32, dk/dv summed back to the GQA groups."""
+    heads, groups = q.shape[1], k.shape[1]
+    kb, vb = expand_heads(k[:, :, k_rows], heads), expand_heads(v[:, :, k_rows], heads)
+    dq, dk, dv = block_backward(
+        dout[:, :, q_rows], q[:, :, q_rows], kb, vb, out[:, :, q_rows], lse[:, :, q_rows], diagonal, scale
+    )
+    return dq.float(), reduce_heads(dk.float(), groups), reduce_heads(dv.float(), groups)

@@ -17,13 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mindspeed_like.kernels.context_parallel.blocks import (
-    Accumulator,
-    block_backward,
-    block_forward,
-    expand_heads,
-    reduce_heads,
-)
+from mindspeed_like.kernels.context_parallel.blocks import Accumulator, attend, block_grads
 from mindspeed_like.kernels.context_parallel.groups import CPGroup, wait
 
 
@@ -43,16 +37,13 @@ def _plan(i: int, rank: int, size: int, causal: bool, chunk: int):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, cp: CPGroup):
-        heads, chunk = q.shape[1], q.shape[2] // 2
+        chunk = q.shape[2] // 2
         acc = Accumulator(q)
         kv = torch.stack([k, v])
         for i in range(cp.size):
             requests, incoming = cp.ring_exchange(kv) if i < cp.size - 1 else ([], None)
             q_rows, k_rows, diagonal = _plan(i, cp.rank, cp.size, causal, chunk)
-            kb = expand_heads(kv[0][:, :, k_rows], heads)
-            vb = expand_heads(kv[1][:, :, k_rows], heads)
-            out, lse = block_forward(q[:, :, q_rows], kb, vb, diagonal, scale)
-            acc.merge(out, lse, q_rows)
+            attend(acc, q, kv[0], kv[1], q_rows, k_rows, diagonal, scale)
             wait(requests)
             kv = incoming
         out = acc.out.to(q.dtype)
@@ -63,7 +54,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, heads, groups, chunk = ctx.cp, q.shape[1], k.shape[1], q.shape[2] // 2
+        cp, chunk = ctx.cp, q.shape[2] // 2
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
@@ -71,18 +62,14 @@ class _RingAttention(torch.autograd.Function):
         for i in range(cp.size):
             requests, incoming = cp.ring_exchange(kv) if i < cp.size - 1 else ([], None)
             q_rows, k_rows, diagonal = _plan(i, cp.rank, cp.size, ctx.causal, chunk)
-            kb = expand_heads(kv[0][:, :, k_rows], heads)
-            vb = expand_heads(kv[1][:, :, k_rows], heads)
-            dq_b, dk_b, dv_b = block_backward(
-                dout[:, :, q_rows], q[:, :, q_rows], kb, vb, out[:, :, q_rows], lse[:, :, q_rows], diagonal, ctx.scale
-            )
-            dq[:, :, q_rows] += dq_b.float()
+            dq_b, dk_b, dv_b = block_grads(dout, q, out, lse, kv[0], kv[1], q_rows, k_rows, diagonal, ctx.scale)
+            dq[:, :, q_rows] += dq_b
             # this block's share, added to its accumulator once that arrives (it travelled during
             # the compute above); then the accumulator moves on while the next block computes
             wait(pending)
             dkv = arriving if arriving is not None else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            dkv[0][:, :, k_rows] += reduce_heads(dk_b.float(), groups)
-            dkv[1][:, :, k_rows] += reduce_heads(dv_b.float(), groups)
+            dkv[0][:, :, k_rows] += dk_b
+            dkv[1][:, :, k_rows] += dv_b
             pending, arriving = cp.ring_exchange(dkv)  # after CP hops it is back with its owner
             wait(requests)
             kv = incoming
