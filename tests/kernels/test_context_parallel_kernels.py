@@ -46,12 +46,34 @@ def _rel(a, b):
     return ((a.double() - b).norm() / b.norm()).item()
 
 
+def _hybrid_groups(size: int, inner: int):
+    """megatron's hierarchical CP groups: level 1 consecutive ranks, level 2 strided (every rank
+    creates every group, as torch requires)."""
+    import torch.distributed as dist
+
+    from mindspeed_like.kernels.context_parallel import CPGroup
+
+    rank, mine = dist.get_rank(), {}
+    for start in range(0, size, inner):
+        ranks = tuple(range(start, start + inner))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine["inner"] = CPGroup(group, ranks)
+    for offset in range(inner):
+        ranks = tuple(range(offset, size, inner))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            mine["outer"] = CPGroup(group, ranks)
+    return mine["inner"], mine["outer"]
+
+
 def worker(algo, causal, heads, groups, d, dtype_name) -> dict:
     import torch.distributed as dist
 
     from mindspeed_like.kernels.context_parallel import (
         CPGroup,
         allgather_kv_attention,
+        hybrid_attention,
         ring_attention,
         ulysses_attention,
     )
@@ -62,9 +84,13 @@ def worker(algo, causal, heads, groups, d, dtype_name) -> dict:
     q, k, v, dout = _full(2, heads, groups, 8 * size, d)
     scale = d**-0.5
     ref = _reference(q, k, v, dout, causal, scale)
-    fn = {"ring": ring_attention, "ulysses": ulysses_attention, "allgather_kv": allgather_kv_attention}[algo]
     local = [_mine(t, rank, size).to(dtype).requires_grad_() for t in (q, k, v)]
-    out = fn(*local, cp, causal=causal, scale=scale)
+    if algo.startswith("hybrid"):
+        inner, outer = _hybrid_groups(size, int(algo.split("-")[1]))
+        out = hybrid_attention(*local, inner, outer, causal=causal, scale=scale)
+    else:
+        fn = {"ring": ring_attention, "ulysses": ulysses_attention, "allgather_kv": allgather_kv_attention}[algo]
+        out = fn(*local, cp, causal=causal, scale=scale)
     out.backward(_mine(dout, rank, size).to(dtype))
     got = (out.detach(), *(t.grad for t in local))
     return {name: _rel(a, _mine(b, rank, size)) for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
@@ -109,3 +135,19 @@ def test_ulysses_names_the_numbers_when_heads_do_not_divide():
 
     with pytest.raises(DistributedError, match="2 key/value groups per TP rank must both divide by CP=4"):
         run_distributed(worker, 4, "ulysses", True, 4, 2, 8, "float32", timeout=120)
+
+
+@pytest.mark.parametrize(
+    "inner, causal",
+    [
+        (2, True),
+        pytest.param(2, False, marks=SLOW),
+        pytest.param(4, True, marks=SLOW),
+        pytest.param(1, True, marks=SLOW),
+    ],
+    ids=["u2-causal", "u2-no-mask", "u4-causal", "u1-causal"],
+)
+def test_hybrid_cp4_matches_one_rank_float64(inner, causal):
+    """CP=4 as Ulysses degree ``inner`` x ring of 4/inner (u=4: Ulysses only; u=1: ring only), GQA."""
+    for rank in run_distributed(worker, 4, f"hybrid-{inner}", causal, 4, 4, 8, "float32", timeout=180):
+        assert all(err < 1e-6 for err in rank.values()), rank

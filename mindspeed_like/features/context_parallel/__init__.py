@@ -1,13 +1,13 @@
 """context-parallel (on wherever megatron's config has ``context_parallel_size > 1``): megatron-core's
 local-spec attention over a sequence split across ranks, without TransformerEngine. Algorithms
 (MindSpeed's spellings, ``--context-parallel-algo``): ``megatron_cp_algo`` (ring, default),
-``ulysses_cp_algo``, ``kvallgather_cp_algo``. Targets and coverage: ``attention.py``."""
+``ulysses_cp_algo``, ``hybrid_cp_algo`` (``--ulysses-degree-in-cp N``), ``kvallgather_cp_algo``.
+Targets and coverage: ``attention.py``."""
 
 from __future__ import annotations
 
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.features.context_parallel.attention import (
-    ALGORITHMS,
     ContextParallelForward,
     ContextParallelUnsupported,
     construct,
@@ -32,7 +32,7 @@ def patches(ctx: Context) -> list[Patch]:
         Patch(
             f"{DOT_PRODUCT_ATTENTION}.DotProductAttention.forward",
             Kind.WRAP,
-            ContextParallelForward(ctx["context_parallel_algo"]),
+            ContextParallelForward(ctx["context_parallel_algo"], ctx["ulysses_degree_in_cp"]),
             why="attention over the CP ranks' zigzag chunks (CP == 1: megatron's or flash-attention's call)",
             after=("flash-attention",),
         ),
@@ -40,16 +40,16 @@ def patches(ctx: Context) -> list[Patch]:
 
 
 def validate(ctx: Context) -> None:
-    algo = ctx["context_parallel_algo"]
-    if algo == "hybrid_cp_algo":
-        raise ConfigError(
-            "--context-parallel-algo hybrid_cp_algo (Ulysses inside, ring across) is not implemented in this "
-            "release: use megatron_cp_algo (ring), ulysses_cp_algo or kvallgather_cp_algo"
-        )
-    if ctx["ulysses_degree_in_cp"] is not None:
-        raise ConfigError("--ulysses-degree-in-cp applies only to --context-parallel-algo hybrid_cp_algo")
-    if algo not in ALGORITHMS:  # argparse's choices catch the command line; configure() comes here
+    algo, degree = ctx["context_parallel_algo"], ctx["ulysses_degree_in_cp"]
+    if algo not in CHOICES:  # argparse's choices catch the command line; configure() comes here
         raise ConfigError(f"--context-parallel-algo {algo!r} is not one of {', '.join(CHOICES)}")
+    if algo == "hybrid_cp_algo" and (degree is None or degree < 1):
+        raise ConfigError(
+            "--context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp N (the Ulysses group size, a "
+            f"divisor of --context-parallel-size), got {degree}"
+        )
+    if algo != "hybrid_cp_algo" and degree is not None:
+        raise ConfigError("--ulysses-degree-in-cp applies only to --context-parallel-algo hybrid_cp_algo")
 
 
 FEATURE = Feature(
@@ -62,10 +62,17 @@ FEATURE = Feature(
             str,
             "megatron_cp_algo",
             "attention algorithm at megatron's --context-parallel-size > 1: megatron_cp_algo (ring), "
-            "ulysses_cp_algo (all-to-all over heads), kvallgather_cp_algo (all-gather K/V)",
+            "ulysses_cp_algo (all-to-all over heads), hybrid_cp_algo (Ulysses inside, ring across), "
+            "kvallgather_cp_algo (all-gather K/V)",
             choices=CHOICES,
         ),
-        Flag("ulysses_degree_in_cp", int, None, "hybrid_cp_algo only: the Ulysses group size inside the CP group"),
+        Flag(
+            "ulysses_degree_in_cp",
+            int,
+            None,
+            "hybrid_cp_algo: the Ulysses group size inside the CP group (megatron's hierarchical CP groups of "
+            "sizes [N, CP/N] must exist: --hierarchical-context-parallel-sizes N CP/N)",
+        ),
         Flag(
             "no_portable_context_parallel",
             bool,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from mindspeed_like.kernels.context_parallel import (
     CPGroup,
     allgather_kv_attention,
+    hybrid_attention,
     ring_attention,
     ulysses_attention,
 )
@@ -71,6 +72,24 @@ def _cp_group(module) -> CPGroup:
     )
 
 
+def _hierarchical_groups(cp: CPGroup, degree: int) -> tuple[CPGroup, CPGroup]:
+    """megatron's hierarchical CP groups [Ulysses (consecutive ranks), ring (strided)]."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False) or []
+    sizes = [dist.get_world_size(g) for g in groups]
+    if sizes != [degree, cp.size // degree]:
+        raise ContextParallelUnsupported(
+            f"hybrid_cp_algo with --ulysses-degree-in-cp {degree} at CP={cp.size} needs megatron's hierarchical "
+            f"context-parallel groups of sizes [{degree}, {cp.size // degree}] (found {sizes or 'none'}): initialize "
+            f"with initialize_model_parallel(..., hierarchical_context_parallel_sizes=[{degree}, "
+            f"{cp.size // degree}]) (Megatron-LM: --hierarchical-context-parallel-sizes {degree} "
+            f"{cp.size // degree}; megatron builds them with einops)"
+        )
+    return tuple(CPGroup(g, tuple(dist.get_process_group_ranks(g))) for g in groups)
+
+
 def _refusal(module, call: Call, causal: bool) -> str | None:
     if call.get("packed_seq_params") is not None:
         return "packed sequences (thd) with context parallelism are not supported; use padded sequences (sbhd)"
@@ -92,6 +111,7 @@ class ContextParallelForward:
     """Wrapper of ``DotProductAttention.forward``."""
 
     algorithm: str
+    ulysses_degree: int | None = None
 
     def __call__(self, wrapped, instance, args, kwargs):
         if cp_size_of(instance.config) <= 1:
@@ -114,5 +134,14 @@ class ContextParallelForward:
             )
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         scale = instance.softmax_scale * (instance.scale_mask_softmax.scale or 1.0)
-        out = ALGORITHMS[self.algorithm](q, k, v, _cp_group(instance), causal=causal, scale=scale)
+        cp = _cp_group(instance)
+        if self.algorithm == "hybrid_cp_algo":
+            if cp.size % self.ulysses_degree:
+                raise ContextParallelUnsupported(
+                    f"--ulysses-degree-in-cp {self.ulysses_degree} does not divide the context-parallel size {cp.size}"
+                )
+            inner, outer = _hierarchical_groups(cp, self.ulysses_degree)
+            out = hybrid_attention(q, k, v, inner, outer, causal=causal, scale=scale)
+        else:
+            out = ALGORITHMS[self.algorithm](q, k, v, cp, causal=causal, scale=scale)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -24,6 +24,8 @@ class CPGroup:
     def ring_exchange(self, tensor: torch.Tensor) -> tuple[list, torch.Tensor]:
         """Start sending ``tensor`` to the next rank and receiving the previous rank's; returns
         the requests and the buffer being received into."""
+        if self.size == 1:  # a ring of one (hybrid with the whole CP group as Ulysses group)
+            return [], tensor
         received = torch.empty_like(tensor)
         nxt = self.ranks[(self.rank + 1) % self.size]
         prev = self.ranks[(self.rank - 1) % self.size]

@@ -37,15 +37,19 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad.contiguous(), ctx.cp, gather_dim, scatter_dim), None, None, None
 
 
+def check_divisible(heads: int, groups: int, degree: int, what: str) -> None:
+    if heads % degree or groups % degree:
+        raise ValueError(
+            f"Ulysses context parallelism splits heads over the ranks: {heads} attention heads and "
+            f"{groups} key/value groups per TP rank must both divide by {what}={degree}; use "
+            "--context-parallel-algo megatron_cp_algo (ring) or kvallgather_cp_algo for this model"
+        )
+
+
 def ulysses_attention(q, k, v, cp: CPGroup, *, causal: bool, scale: float) -> torch.Tensor:
     """``q [b, n, 2c, d]``, ``k/v [b, groups, 2c, d]`` (zigzag chunks) -> ``[b, n, 2c, d]``."""
     heads, groups = q.shape[1], k.shape[1]
-    if heads % cp.size or groups % cp.size:
-        raise ValueError(
-            f"Ulysses context parallelism splits heads over the CP ranks: {heads} attention heads and "
-            f"{groups} key/value groups per TP rank must both divide by CP={cp.size}; use "
-            "--context-parallel-algo megatron_cp_algo (ring) or kvallgather_cp_algo for this model"
-        )
+    check_divisible(heads, groups, cp.size, "CP")
     to_natural = gathered_to_natural(cp.size)
     whole = []
     for t in (q, k, v):

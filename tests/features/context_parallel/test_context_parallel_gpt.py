@@ -17,22 +17,45 @@ from mindspeed_like.testing.parity import SEED, assert_losses_close
 STEPS = 10
 
 
-def cp_worker(algo: str, tp: int = 1, model_args: dict | None = None, train_args: dict | None = None, **flags) -> dict:
+def _count_calls(attention, algo: str, calls: list):
+    """Count the algorithm's entry point (a run that silently did not split cannot pass); returns
+    the undo."""
+
+    def counted(original):
+        return lambda *a, **k: calls.append(a[0].shape) or original(*a, **k)
+
+    if algo == "hybrid_cp_algo":
+        original = attention.hybrid_attention
+        attention.hybrid_attention = counted(original)
+        return lambda: setattr(attention, "hybrid_attention", original)
+    original = attention.ALGORITHMS[algo]
+    attention.ALGORITHMS[algo] = counted(original)
+    return lambda: attention.ALGORITHMS.__setitem__(algo, original)
+
+
+def cp_worker(
+    algo: str,
+    tp: int = 1,
+    model_args: dict | None = None,
+    train_args: dict | None = None,
+    cp_size: int = 2,
+    parallel_args: dict | None = None,
+    **flags,
+) -> dict:
     from mindspeed_like.features.context_parallel import attention
 
-    calls = []
-    original = attention.ALGORITHMS[algo]
-    attention.ALGORITHMS[algo] = lambda *a, **k: calls.append(a[0].shape) or original(*a, **k)
+    calls: list = []
+    restore = _count_calls(attention, algo, calls)
     out = {}
-    for cp in (1, 2):
+    for cp in (1, cp_size):
         mindspeed_like.reset()
         mindspeed_like.configure(device="cpu", context_parallel_algo=algo, **flags)
-        init_parallel(tp=tp, seed=SEED, context_parallel_size=cp)
+        init_parallel(tp=tp, seed=SEED, context_parallel_size=cp, **(parallel_args or {} if cp > 1 else {}))
         model = tiny_gpt(context_parallel_size=cp, sequence_parallel=tp > 1, num_query_groups=2, **(model_args or {}))
-        out[cp] = train_steps(model, STEPS, seed=SEED, micro_batch_size=2 if cp == 2 else 1, **(train_args or {}))
+        out[cp] = train_steps(model, STEPS, seed=SEED, micro_batch_size=cp_size if cp > 1 else 1, **(train_args or {}))
         out[f"calls_cp{cp}"] = len(calls)
         destroy_parallel()
-    attention.ALGORITHMS[algo] = original
+    restore()
     out["local_shape"] = tuple(calls[0])
     mindspeed_like.reset()
     return out
@@ -65,10 +88,27 @@ def test_tp2_sp_by_cp2_equals_tp2_sp():
         assert_losses_close(rank[2], rank[1], 2e-5, "TP=2+SP x CP=2 ring vs TP=2+SP")
 
 
+@pytest.mark.slow
+def test_cp4_hybrid_2x2_equals_cp1():
+    """4 processes: hybrid (Ulysses 2 inside, ring of 2 across) at CP=4 against DP=4."""
+    ranks = run_distributed(
+        cp_worker,
+        4,
+        "hybrid_cp_algo",
+        cp_size=4,
+        parallel_args=dict(hierarchical_context_parallel_sizes=[2, 2]),
+        ulysses_degree_in_cp=2,
+        timeout=600,
+    )
+    for rank in ranks:
+        assert rank["calls_cp4"] == 2 * STEPS
+        assert_losses_close(rank[4], rank[1], 2e-5, "CP=4 hybrid 2x2 vs CP=1")
+
+
 def test_configuration_errors_name_the_fix():
     from mindspeed_like.toolkit.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="hybrid_cp_algo .* is not implemented in this release"):
+    with pytest.raises(ConfigError, match="hybrid_cp_algo needs --ulysses-degree-in-cp N"):
         mindspeed_like.configure(context_parallel_algo="hybrid_cp_algo")
     with pytest.raises(ConfigError, match="--ulysses-degree-in-cp applies only to"):
         mindspeed_like.configure(ulysses_degree_in_cp=2)
