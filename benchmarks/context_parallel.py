@@ -30,7 +30,7 @@ MODEL = dict(num_layers=2, hidden_size=256, num_attention_heads=4, wrap_float16=
 
 
 def _model_and_batch(cp: int, seq: int, algo: str):
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from mindspeed_like.testing.training import batch_on_this_cp_rank
 
     mindspeed_like.reset()
     mindspeed_like.configure(device="cpu", use_flash_attn=True, context_parallel_algo=algo)
@@ -39,7 +39,7 @@ def _model_and_batch(cp: int, seq: int, algo: str):
     gen = torch.Generator().manual_seed(seq)
     tokens = torch.randint(0, 256, (1, seq), generator=gen)
     batch = {"tokens": tokens, "labels": tokens, "position_ids": torch.arange(seq).unsqueeze(0)}
-    batch = get_batch_on_this_cp_rank(batch) if cp > 1 else batch
+    batch = batch_on_this_cp_rank(batch) if cp > 1 else batch
     return model, batch
 
 

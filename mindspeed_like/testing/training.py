@@ -16,6 +16,19 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def batch_on_this_cp_rank(batch: dict) -> dict:
+    """megatron's ``get_batch_on_this_cp_rank`` on ``batch`` (tensors with the sequence in dim 1),
+    across its signatures: 0.19 added a required ``is_hybrid_cp`` and reads ``cu_seqlens``."""
+    import inspect
+
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if "is_hybrid_cp" not in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(dict(batch))
+    split = get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False)
+    return {key: split[key] for key in batch}
+
+
 def make_batches(steps: int, global_batch: int, seq_length: int, vocab_size: int, seed: int) -> torch.Tensor:
     """Token ids ``[steps, global_batch, seq_length + 1]``, the same on every rank for a seed."""
     generator = torch.Generator().manual_seed(seed)
@@ -124,9 +137,7 @@ def train_steps(
         tokens, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         if cp_size > 1:  # megatron's zigzag split: this CP rank's two chunks of each sequence
-            from megatron.core.utils import get_batch_on_this_cp_rank
-
-            mine = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": position_ids})
+            mine = batch_on_this_cp_rank({"tokens": tokens, "labels": labels, "position_ids": position_ids})
             tokens, labels, position_ids = mine["tokens"], mine["labels"], mine["position_ids"]
         if ddp:
             model.zero_grad_buffer()
