@@ -211,7 +211,6 @@ def _dist_save(path: str):
         inner = inner_optimizers(opt)[0]
         param_state = inner.get_parameter_state_dp_zero()  # collective; data on DP rank 0
         state = {"model": model.state_dict(), "optimizer": inner.state_dict(), "param_state": param_state}
-        state["adam_step"] = next(iter(inner.optimizer.state.values()))["step"].clone()
         if dist.get_rank() == 0:
             torch.save(state, path)
         dist.barrier()
@@ -227,16 +226,8 @@ def _dist_load(path: str):
         inner = inner_optimizers(opt)[0]
         state = torch.load(path, weights_only=False)
         model.load_state_dict(state["model"])
-        inner.load_state_dict(state["optimizer"])
-        # megatron limits on CPU (torch.optim.AdamW, no apex FusedAdam): torch keeps a per-param
-        # 'step' that megatron's parameter state neither saves nor restores (load_state_dict's
-        # dummy step sets it to 1; load_parameter_state_from_dp_zero raises KeyError 'step'),
-        # so the step is set aside around the call and restored from the saving run.
-        for st in inner.optimizer.state.values():
-            st.pop("step", None)
+        inner.load_state_dict(state["optimizer"])  # torch AdamW's per-param step: fix-distopt-checkpoint-without-apex
         inner.load_parameter_state_from_dp_zero(state["param_state"] if dist.get_rank() == 0 else None)
-        for st in inner.optimizer.state.values():
-            st["step"] = state["adam_step"].clone()
 
     return prepare
 
