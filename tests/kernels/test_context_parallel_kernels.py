@@ -67,7 +67,25 @@ def _hybrid_groups(size: int, inner: int):
     return mine["inner"], mine["outer"]
 
 
-def worker(algo, causal, heads, groups, d, dtype_name) -> dict:
+def worker(algo, causal, heads, groups, d, dtype_name, backend="portable", merge_op=True) -> dict:
+    """Errors per tensor; with backend "npu" (through the torch_npu emulator) also the op calls."""
+    import contextlib
+
+    from mindspeed_like.kernels.backend import force_backend
+    from mindspeed_like.testing.npu_emulator import emulated_torch_npu
+
+    if backend != "npu":
+        return _run(algo, causal, heads, groups, d, dtype_name)
+    with contextlib.ExitStack() as stack:
+        npu = stack.enter_context(emulated_torch_npu())
+        stack.enter_context(force_backend("npu"))
+        if not merge_op:  # a torch_npu build without the fused merge: the torch algebra runs instead
+            del npu.npu_ring_attention_update
+        errors = _run(algo, causal, heads, groups, d, dtype_name)
+        return {**errors, "calls": dict(npu.calls)}
+
+
+def _run(algo, causal, heads, groups, d, dtype_name) -> dict:
     import torch.distributed as dist
 
     from mindspeed_like.kernels.context_parallel import (
@@ -113,6 +131,45 @@ CASES = [
 def test_fp32_matches_one_rank_float64(algo, cp, causal, heads, groups, d):
     for rank in run_distributed(worker, cp, algo, causal, heads, groups, d, "float32", timeout=120):
         assert all(err < 1e-6 for err in rank.values()), rank
+
+
+# ---------------------------------------------------------------- the npu backend, through the emulator
+# npu_fusion_attention (BNSD, GQA unexpanded, causal as sparse_mode 2) returning softmax max/sum,
+# npu_ring_attention_update merging them, npu_fusion_attention_grad given the merged results; the
+# emulator enforces each op's documented contract. Verified here only: there is no Ascend device.
+NPU_CASES = [
+    ("ring", 2, True, 4, 2, 13),
+    pytest.param("ring", 4, True, 4, 4, 8, marks=SLOW),
+    pytest.param("ring", 2, False, 4, 1, 16, marks=SLOW),
+    ("allgather_kv", 2, True, 4, 2, 13),
+    pytest.param("allgather_kv", 4, False, 4, 2, 8, marks=SLOW),
+    ("ulysses", 2, True, 4, 2, 13),
+    pytest.param("hybrid-2", 4, True, 4, 4, 8, marks=SLOW),
+]
+
+
+@pytest.mark.parametrize("algo, cp, causal, heads, groups, d", NPU_CASES)
+def test_npu_backend_matches_one_rank_float64(algo, cp, causal, heads, groups, d):
+    for rank in run_distributed(worker, cp, algo, causal, heads, groups, d, "float32", "npu", timeout=180):
+        calls = rank.pop("calls")
+        assert all(err < 1e-6 for err in rank.values()), rank
+        assert calls["npu_fusion_attention"] > 0, calls
+        if algo != "ulysses":  # Ulysses' whole-sequence attention differentiates through the forward op
+            assert calls["npu_fusion_attention_grad"] > 0 and calls["npu_ring_attention_update"] > 0, calls
+
+
+def test_npu_backend_without_the_fused_merge_op():
+    for rank in run_distributed(worker, 2, "ring", True, 4, 2, 16, "float32", "npu", False, timeout=180):
+        calls = rank.pop("calls")
+        assert all(err < 1e-6 for err in rank.values()), rank
+        assert "npu_ring_attention_update" not in calls and calls["npu_fusion_attention_grad"] > 0, calls
+
+
+@pytest.mark.parametrize("algo", ["ring", pytest.param("allgather_kv", marks=SLOW)])
+def test_npu_backend_bf16_within_stated_tolerance(algo):
+    for rank in run_distributed(worker, 2, algo, True, 4, 2, 16, "bfloat16", "npu", timeout=180):
+        rank.pop("calls")
+        assert all(err < 2e-2 for err in rank.values()), rank
 
 
 @pytest.mark.parametrize("algo", ["ring", pytest.param("allgather_kv", marks=SLOW)])

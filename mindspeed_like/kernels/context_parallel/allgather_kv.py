@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mindspeed_like.kernels.context_parallel.blocks import Accumulator, attend, block_grads
+from mindspeed_like.kernels.context_parallel.blocks import accumulator, attend, block_grads
 from mindspeed_like.kernels.context_parallel.groups import CPGroup
 from mindspeed_like.kernels.context_parallel.zigzag import gathered_to_natural, rank_chunks, reorder_chunks
 
@@ -37,25 +37,25 @@ class _AllGatherKV(torch.autograd.Function):
     def forward(ctx, q, k, v, causal: bool, scale: float, cp: CPGroup):
         chunk = q.shape[2] // 2
         k_all, v_all = _gather_natural(k, cp), _gather_natural(v, cp)
-        acc = Accumulator(q)
+        acc = accumulator(q)
         for rows, keys in _blocks(cp, chunk, causal):
             for key_rows, diagonal in keys:
                 attend(acc, q, k_all, v_all, rows, key_rows, diagonal, scale)
-        out = acc.out.to(q.dtype)
-        ctx.save_for_backward(q, k_all, v_all, out, acc.lse)
+        out, stats = acc.finish(q.dtype)
+        ctx.save_for_backward(q, k_all, v_all, out, stats)
         ctx.causal, ctx.scale, ctx.cp = causal, scale, cp
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k_all, v_all, out, lse = ctx.saved_tensors
+        q, k_all, v_all, out, stats = ctx.saved_tensors
         cp, chunk = ctx.cp, q.shape[2] // 2
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros((2, *k_all.shape), dtype=torch.float32, device=q.device)
         for rows, keys in _blocks(cp, chunk, ctx.causal):
             for key_rows, diagonal in keys:
-                dq_b, dk_b, dv_b = block_grads(dout, q, out, lse, k_all, v_all, rows, key_rows, diagonal, ctx.scale)
+                dq_b, dk_b, dv_b = block_grads(dout, q, out, stats, k_all, v_all, rows, key_rows, diagonal, ctx.scale)
                 dq[:, :, rows] += dq_b
                 dkv[0][:, :, key_rows] += dk_b
                 dkv[1][:, :, key_rows] += dv_b

@@ -1,24 +1,39 @@
-"""One block of attention with its log-sum-exp, its backward given the FINAL output and
-log-sum-exp, and the exact merge of partial results (the algebra of flash attention):
+"""One block of attention with its softmax statistics, its backward given the FINAL output and
+statistics, and the exact merge of partial results (the algebra of flash attention):
 
     lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-Backward of a block against the merged (out, lse) is the block's exact share of the gradient:
-with ``D = rowsum(dout * out)``, ``P = exp(S - lse)``, ``dV = P^T dout``,
+Backward of a block against the merged (out, statistics) is the block's exact share of the
+gradient: with ``D = rowsum(dout * out)``, ``P = exp(S - lse)``, ``dV = P^T dout``,
 ``dS = P * (dout V^T - D)``, ``dQ = dS K scale``, ``dK = dS^T Q scale``.
-On CPU torch's flash kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its backward op)
-computes both; elsewhere the same formulas in plain torch (fp32 softmax).
-Shapes: q ``[b, n, sq, d]``, k/v ``[b, n, sk, d]`` (GQA expanded by the caller), causal = top-left
+
+Per backend (``kernels.backend``): ``portable`` on CPU uses torch's flash kernel
+(``_scaled_dot_product_flash_attention_for_cpu`` and its backward op), which returns the
+log-sum-exp; ``reference`` (and ``portable`` off CPU) the same formulas in plain torch (fp32
+softmax); ``npu`` torch_npu's ``npu_fusion_attention`` / ``npu_fusion_attention_grad`` and the
+``npu_ring_attention_update`` merge (``npu_blocks``), whose statistics are softmax max and sum.
+The statistics travel as one opaque tensor whose 4th dim is the query row (portable:
+``lse[None]`` ``[1, b, n, s]``; npu: ``stack(max, sum)`` ``[2, b, n, s, 8]``).
+Shapes: q ``[b, n, sq, d]``, k/v ``[b, groups, sk, d]`` (GQA groups unexpanded), causal = top-left
 (query i sees keys <= i; used only on diagonal blocks where sq == sk).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from mindspeed_like.kernels.backend import backend_for
+from mindspeed_like.kernels.context_parallel import npu_blocks
+
+
+def _flash_cpu(q: torch.Tensor) -> bool:
+    return backend_for(q) == "portable" and q.device.type == "cpu"
 
 
 def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if q.device.type == "cpu":
+    """(out in q's dtype, lse fp32 ``[b, n, sq]``) of q against k/v of q's head count."""
+    if _flash_cpu(q):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
@@ -30,7 +45,7 @@ def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, to
 
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    if q.device.type == "cpu":
+    if _flash_cpu(q):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
@@ -68,6 +83,15 @@ class Accumulator:
         ).unsqueeze(-1)
         self.lse[..., rows] = new_lse
 
+    def finish(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out in ``dtype``, statistics ``[1, b, n, s]``) to save for the backward."""
+        return self.out.to(dtype), self.lse.unsqueeze(0)
+
+
+def accumulator(q: torch.Tensor):
+    """The running result of ``q``'s rows for its backend."""
+    return npu_blocks.NpuAccumulator(q) if backend_for(q) == "npu" else Accumulator(q)
+
 
 def expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """GQA: ``[b, groups, s, d]`` -> ``[b, heads, s, d]`` (each group repeated for its heads)."""
@@ -81,19 +105,36 @@ def reduce_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t if groups == heads else t.view(b, groups, heads // groups, s, d).sum(2)
 
 
-def attend(acc: Accumulator, q, k, v, q_rows: slice, k_rows: slice, diagonal: bool, scale: float) -> None:
-    """Rows ``q_rows`` of ``q`` against keys/values ``k_rows`` (GQA groups expanded here), merged."""
+def attend(acc, q, k, v, q_rows: slice, k_rows: slice, diagonal: bool, scale: float) -> None:
+    """Rows ``q_rows`` of ``q`` against keys/values ``k_rows``, merged into ``acc``."""
+    if backend_for(q) == "npu":
+        out, stats = npu_blocks.block_forward(q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows], diagonal, scale)
+        acc.merge(out, stats, q_rows)
+        return
     heads = q.shape[1]
     kb, vb = expand_heads(k[:, :, k_rows], heads), expand_heads(v[:, :, k_rows], heads)
     out, lse = block_forward(q[:, :, q_rows], kb, vb, diagonal, scale)
     acc.merge(out, lse, q_rows)
 
 
-def block_grads(dout, q, out, lse, k, v, q_rows: slice, k_rows: slice, diagonal: bool, scale: float):
-    """That block's (dq rows, dk rows, dv rows) in fp32, dk/dv summed back to the GQA groups."""
+def block_grads(dout, q, out, stats, k, v, q_rows: slice, k_rows: slice, diagonal: bool, scale: float):
+    """That block's (dq rows, dk rows, dv rows) in fp32, dk/dv summed back to the GQA groups;
+    ``out``/``stats`` are the merged results the forward saved (``Accumulator.finish``)."""
+    rows = (dout[:, :, q_rows], q[:, :, q_rows])
+    stats = stats[:, :, :, q_rows]
+    if backend_for(q) == "npu":
+        dq, dk, dv = npu_blocks.block_backward(
+            *rows, k[:, :, k_rows], v[:, :, k_rows], out[:, :, q_rows], stats, diagonal, scale
+        )
+        return dq.float(), dk.float(), dv.float()
     heads, groups = q.shape[1], k.shape[1]
     kb, vb = expand_heads(k[:, :, k_rows], heads), expand_heads(v[:, :, k_rows], heads)
-    dq, dk, dv = block_backward(
-        dout[:, :, q_rows], q[:, :, q_rows], kb, vb, out[:, :, q_rows], lse[:, :, q_rows], diagonal, scale
-    )
+    dq, dk, dv = block_backward(*rows, kb, vb, out[:, :, q_rows], stats[0], diagonal, scale)
     return dq.float(), reduce_heads(dk.float(), groups), reduce_heads(dv.float(), groups)
+
+
+def full_attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    """Attention of the whole sequence (Ulysses), differentiable, GQA groups unexpanded."""
+    if backend_for(q) == "npu":
+        return npu_blocks.full_attention(q, k, v, causal, scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mindspeed_like.kernels.context_parallel.blocks import Accumulator, attend, block_grads
+from mindspeed_like.kernels.context_parallel.blocks import accumulator, attend, block_grads
 from mindspeed_like.kernels.context_parallel.groups import CPGroup, wait
 from mindspeed_like.kernels.context_parallel.ulysses import _AllToAll, check_divisible
 from mindspeed_like.kernels.context_parallel.zigzag import rank_chunks
@@ -35,7 +35,7 @@ class _ChunkRing(torch.autograd.Function):
     def forward(ctx, q, k, v, causal: bool, scale: float, ring: CPGroup, inner_size: int, cp_size: int):
         chunk = q.shape[2] // (2 * inner_size)
         q_ids = _ids(ring.rank, inner_size, cp_size)
-        acc = Accumulator(q)
+        acc = accumulator(q)
         kv = torch.stack([k, v])
         for i in range(ring.size):
             requests, incoming = ring.ring_exchange(kv) if i < ring.size - 1 else ([], None)
@@ -44,14 +44,14 @@ class _ChunkRing(torch.autograd.Function):
                 attend(acc, q, kv[0], kv[1], q_rows, k_rows, diagonal, scale)
             wait(requests)
             kv = incoming
-        out = acc.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc.lse)
+        out, stats = acc.finish(q.dtype)
+        ctx.save_for_backward(q, k, v, out, stats)
         ctx.args = (causal, scale, ring, inner_size, cp_size)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, stats = ctx.saved_tensors
         causal, scale, ring, inner_size, cp_size = ctx.args
         chunk = q.shape[2] // (2 * inner_size)
         q_ids = _ids(ring.rank, inner_size, cp_size)
@@ -64,7 +64,7 @@ class _ChunkRing(torch.autograd.Function):
             k_ids = _ids((ring.rank - i) % ring.size, inner_size, cp_size)
             shares = []
             for q_rows, k_rows, diagonal in _pairs(q_ids, k_ids, causal, chunk):
-                dq_b, dk_b, dv_b = block_grads(dout, q, out, lse, kv[0], kv[1], q_rows, k_rows, diagonal, scale)
+                dq_b, dk_b, dv_b = block_grads(dout, q, out, stats, kv[0], kv[1], q_rows, k_rows, diagonal, scale)
                 dq[:, :, q_rows] += dq_b
                 shares.append((k_rows, dk_b, dv_b))
             wait(pending)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mindspeed_like.kernels.context_parallel.blocks import Accumulator, attend, block_grads
+from mindspeed_like.kernels.context_parallel.blocks import accumulator, attend, block_grads
 from mindspeed_like.kernels.context_parallel.groups import CPGroup, wait
 
 
@@ -38,7 +38,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, cp: CPGroup):
         chunk = q.shape[2] // 2
-        acc = Accumulator(q)
+        acc = accumulator(q)
         kv = torch.stack([k, v])
         for i in range(cp.size):
             requests, incoming = cp.ring_exchange(kv) if i < cp.size - 1 else ([], None)
@@ -46,14 +46,14 @@ class _RingAttention(torch.autograd.Function):
             attend(acc, q, kv[0], kv[1], q_rows, k_rows, diagonal, scale)
             wait(requests)
             kv = incoming
-        out = acc.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc.lse)
+        out, stats = acc.finish(q.dtype)
+        ctx.save_for_backward(q, k, v, out, stats)
         ctx.causal, ctx.scale, ctx.cp = causal, scale, cp
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, stats = ctx.saved_tensors
         cp, chunk = ctx.cp, q.shape[2] // 2
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -62,7 +62,7 @@ class _RingAttention(torch.autograd.Function):
         for i in range(cp.size):
             requests, incoming = cp.ring_exchange(kv) if i < cp.size - 1 else ([], None)
             q_rows, k_rows, diagonal = _plan(i, cp.rank, cp.size, ctx.causal, chunk)
-            dq_b, dk_b, dv_b = block_grads(dout, q, out, lse, kv[0], kv[1], q_rows, k_rows, diagonal, ctx.scale)
+            dq_b, dk_b, dv_b = block_grads(dout, q, out, stats, kv[0], kv[1], q_rows, k_rows, diagonal, ctx.scale)
             dq[:, :, q_rows] += dq_b
             # this block's share, added to its accumulator once that arrives (it travelled during
             # the compute above); then the accumulator moves on while the next block computes

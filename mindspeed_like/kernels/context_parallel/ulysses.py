@@ -2,7 +2,8 @@
 into "my share of the heads, the whole sequence"; attention runs on the whole sequence; a second
 all-to-all turns it back. Heads and K/V groups must divide by the CP size (checked by the caller
 with the numbers); GQA keys and values travel unexpanded (their own groups split over the ranks)
-and torch's SDPA attends with ``enable_gqa``. The gathered sequence is megatron's zigzag chunk order;
+and the backend's whole-sequence attention takes them as they are (torch's SDPA with ``enable_gqa``,
+or ``npu_fusion_attention`` on the npu backend). The gathered sequence is megatron's zigzag chunk order;
 it is put in natural order for the causal attention and back afterwards.
 """
 
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from mindspeed_like.kernels.context_parallel.blocks import full_attention
 from mindspeed_like.kernels.context_parallel.groups import CPGroup
 from mindspeed_like.kernels.context_parallel.zigzag import gathered_to_natural, inverse, reorder_chunks
 
@@ -55,6 +56,6 @@ def ulysses_attention(q, k, v, cp: CPGroup, *, causal: bool, scale: float) -> to
     for t in (q, k, v):
         t = _AllToAll.apply(t, cp, 1, 2)  # heads scattered, sequence gathered (rank order)
         whole.append(reorder_chunks(t, to_natural, dim=2))
-    out = F.scaled_dot_product_attention(*whole, is_causal=causal, scale=scale, enable_gqa=groups != heads)
+    out = full_attention(*whole, causal, scale)
     out = reorder_chunks(out, inverse(to_natural), dim=2)
     return _AllToAll.apply(out, cp, 2, 1)

@@ -12,12 +12,16 @@ Contract enforced (ContractError otherwise):
 - TND: ``actual_seq_qlen`` / ``actual_seq_kvlen`` lists of ints, cumulative end offsets
   WITHOUT a leading 0, non-decreasing, ending at T, as many for q as for kv.
 Result: ``Dropout(Softmax(Mask(scale * Q K^T)), keep_prob) V`` in the input layout, plus the
-documented extra outputs (fp32 softmax_max / softmax_sum ``[B, N, Sq, 8]``, an empty
-softmax_out, seed, offset, numels). Differentiable through plain autograd.
+documented extra outputs: fp32 softmax_max / softmax_sum ``[B, N, Sq, 8]`` (TND: ``[T, N, 8]``),
+the row max of the masked scaled scores and the row sum of ``exp(score - max)``, the 8 entries
+identical (a fully masked row: max -inf, sum 0, the emulator's choice: the hardware's is not
+documented); an empty softmax_out, seed, offset, numels. Differentiable through plain autograd.
 Sparse modes 5-8 (prefix, varlen outer split) and ``pse`` are not emulated (NotImplementedError).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -46,26 +50,26 @@ _COMPRESSED = 2048
 _UNBOUNDED = 2147483647
 
 
-def _bind(args: tuple, kwargs: dict) -> dict:
-    if len(args) > len(_POSITIONAL):
+def bind(op: str, positional: tuple, keywords: tuple, args: tuple, kwargs: dict) -> dict:
+    """The call as a name -> value dict; only documented names, the positional ones required."""
+    if len(args) > len(positional):
         raise ContractError(
-            f"npu_fusion_attention: at most {len(_POSITIONAL)} positional arguments "
-            f"{_POSITIONAL}, the rest are keywords; got {len(args)}"
+            f"{op}: at most {len(positional)} positional arguments {positional}, the rest are keywords; got {len(args)}"
         )
-    call = dict(zip(_POSITIONAL, args))
+    call = dict(zip(positional, args))
     for name, value in kwargs.items():
-        if name not in _POSITIONAL and name not in _KEYWORDS:
-            raise ContractError(f"npu_fusion_attention: unexpected keyword {name!r}")
+        if name not in positional and name not in keywords:
+            raise ContractError(f"{op}: unexpected keyword {name!r}")
         if name in call:
-            raise ContractError(f"npu_fusion_attention: {name} given twice")
+            raise ContractError(f"{op}: {name} given twice")
         call[name] = value
-    missing = [n for n in _POSITIONAL if n not in call]
+    missing = [n for n in positional if n not in call]
     if missing:
-        raise ContractError(f"npu_fusion_attention: missing {missing}")
+        raise ContractError(f"{op}: missing {missing}")
     return call
 
 
-def _to_bnsd(x: torch.Tensor, layout: str, heads: int | None, name: str) -> torch.Tensor:
+def to_bnsd(x: torch.Tensor, layout: str, heads: int | None, name: str) -> torch.Tensor:
     """[B, N, S, D] view of one input; ``heads`` is needed for the H layouts."""
     if layout in ("BSH", "SBH"):
         if x.dim() != 3:
@@ -79,7 +83,7 @@ def _to_bnsd(x: torch.Tensor, layout: str, heads: int | None, name: str) -> torc
     return x.transpose(1, 2) if layout == "BSND" else x
 
 
-def _from_bnsd(out: torch.Tensor, layout: str) -> torch.Tensor:
+def from_bnsd(out: torch.Tensor, layout: str) -> torch.Tensor:
     b, n, s, d = out.shape
     if layout == "BSH":
         return out.transpose(1, 2).reshape(b, s, n * d)
@@ -137,19 +141,33 @@ def _masked_out(mask, mode: int, pre: int, nxt: int, sq: int, sk: int, device) -
     raise NotImplementedError(f"npu_fusion_attention emulator: sparse_mode {mode} is not emulated")
 
 
-def _attention(q, k, v, masked, scale: float, keep_prob: float) -> torch.Tensor:
+def masked_scores(q, k, masked, scale: float, op: str = "npu_fusion_attention") -> torch.Tensor:
+    """fp32 ``scale * Q K^T`` with masked-out entries at -inf; GQA key heads repeated."""
     nq, nk = q.shape[1], k.shape[1]
     if nq % nk:
-        raise ContractError(f"npu_fusion_attention: query heads {nq} not a multiple of key/value heads {nk}")
-    k = k.repeat_interleave(nq // nk, dim=1)
-    v = v.repeat_interleave(nq // nk, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if masked is not None:
-        scores = scores.masked_fill(masked, float("-inf"))
+        raise ContractError(f"{op}: query heads {nq} not a multiple of key/value heads {nk}")
+    scores = torch.matmul(q.float(), k.repeat_interleave(nq // nk, dim=1).float().transpose(-1, -2)) * scale
+    return scores if masked is None else scores.masked_fill(masked, float("-inf"))
+
+
+def _attention(q, k, v, masked, scale: float, keep_prob: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out [B, N, Sq, Dv] in q's dtype, row max [B, N, Sq], row sum [B, N, Sq]) (both fp32)."""
+    scores = masked_scores(q, k, masked, scale)
+    if scores.shape[-1] == 0:  # no keys (an empty packed sequence): nothing seen
+        row_max = torch.full(scores.shape[:-1], float("-inf"), device=scores.device)
+    else:
+        row_max = scores.amax(dim=-1)
+    row_sum = torch.exp(scores - row_max.unsqueeze(-1)).sum(dim=-1).nan_to_num(0.0)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     if keep_prob < 1.0:
         probs = torch.nn.functional.dropout(probs, 1.0 - keep_prob)
-    return torch.matmul(probs, v.float()).to(q.dtype)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return torch.matmul(probs, v.float()).to(q.dtype), row_max, row_sum
+
+
+def widen(stat: torch.Tensor) -> torch.Tensor:
+    """A per-row fp32 statistic as torch_npu returns it: 8 identical entries in a last dim."""
+    return stat.float().unsqueeze(-1).expand(*stat.shape, 8).contiguous()
 
 
 def _cumulative(name: str, value, total: int) -> list[int]:
@@ -165,70 +183,93 @@ def _cumulative(name: str, value, total: int) -> list[int]:
     return [0, *value]
 
 
-def _outputs(out: torch.Tensor, batch: int, heads: int, sq: int) -> tuple:
-    stats = torch.zeros(batch, heads, sq, 8, dtype=torch.float32, device=out.device)
+def _outputs(out: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tensor) -> tuple:
     empty = torch.empty(0, dtype=out.dtype, device=out.device)
-    return out, stats, stats.clone(), empty, 0, 0, 0
+    return out, widen(row_max.detach()), widen(row_sum.detach()), empty, 0, 0, 0
+
+
+@dataclass
+class Checked:
+    """A call past the contract checks the forward and its grad share."""
+
+    layout: str
+    heads: int
+    scale: float
+    keep_prob: float
+    mode: int
+    pre: int
+    nxt: int
+    mask: torch.Tensor | None
+
+
+def check_common(op: str, call: dict, scale_key: str) -> Checked:
+    q, k, v = call["query"], call["key"], call["value"]
+    heads, layout = call["head_num"], call["input_layout"]
+    if layout not in _LAYOUTS:
+        raise ContractError(f"{op}: input_layout {layout!r} is not one of {_LAYOUTS}")
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+        raise ContractError(f"{op}: head_num must be a positive int, got {heads!r}")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise ContractError(f"{op}: query, key, value must be tensors")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        raise ContractError(f"{op}: q/k/v dtypes {q.dtype}, {k.dtype}, {v.dtype}: one of fp16/bf16/fp32")
+    if not (q.dim() == k.dim() == v.dim()):
+        raise ContractError(f"{op}: q, k, v must share one layout")
+    scale, keep_prob = call.get(scale_key, 1.0), call.get("keep_prob", 1.0)
+    if not isinstance(scale, float):
+        raise ContractError(f"{op}: {scale_key} must be a float, got {scale!r}")
+    if not isinstance(keep_prob, float) or not 0.0 < keep_prob <= 1.0:
+        raise ContractError(f"{op}: keep_prob must be a float in (0, 1], got {keep_prob!r}")
+    if call.get("padding_mask") is not None:
+        raise ContractError(f"{op}: padding_mask is not supported")
+    if call.get("pse") is not None or call.get("prefix") is not None:
+        raise NotImplementedError(f"{op} emulator: pse / prefix are not emulated")
+    mode = call.get("sparse_mode", 0)
+    if not isinstance(mode, int) or not 0 <= mode <= 8:
+        raise ContractError(f"{op}: sparse_mode must be an int 0..8, got {mode!r}")
+    pre, nxt = call.get("pre_tockens", _UNBOUNDED), call.get("next_tockens", _UNBOUNDED)
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (pre, nxt)):
+        raise ContractError(f"{op}: pre_tockens / next_tockens must be ints")
+    return Checked(layout, heads, scale, keep_prob, mode, pre, nxt, call.get("atten_mask"))
+
+
+def dense_inputs(op: str, call: dict, checked: Checked):
+    """(q, k, v as [B, N, S, D], the masked-out matrix or None) of a non-TND call."""
+    q, k, v, layout, heads = call["query"], call["key"], call["value"], checked.layout, checked.heads
+    if call.get("actual_seq_qlen") is not None or call.get("actual_seq_kvlen") is not None:
+        raise ContractError(f"{op}: actual_seq_qlen/kvlen are for the TND layout only")
+    qb = to_bnsd(q, layout, heads, "query")
+    if qb.shape[1] != heads:
+        raise ContractError(f"{op}: head_num {heads} but query has {qb.shape[1]} heads")
+    d = qb.shape[-1]
+    if not 1 <= d <= 768:
+        raise ContractError(f"{op}: head dim {d} outside 1..768")
+    kv_heads = None
+    if layout in ("BSH", "SBH"):
+        if k.shape[2] % d or v.shape[2] % d:
+            raise ContractError(f"{op}: key/value hidden {k.shape[2]}/{v.shape[2]} not a multiple of D={d}")
+        kv_heads = k.shape[2] // d
+    kb, vb = to_bnsd(k, layout, kv_heads, "key"), to_bnsd(v, layout, kv_heads, "value")
+    if kb.shape[-1] != d or vb.shape[-1] > d or kb.shape[:3] != vb.shape[:3] or kb.shape[0] != qb.shape[0]:
+        raise ContractError(f"{op}: key {tuple(k.shape)} / value {tuple(v.shape)} do not fit query")
+    sq, sk = qb.shape[2], kb.shape[2]
+    _check_mask(checked.mask, checked.mode, sq, sk, qb.shape[0], heads)
+    masked = _masked_out(checked.mask, checked.mode, checked.pre, checked.nxt, sq, sk, q.device)
+    return qb, kb, vb, masked
 
 
 @register("npu_fusion_attention")
 def npu_fusion_attention(*args, **kwargs) -> tuple:
-    call = _bind(args, kwargs)
-    q, k, v = call["query"], call["key"], call["value"]
-    heads, layout = call["head_num"], call["input_layout"]
-    if layout not in _LAYOUTS:
-        raise ContractError(f"npu_fusion_attention: input_layout {layout!r} is not one of {_LAYOUTS}")
-    if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
-        raise ContractError(f"npu_fusion_attention: head_num must be a positive int, got {heads!r}")
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        raise ContractError("npu_fusion_attention: query, key, value must be tensors")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
-        raise ContractError(
-            f"npu_fusion_attention: q/k/v dtypes {q.dtype}, {k.dtype}, {v.dtype}: one of fp16/bf16/fp32"
+    op = "npu_fusion_attention"
+    call = bind(op, _POSITIONAL, _KEYWORDS, args, kwargs)
+    c = check_common(op, call, "scale")
+    if c.layout == "TND":
+        return _tnd(
+            call["query"], call["key"], call["value"], c.heads, c.mask, c.mode, c.pre, c.nxt, c.scale, c.keep_prob, call
         )
-    if not (q.dim() == k.dim() == v.dim()):
-        raise ContractError("npu_fusion_attention: q, k, v must share one layout")
-    scale, keep_prob = call.get("scale", 1.0), call.get("keep_prob", 1.0)
-    if not isinstance(scale, float):
-        raise ContractError(f"npu_fusion_attention: scale must be a float, got {scale!r}")
-    if not isinstance(keep_prob, float) or not 0.0 < keep_prob <= 1.0:
-        raise ContractError(f"npu_fusion_attention: keep_prob must be a float in (0, 1], got {keep_prob!r}")
-    if call.get("padding_mask") is not None:
-        raise ContractError("npu_fusion_attention: padding_mask is not supported")
-    if call.get("pse") is not None or call.get("prefix") is not None:
-        raise NotImplementedError("npu_fusion_attention emulator: pse / prefix are not emulated")
-    mode = call.get("sparse_mode", 0)
-    if not isinstance(mode, int) or not 0 <= mode <= 8:
-        raise ContractError(f"npu_fusion_attention: sparse_mode must be an int 0..8, got {mode!r}")
-    pre, nxt = call.get("pre_tockens", _UNBOUNDED), call.get("next_tockens", _UNBOUNDED)
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (pre, nxt)):
-        raise ContractError("npu_fusion_attention: pre_tockens / next_tockens must be ints")
-    mask = call.get("atten_mask")
-    if layout == "TND":
-        return _tnd(q, k, v, heads, mask, mode, pre, nxt, scale, keep_prob, call)
-    if call.get("actual_seq_qlen") is not None or call.get("actual_seq_kvlen") is not None:
-        raise ContractError("npu_fusion_attention: actual_seq_qlen/kvlen are for the TND layout only")
-    qb = _to_bnsd(q, layout, heads, "query")
-    if qb.shape[1] != heads:
-        raise ContractError(f"npu_fusion_attention: head_num {heads} but query has {qb.shape[1]} heads")
-    d = qb.shape[-1]
-    if not 1 <= d <= 768:
-        raise ContractError(f"npu_fusion_attention: head dim {d} outside 1..768")
-    kv_heads = None
-    if layout in ("BSH", "SBH"):
-        if k.shape[2] % d or v.shape[2] % d:
-            raise ContractError(
-                f"npu_fusion_attention: key/value hidden {k.shape[2]}/{v.shape[2]} not a multiple of D={d}"
-            )
-        kv_heads = k.shape[2] // d
-    kb, vb = _to_bnsd(k, layout, kv_heads, "key"), _to_bnsd(v, layout, kv_heads, "value")
-    if kb.shape[-1] != d or vb.shape[-1] > d or kb.shape[:3] != vb.shape[:3] or kb.shape[0] != qb.shape[0]:
-        raise ContractError(f"npu_fusion_attention: key {tuple(k.shape)} / value {tuple(v.shape)} do not fit query")
-    sq, sk = qb.shape[2], kb.shape[2]
-    _check_mask(mask, mode, sq, sk, qb.shape[0], heads)
-    masked = _masked_out(mask, mode, pre, nxt, sq, sk, q.device)
-    out = _attention(qb, kb, vb, masked, scale, keep_prob)
-    return _outputs(_from_bnsd(out, layout), qb.shape[0], heads, sq)
+    qb, kb, vb, masked = dense_inputs(op, call, c)
+    out, row_max, row_sum = _attention(qb, kb, vb, masked, c.scale, c.keep_prob)
+    return _outputs(from_bnsd(out, c.layout), row_max, row_sum)
 
 
 def _tnd(q, k, v, heads, mask, mode, pre, nxt, scale, keep_prob, call) -> tuple:
@@ -245,13 +286,14 @@ def _tnd(q, k, v, heads, mask, mode, pre, nxt, scale, keep_prob, call) -> tuple:
     if mask is not None and mode == 0:
         raise NotImplementedError("npu_fusion_attention emulator: TND with an explicit mask is not emulated")
     _check_mask(mask, mode, 0, 0, 1, heads)
-    outs = []
+    outs, maxes, sums = [], [], []
     for i in range(len(cu_q) - 1):
         qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1).unsqueeze(0)
         ki = k[cu_kv[i] : cu_kv[i + 1]].transpose(0, 1).unsqueeze(0)
         vi = v[cu_kv[i] : cu_kv[i + 1]].transpose(0, 1).unsqueeze(0)
         masked = _masked_out(mask, mode, pre, nxt, qi.shape[2], ki.shape[2], q.device)
-        outs.append(_attention(qi, ki, vi, masked, scale, keep_prob)[0].transpose(0, 1))
-    out = torch.cat(outs, dim=0)
-    stats = torch.zeros(q.shape[0], heads, 8, dtype=torch.float32, device=q.device)
-    return out, stats, stats.clone(), torch.empty(0, dtype=q.dtype), 0, 0, 0
+        out, row_max, row_sum = _attention(qi, ki, vi, masked, scale, keep_prob)
+        outs.append(out[0].transpose(0, 1))
+        maxes.append(row_max[0].transpose(0, 1))  # [Ti, N]
+        sums.append(row_sum[0].transpose(0, 1))
+    return _outputs(torch.cat(outs, dim=0), torch.cat(maxes, dim=0), torch.cat(sums, dim=0))

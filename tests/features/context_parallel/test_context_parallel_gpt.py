@@ -73,6 +73,25 @@ def test_cp2_equals_cp1(algo):
         assert rank["local_shape"][2] == 16  # [b, heads, s_local, d]: 32 tokens split over 2 ranks
 
 
+def npu_cp_worker(algo: str) -> dict:
+    """cp_worker with the npu backend forced, torch_npu being the contract-enforcing emulator."""
+    from mindspeed_like.kernels.backend import force_backend
+    from mindspeed_like.testing.npu_emulator import emulated_torch_npu
+
+    with emulated_torch_npu() as npu, force_backend("npu"):
+        out = cp_worker(algo)
+    return {**out, "npu_calls": dict(npu.calls)}
+
+
+def test_cp2_ring_on_the_npu_backend_equals_cp1():
+    """The npu path (npu_fusion_attention + its grad + npu_ring_attention_update) in megatron's GPT,
+    through the emulator (no Ascend device here)."""
+    for rank in run_distributed(npu_cp_worker, 2, "megatron_cp_algo", timeout=300):
+        assert_losses_close(rank[2], rank[1], 2e-5, "CP=2 ring on the npu backend vs CP=1")
+        calls = rank["npu_calls"]
+        assert calls["npu_ring_attention_update"] > 0 and calls["npu_fusion_attention_grad"] > 0, calls
+
+
 def test_cp2_with_fused_rope_and_flash_attention():
     ranks = run_distributed(
         cp_worker, 2, "megatron_cp_algo", use_fused_rotary_pos_emb=True, use_flash_attn=True, timeout=300
@@ -131,3 +150,19 @@ def test_cp2_composes_with_bf16_reuse_fp32_param_distributed_optimizer_and_full_
     for rank in ranks:
         assert rank["calls_cp2"] >= 2 * STEPS  # recompute runs the attention again in backward
         assert_losses_close(rank[2], rank[1], 1e-2, "CP=2 bf16 + reuse-fp32-param + DistOpt + full recompute")
+
+
+@pytest.mark.slow
+def test_cp2_with_selective_recompute_of_core_attention_equals_cp1():
+    """megatron's selective recompute ("core_attn": the attention is re-run, its ring included, in
+    the backward) at CP=2 against CP=1 with the same recompute, fp32 within 2e-5."""
+    ranks = run_distributed(
+        cp_worker,
+        2,
+        "megatron_cp_algo",
+        model_args=dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+        timeout=300,
+    )
+    for rank in ranks:
+        assert_losses_close(rank[2], rank[1], 2e-5, "CP=2 ring + selective recompute vs CP=1")
+        assert rank["calls_cp2"] > 2 * STEPS  # the recompute re-ran the ring in the backward
