@@ -15,8 +15,9 @@ Megatron semantics kept: the net softmax scale (``softmax_scale`` times the soft
 as flash-attention), causal for ``AttnMaskType.causal`` (a given mask of a causal layer is taken
 as the causal mask), GQA groups unexpanded on the wire. Refused with the reason (megatron has no
 CP path without TransformerEngine to hand back to): packed sequences (thd), an explicit padding or
-arbitrary mask, attention bias, a sliding window, attention dropout while training, and softmax
-types other than vanilla.
+arbitrary mask, attention bias, a sliding window, and softmax types other than vanilla. Attention
+dropout while training is applied inside the blocks (kernels/context_parallel/dropout.py), its
+seed drawn from megatron's RNG tracker.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mindspeed_like.kernels.context_parallel import (
+    AttentionDropout,
     CPGroup,
     allgather_kv_attention,
     hybrid_attention,
@@ -101,9 +103,28 @@ def _refusal(module, call: Call, causal: bool) -> str | None:
         return "a sliding window (config.window_size)"
     if getattr(module.config, "softmax_type", "vanilla") != "vanilla":
         return f"softmax_type {module.config.softmax_type!r}"
-    if module.attention_dropout.training and float(module.attention_dropout.p) > 0:
-        return "attention dropout while training (set attention_dropout=0.0)"
     return None
+
+
+def _dropout(module, q) -> AttentionDropout | None:
+    """Attention dropout while training: the masks' seed drawn from megatron's RNG tracker (forked
+    unless sequence parallel, as megatron's own attention dropout), so ``--seed``, the TP ranks and
+    recompute's RNG replay govern it; the masks themselves differ from megatron's bit for bit."""
+    import contextlib
+
+    import torch
+
+    p = float(module.attention_dropout.p) if module.attention_dropout.training else 0.0
+    if p <= 0.0:
+        return None
+    fork = contextlib.nullcontext()
+    if not module.config.sequence_parallel:
+        from megatron.core import tensor_parallel
+
+        fork = tensor_parallel.get_cuda_rng_tracker().fork()
+    with fork:
+        seed = int(torch.randint(0, 2**62, (1,), device=q.device).item())
+    return AttentionDropout(p, seed)
 
 
 @dataclass(frozen=True)
@@ -135,13 +156,14 @@ class ContextParallelForward:
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
         scale = instance.softmax_scale * (instance.scale_mask_softmax.scale or 1.0)
         cp = _cp_group(instance)
+        dropout = _dropout(instance, q)
         if self.algorithm == "hybrid_cp_algo":
             if cp.size % self.ulysses_degree:
                 raise ContextParallelUnsupported(
                     f"--ulysses-degree-in-cp {self.ulysses_degree} does not divide the context-parallel size {cp.size}"
                 )
             inner, outer = _hierarchical_groups(cp, self.ulysses_degree)
-            out = hybrid_attention(q, k, v, inner, outer, causal=causal, scale=scale)
+            out = hybrid_attention(q, k, v, inner, outer, causal=causal, scale=scale, dropout=dropout)
         else:
-            out = ALGORITHMS[self.algorithm](q, k, v, cp, causal=causal, scale=scale)
+            out = ALGORITHMS[self.algorithm](q, k, v, cp, causal=causal, scale=scale, dropout=dropout)
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)

@@ -9,13 +9,22 @@ the algorithms compute exact attention over the whole sequence:
 * ``allgather_kv`` (``kvallgather_cp_algo``): K/V all-gathered, local queries (Llama-3 style);
 * ``hybrid`` (``hybrid_cp_algo``): Ulysses inside groups of consecutive CP ranks, ring across.
 
-Layout everywhere: ``[b, heads, s_local, d]``, the two local chunks concatenated.
+Layout everywhere: ``[b, heads, s_local, d]``, the two local chunks concatenated. Attention dropout:
+``dropout=AttentionDropout(p, seed)`` (``dropout.py``).
 """
 
 from mindspeed_like.kernels.context_parallel.allgather_kv import allgather_kv_attention
+from mindspeed_like.kernels.context_parallel.dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.groups import CPGroup
 from mindspeed_like.kernels.context_parallel.hybrid import hybrid_attention
 from mindspeed_like.kernels.context_parallel.ring import ring_attention
 from mindspeed_like.kernels.context_parallel.ulysses import ulysses_attention
 
-__all__ = ["CPGroup", "allgather_kv_attention", "hybrid_attention", "ring_attention", "ulysses_attention"]
+__all__ = [
+    "AttentionDropout",
+    "CPGroup",
+    "allgather_kv_attention",
+    "hybrid_attention",
+    "ring_attention",
+    "ulysses_attention",
+]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_like.kernels.context_parallel.blocks import accumulator, attend, block_grads
+from mindspeed_like.kernels.context_parallel.dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.groups import CPGroup
 from mindspeed_like.kernels.context_parallel.zigzag import gathered_to_natural, rank_chunks, reorder_chunks
 
@@ -34,16 +35,17 @@ def _blocks(cp: CPGroup, chunk: int, causal: bool):
 
 class _AllGatherKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, cp: CPGroup):
+    def forward(ctx, q, k, v, causal: bool, scale: float, cp: CPGroup, dropout: AttentionDropout | None):
         chunk = q.shape[2] // 2
         k_all, v_all = _gather_natural(k, cp), _gather_natural(v, cp)
-        acc = accumulator(q)
+        masks = dropout.masks(q.device, cp.rank) if dropout else None
+        acc = accumulator(q, masks)
         for rows, keys in _blocks(cp, chunk, causal):
             for key_rows, diagonal in keys:
-                attend(acc, q, k_all, v_all, rows, key_rows, diagonal, scale)
+                attend(acc, q, k_all, v_all, rows, key_rows, diagonal, scale, masks)
         out, stats = acc.finish(q.dtype)
         ctx.save_for_backward(q, k_all, v_all, out, stats)
-        ctx.causal, ctx.scale, ctx.cp = causal, scale, cp
+        ctx.causal, ctx.scale, ctx.cp, ctx.dropout = causal, scale, cp, dropout
         return out
 
     @staticmethod
@@ -51,19 +53,24 @@ class _AllGatherKV(torch.autograd.Function):
         q, k_all, v_all, out, stats = ctx.saved_tensors
         cp, chunk = ctx.cp, q.shape[2] // 2
         dout = dout.contiguous()
+        masks = ctx.dropout.masks(q.device, cp.rank) if ctx.dropout else None
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros((2, *k_all.shape), dtype=torch.float32, device=q.device)
         for rows, keys in _blocks(cp, chunk, ctx.causal):
             for key_rows, diagonal in keys:
-                dq_b, dk_b, dv_b = block_grads(dout, q, out, stats, k_all, v_all, rows, key_rows, diagonal, ctx.scale)
+                dq_b, dk_b, dv_b = block_grads(
+                    dout, q, out, stats, k_all, v_all, rows, key_rows, diagonal, ctx.scale, masks
+                )
                 dq[:, :, rows] += dq_b
                 dkv[0][:, :, key_rows] += dk_b
                 dkv[1][:, :, key_rows] += dv_b
         dist.all_reduce(dkv, group=cp.group)
         mine = torch.cat([dkv[..., j * chunk : (j + 1) * chunk, :] for j in rank_chunks(cp.rank, cp.size)], dim=-2)
-        return dq.to(q.dtype), mine[0].to(k_all.dtype), mine[1].to(v_all.dtype), None, None, None
+        return dq.to(q.dtype), mine[0].to(k_all.dtype), mine[1].to(v_all.dtype), None, None, None, None
 
 
-def allgather_kv_attention(q, k, v, cp: CPGroup, *, causal: bool, scale: float) -> torch.Tensor:
+def allgather_kv_attention(
+    q, k, v, cp: CPGroup, *, causal: bool, scale: float, dropout: AttentionDropout | None = None
+) -> torch.Tensor:
     """``q [b, n, 2c, d]``, ``k/v [b, groups, 2c, d]`` (zigzag chunks) -> ``[b, n, 2c, d]``."""
-    return _AllGatherKV.apply(q, k, v, causal, scale, cp)
+    return _AllGatherKV.apply(q, k, v, causal, scale, cp, dropout)

@@ -31,21 +31,26 @@ def _flash_cpu(q: torch.Tensor) -> bool:
     return backend_for(q) == "portable" and q.device.type == "cpu"
 
 
-def block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out in q's dtype, lse fp32 ``[b, n, sq]``) of q against k/v of q's head count."""
-    if _flash_cpu(q):
+def block_forward(q, k, v, causal: bool, scale: float, masks=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, lse fp32 ``[b, n, sq]``) of q against k/v of q's head count; with a
+    dropout :class:`~.dropout.MaskStream`, the probabilities are dropped by its next mask (the lse
+    is the undropped normalizer, so merges stay exact)."""
+    if _flash_cpu(q) and masks is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(_upper(scores), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()).to(q.dtype)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    if masks is not None:
+        probs = probs * masks.next(probs.shape) / masks.keep
+    out = torch.matmul(probs, v.float()).to(q.dtype)
     return out, lse
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
-    if _flash_cpu(q):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, masks=None):
+    if _flash_cpu(q) and masks is None:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
@@ -54,8 +59,13 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         scores = scores.masked_fill(_upper(scores), float("-inf"))
     probs = torch.exp(scores - lse.unsqueeze(-1))
     dout32 = dout.float()
-    dv = torch.matmul(probs.transpose(-1, -2), dout32)
     dprobs = torch.matmul(dout32, v.float().transpose(-1, -2))
+    if masks is None:
+        dv = torch.matmul(probs.transpose(-1, -2), dout32)
+    else:
+        kept = masks.next(probs.shape) / masks.keep
+        dv = torch.matmul((probs * kept).transpose(-1, -2), dout32)
+        dprobs = dprobs * kept
     delta = (dout32 * out.float()).sum(-1, keepdim=True)
     dscores = probs * (dprobs - delta) * scale
     dq = torch.matmul(dscores, k.float())
@@ -88,9 +98,14 @@ class Accumulator:
         return self.out.to(dtype), self.lse.unsqueeze(0)
 
 
-def accumulator(q: torch.Tensor):
+def _npu(q: torch.Tensor, masks) -> bool:
+    """The npu ops, unless dropout: then the plain formulas with our masks (see dropout.py)."""
+    return backend_for(q) == "npu" and masks is None
+
+
+def accumulator(q: torch.Tensor, masks=None):
     """The running result of ``q``'s rows for its backend."""
-    return npu_blocks.NpuAccumulator(q) if backend_for(q) == "npu" else Accumulator(q)
+    return npu_blocks.NpuAccumulator(q) if _npu(q, masks) else Accumulator(q)
 
 
 def expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -105,36 +120,44 @@ def reduce_heads(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t if groups == heads else t.view(b, groups, heads // groups, s, d).sum(2)
 
 
-def attend(acc, q, k, v, q_rows: slice, k_rows: slice, diagonal: bool, scale: float) -> None:
+def attend(acc, q, k, v, q_rows: slice, k_rows: slice, diagonal: bool, scale: float, masks=None) -> None:
     """Rows ``q_rows`` of ``q`` against keys/values ``k_rows``, merged into ``acc``."""
-    if backend_for(q) == "npu":
+    if _npu(q, masks):
         out, stats = npu_blocks.block_forward(q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows], diagonal, scale)
         acc.merge(out, stats, q_rows)
         return
     heads = q.shape[1]
     kb, vb = expand_heads(k[:, :, k_rows], heads), expand_heads(v[:, :, k_rows], heads)
-    out, lse = block_forward(q[:, :, q_rows], kb, vb, diagonal, scale)
+    out, lse = block_forward(q[:, :, q_rows], kb, vb, diagonal, scale, masks)
     acc.merge(out, lse, q_rows)
 
 
-def block_grads(dout, q, out, stats, k, v, q_rows: slice, k_rows: slice, diagonal: bool, scale: float):
+def block_grads(dout, q, out, stats, k, v, q_rows: slice, k_rows: slice, diagonal: bool, scale: float, masks=None):
     """That block's (dq rows, dk rows, dv rows) in fp32, dk/dv summed back to the GQA groups;
     ``out``/``stats`` are the merged results the forward saved (``Accumulator.finish``)."""
     rows = (dout[:, :, q_rows], q[:, :, q_rows])
     stats = stats[:, :, :, q_rows]
-    if backend_for(q) == "npu":
+    if _npu(q, masks):
         dq, dk, dv = npu_blocks.block_backward(
             *rows, k[:, :, k_rows], v[:, :, k_rows], out[:, :, q_rows], stats, diagonal, scale
         )
         return dq.float(), dk.float(), dv.float()
     heads, groups = q.shape[1], k.shape[1]
     kb, vb = expand_heads(k[:, :, k_rows], heads), expand_heads(v[:, :, k_rows], heads)
-    dq, dk, dv = block_backward(*rows, kb, vb, out[:, :, q_rows], stats[0], diagonal, scale)
+    dq, dk, dv = block_backward(*rows, kb, vb, out[:, :, q_rows], stats[0], diagonal, scale, masks)
     return dq.float(), reduce_heads(dk.float(), groups), reduce_heads(dv.float(), groups)
 
 
-def full_attention(q, k, v, causal: bool, scale: float) -> torch.Tensor:
-    """Attention of the whole sequence (Ulysses), differentiable, GQA groups unexpanded."""
-    if backend_for(q) == "npu":
+def full_attention(q, k, v, causal: bool, scale: float, masks=None) -> torch.Tensor:
+    """Attention of the whole sequence (Ulysses), differentiable, GQA groups unexpanded; with
+    dropout masks the plain formulas under autograd (the whole score matrix is held)."""
+    if masks is not None:
+        heads = q.shape[1]
+        scores = torch.matmul(q.float(), expand_heads(k, heads).float().transpose(-1, -2)) * scale
+        if causal:
+            scores = scores.masked_fill(_upper(scores), float("-inf"))
+        probs = torch.softmax(scores, dim=-1) * masks.next(scores.shape) / masks.keep
+        return torch.matmul(probs, expand_heads(v, heads).float()).to(q.dtype)
+    if _npu(q, masks):
         return npu_blocks.full_attention(q, k, v, causal, scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])

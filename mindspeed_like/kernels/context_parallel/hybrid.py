@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from mindspeed_like.kernels.context_parallel.blocks import accumulator, attend, block_grads
+from mindspeed_like.kernels.context_parallel.dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.groups import CPGroup, wait
 from mindspeed_like.kernels.context_parallel.ulysses import _AllToAll, check_divisible
 from mindspeed_like.kernels.context_parallel.zigzag import rank_chunks
@@ -32,27 +33,29 @@ def _pairs(q_ids: list[int], k_ids: list[int], causal: bool, chunk: int):
 
 class _ChunkRing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, ring: CPGroup, inner_size: int, cp_size: int):
+    def forward(ctx, q, k, v, causal: bool, scale: float, ring: CPGroup, inner_size: int, cp_size: int, dropout):
         chunk = q.shape[2] // (2 * inner_size)
         q_ids = _ids(ring.rank, inner_size, cp_size)
-        acc = accumulator(q)
+        masks = dropout[0].masks(q.device, dropout[1]) if dropout else None
+        acc = accumulator(q, masks)
         kv = torch.stack([k, v])
         for i in range(ring.size):
             requests, incoming = ring.ring_exchange(kv) if i < ring.size - 1 else ([], None)
             k_ids = _ids((ring.rank - i) % ring.size, inner_size, cp_size)
             for q_rows, k_rows, diagonal in _pairs(q_ids, k_ids, causal, chunk):
-                attend(acc, q, kv[0], kv[1], q_rows, k_rows, diagonal, scale)
+                attend(acc, q, kv[0], kv[1], q_rows, k_rows, diagonal, scale, masks)
             wait(requests)
             kv = incoming
         out, stats = acc.finish(q.dtype)
         ctx.save_for_backward(q, k, v, out, stats)
-        ctx.args = (causal, scale, ring, inner_size, cp_size)
+        ctx.args = (causal, scale, ring, inner_size, cp_size, dropout)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, stats = ctx.saved_tensors
-        causal, scale, ring, inner_size, cp_size = ctx.args
+        causal, scale, ring, inner_size, cp_size, dropout = ctx.args
+        masks = dropout[0].masks(q.device, dropout[1]) if dropout else None
         chunk = q.shape[2] // (2 * inner_size)
         q_ids = _ids(ring.rank, inner_size, cp_size)
         dout = dout.contiguous()
@@ -64,7 +67,9 @@ class _ChunkRing(torch.autograd.Function):
             k_ids = _ids((ring.rank - i) % ring.size, inner_size, cp_size)
             shares = []
             for q_rows, k_rows, diagonal in _pairs(q_ids, k_ids, causal, chunk):
-                dq_b, dk_b, dv_b = block_grads(dout, q, out, stats, kv[0], kv[1], q_rows, k_rows, diagonal, scale)
+                dq_b, dk_b, dv_b = block_grads(
+                    dout, q, out, stats, kv[0], kv[1], q_rows, k_rows, diagonal, scale, masks
+                )
                 dq[:, :, q_rows] += dq_b
                 shares.append((k_rows, dk_b, dv_b))
             wait(pending)
@@ -76,14 +81,26 @@ class _ChunkRing(torch.autograd.Function):
             wait(requests)
             kv = incoming
         wait(pending)
-        return dq.to(q.dtype), arriving[0].to(k.dtype), arriving[1].to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), arriving[0].to(k.dtype), arriving[1].to(v.dtype), *([None] * 6)
 
 
-def hybrid_attention(q, k, v, inner: CPGroup, outer: CPGroup, *, causal: bool, scale: float) -> torch.Tensor:
+def hybrid_attention(
+    q,
+    k,
+    v,
+    inner: CPGroup,
+    outer: CPGroup,
+    *,
+    causal: bool,
+    scale: float,
+    dropout: AttentionDropout | None = None,
+) -> torch.Tensor:
     """``q [b, n, 2c, d]``, ``k/v [b, groups, 2c, d]`` (this rank's zigzag chunks) -> ``[b, n, 2c, d]``;
     ``inner``: the Ulysses group (consecutive CP ranks), ``outer``: the ring (same position in each)."""
     check_divisible(q.shape[1], k.shape[1], inner.size, "the Ulysses degree of hybrid_cp_algo")
     cp_size = inner.size * outer.size
     whole = [_AllToAll.apply(t, inner, 1, 2) for t in (q, k, v)]  # heads scattered, chunks gathered
-    out = _ChunkRing.apply(*whole, causal, scale, outer, inner.size, cp_size)
+    # the masks' stream is seeded by the CP rank: the Ulysses partners hold other heads
+    masks_of = (dropout, outer.rank * inner.size + inner.rank) if dropout else None
+    out = _ChunkRing.apply(*whole, causal, scale, outer, inner.size, cp_size, masks_of)
     return _AllToAll.apply(out, inner, 2, 1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from mindspeed_like.kernels.context_parallel.blocks import accumulator, attend, block_grads
+from mindspeed_like.kernels.context_parallel.dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.groups import CPGroup, wait
 
 
@@ -36,19 +37,20 @@ def _plan(i: int, rank: int, size: int, causal: bool, chunk: int):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, cp: CPGroup):
+    def forward(ctx, q, k, v, causal: bool, scale: float, cp: CPGroup, dropout: AttentionDropout | None):
         chunk = q.shape[2] // 2
-        acc = accumulator(q)
+        masks = dropout.masks(q.device, cp.rank) if dropout else None
+        acc = accumulator(q, masks)
         kv = torch.stack([k, v])
         for i in range(cp.size):
             requests, incoming = cp.ring_exchange(kv) if i < cp.size - 1 else ([], None)
             q_rows, k_rows, diagonal = _plan(i, cp.rank, cp.size, causal, chunk)
-            attend(acc, q, kv[0], kv[1], q_rows, k_rows, diagonal, scale)
+            attend(acc, q, kv[0], kv[1], q_rows, k_rows, diagonal, scale, masks)
             wait(requests)
             kv = incoming
         out, stats = acc.finish(q.dtype)
         ctx.save_for_backward(q, k, v, out, stats)
-        ctx.causal, ctx.scale, ctx.cp = causal, scale, cp
+        ctx.causal, ctx.scale, ctx.cp, ctx.dropout = causal, scale, cp, dropout
         return out
 
     @staticmethod
@@ -56,13 +58,16 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, stats = ctx.saved_tensors
         cp, chunk = ctx.cp, q.shape[2] // 2
         dout = dout.contiguous()
+        masks = ctx.dropout.masks(q.device, cp.rank) if ctx.dropout else None
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         pending, arriving = [], None  # the accumulator of the block in hand, on its way here
         for i in range(cp.size):
             requests, incoming = cp.ring_exchange(kv) if i < cp.size - 1 else ([], None)
             q_rows, k_rows, diagonal = _plan(i, cp.rank, cp.size, ctx.causal, chunk)
-            dq_b, dk_b, dv_b = block_grads(dout, q, out, stats, kv[0], kv[1], q_rows, k_rows, diagonal, ctx.scale)
+            dq_b, dk_b, dv_b = block_grads(
+                dout, q, out, stats, kv[0], kv[1], q_rows, k_rows, diagonal, ctx.scale, masks
+            )
             dq[:, :, q_rows] += dq_b
             # this block's share, added to its accumulator once that arrives (it travelled during
             # the compute above); then the accumulator moves on while the next block computes
@@ -75,11 +80,13 @@ class _RingAttention(torch.autograd.Function):
             kv = incoming
         wait(pending)
         dkv = arriving
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, cp: CPGroup, *, causal: bool, scale: float) -> torch.Tensor:
+def ring_attention(
+    q, k, v, cp: CPGroup, *, causal: bool, scale: float, dropout: AttentionDropout | None = None
+) -> torch.Tensor:
     """``q [b, n, 2c, d]``, ``k/v [b, groups, 2c, d]`` (this rank's zigzag chunks) -> ``[b, n, 2c, d]``."""
     if cp.size == 1:
         raise ValueError("ring attention needs a context-parallel group of more than one rank")
-    return _RingAttention.apply(q, k, v, causal, scale, cp)
+    return _RingAttention.apply(q, k, v, causal, scale, cp, dropout)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_like.kernels.context_parallel.blocks import full_attention
+from mindspeed_like.kernels.context_parallel.dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.groups import CPGroup
 from mindspeed_like.kernels.context_parallel.zigzag import gathered_to_natural, inverse, reorder_chunks
 
@@ -47,7 +48,9 @@ def check_divisible(heads: int, groups: int, degree: int, what: str) -> None:
         )
 
 
-def ulysses_attention(q, k, v, cp: CPGroup, *, causal: bool, scale: float) -> torch.Tensor:
+def ulysses_attention(
+    q, k, v, cp: CPGroup, *, causal: bool, scale: float, dropout: AttentionDropout | None = None
+) -> torch.Tensor:
     """``q [b, n, 2c, d]``, ``k/v [b, groups, 2c, d]`` (zigzag chunks) -> ``[b, n, 2c, d]``."""
     heads, groups = q.shape[1], k.shape[1]
     check_divisible(heads, groups, cp.size, "CP")
@@ -56,6 +59,7 @@ def ulysses_attention(q, k, v, cp: CPGroup, *, causal: bool, scale: float) -> to
     for t in (q, k, v):
         t = _AllToAll.apply(t, cp, 1, 2)  # heads scattered, sequence gathered (rank order)
         whole.append(reorder_chunks(t, to_natural, dim=2))
-    out = full_attention(*whole, causal, scale)
+    masks = dropout.masks(q.device, cp.rank) if dropout else None
+    out = full_attention(*whole, causal, scale, masks)
     out = reorder_chunks(out, inverse(to_natural), dim=2)
     return _AllToAll.apply(out, cp, 2, 1)
