@@ -208,15 +208,42 @@ def fp32_view(buf: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return buf.view(torch.float32).view(shape)
 
 
+def decode_split(buf: torch.Tensor, start: int, stop: int, side: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The exact masters of elements ``[start, stop)`` of a split-layout buffer into fp32 ``out``
+    (``stop - start`` elements), the buffer untouched. int32 arithmetic: the pattern is
+    ``(b << 16) + r`` modulo 2**32, which two's-complement wrap-around computes exactly."""
+    n = buf.numel() // 2
+    m = out.view(torch.int32)
+    torch.bitwise_left_shift(buf[start:stop].to(torch.int32), 16, out=m)
+    m.add_(buf[n + start : n + stop])
+    if side.numel():
+        lo, hi = torch.searchsorted(side, torch.tensor([start, stop], device=side.device)).tolist()
+        if hi > lo:
+            m[side[lo:hi] - start] += TIE
+    return out
+
+
+def encode_split(buf: torch.Tensor, start: int, stop: int, master: torch.Tensor) -> torch.Tensor:
+    """fp32 ``master`` (``stop - start`` elements) -> bf16 weights and residuals of elements
+    ``[start, stop)`` of a split-layout buffer; returns the new side-table indices of the range."""
+    n = buf.numel() // 2
+    weights = buf[start:stop]
+    weights.copy_(master.to(torch.bfloat16).view(torch.int16))
+    d = master.view(torch.int32) - torch.bitwise_left_shift(weights.to(torch.int32), 16)
+    d.masked_fill_(torch.isnan(master), 0)
+    tie = d == TIE
+    ties = tie.nonzero().flatten().add_(start)
+    if ties.numel():
+        d.masked_fill_(tie, 0)
+    buf[n + start : n + stop].copy_(d)
+    return ties
+
+
 def master_copy(buf: torch.Tensor, side: torch.Tensor, shape: torch.Size, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """A new fp32 tensor equal to the master of a split-layout buffer (for checkpoints)."""
     n = _check_buf(buf)
     out = torch.empty(n, dtype=torch.float32, device=buf.device)
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
-        m = (buf[start:stop].to(torch.int64) << 16) + buf[n + start : n + stop].to(torch.int64)
-        if side.numel():
-            lo, hi = torch.searchsorted(side, torch.tensor([start, stop], device=side.device)).tolist()
-            m[side[lo:hi] - start] += TIE
-        out[start:stop].view(torch.int32).copy_(m)
+        decode_split(buf, start, stop, side, out[start:stop])
     return out.view(shape)

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mindspeed_like.features.reuse_fp32_param import distributed, live
+from mindspeed_like.features.reuse_fp32_param import chunked_step, distributed, live
 from mindspeed_like.features.reuse_fp32_param.float16 import (
     STATE_ATTR,
     ReuseState,
@@ -171,6 +171,25 @@ def step_with_ready_grads(wrapped, instance, args, kwargs):
     state = state_of(instance)
     if state is None:
         return wrapped(*args, **kwargs)
+    inner = getattr(instance, "optimizer", None)
+    chunkable = inner is not None and isinstance(state, ReuseState) and state.layout == "split"
+    if chunkable and chunked_step.unsupported(inner) is None:
+        entries = {id(entry.main_param): entry for entry in state.entries}
+        fallback = inner.step
+
+        def inner_step(closure=None):  # torch's Adam math chunk by chunk on the split layout
+            if closure is not None or not chunked_step.step(inner, entries, state.chunk):
+                with torch.no_grad():
+                    state.to_fp32()
+                    return fallback(closure)
+            return None
+
+        with chunked_step.replaced_step(inner, inner_step):
+            try:
+                return wrapped(*args, **kwargs)  # inner step, then _copy_main_params_to_model_params
+            finally:
+                with torch.no_grad():
+                    state.to_split()  # only the shuffling fallback left it in fp32
     with torch.no_grad():
         state.to_fp32()
         try:

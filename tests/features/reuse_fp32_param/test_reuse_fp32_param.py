@@ -81,6 +81,41 @@ def test_ties_round_to_even_through_training():
     assert tables[0] > 1000  # about 1/4 of elements: even-high-half ties (low half 0x8000 on half the elements)
 
 
+@pytest.mark.parametrize("chunk", [64, 1000])
+def test_chunked_step_is_bitwise_with_ties_across_chunk_edges(chunk, monkeypatch):
+    """megatron's torch AdamW steps the split layout chunk by chunk (no shuffle): small chunks put
+    many chunk edges inside every parameter and the crafted ties on both sides of them; the
+    shuffling conversion never runs."""
+    from mindspeed_like.features.reuse_fp32_param import chunked_step
+    from mindspeed_like.kernels import bf16_residual
+
+    counts = {"chunked": 0, "shuffled": 0}
+    real_step, real_to_fp32 = chunked_step.step, bf16_residual.to_fp32
+
+    def counted_step(*args, **kwargs):
+        counts["chunked"] += 1
+        return real_step(*args, **kwargs)
+
+    def counted_to_fp32(*args, **kwargs):
+        counts["shuffled"] += 1
+        return real_to_fp32(*args, **kwargs)
+
+    monkeypatch.setattr(chunked_step, "step", counted_step)
+    monkeypatch.setattr(bf16_residual, "to_fp32", counted_to_fp32)
+
+    def prepare(model, opt):
+        _crafted_masters(opt)
+        if _state_of(opt) is not None:
+            _state_of(opt).chunk = chunk
+        counts["shuffled"] = 0  # loading the crafted masters converts; the steps must not
+
+    optimizer = dict(optimizer="adam", weight_decay=0.1)
+    baseline = W.train(False, 5, prepare=prepare, optimizer=optimizer)
+    ours = W.train(True, 5, prepare=prepare, optimizer=optimizer)
+    assert W.same(baseline, ours)
+    assert counts == {"chunked": 5, "shuffled": 0}
+
+
 def _poison_third_step(model, opt, per_step: list) -> None:
     """Step 3's gradient gets an inf (after backward, before the found-inf check); every
     step's (success, masters, weights) is recorded."""
