@@ -94,6 +94,23 @@ class _Step:
         self.run()
 
 
+def ddp_like(module) -> None:
+    """What megatron's DistributedDataParallel does with a parameter's gradient: a persistent fp32
+    ``main_grad``, and a hook after accumulation that adds ``.grad`` into it (unless the kernel
+    already did: ``grad_added_to_main_grad``) and frees ``.grad``."""
+
+    def hook(param):
+        if param.grad is not None and not getattr(param, "grad_added_to_main_grad", False):
+            param.main_grad.add_(param.grad)
+        param.grad_added_to_main_grad = False
+        param.grad = None
+
+    for p in module.parameters():
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+        p.register_post_accumulate_grad_hook(hook)
+
+
 def peak_mib(step: _Step) -> float:
     """Peak live bytes (MiB) allocated during one fwd+bwd above where it started (previous
     gradients freed before the measurement starts)."""
@@ -157,6 +174,8 @@ def run(args, results: common.Results) -> None:
                 step = _Step(sequential, x, counts, probs, grad)
                 seq_s = common.median_seconds(step, args.repeats)
                 seq_peak = peak_mib(step)
+                ddp_like(sequential)
+                ddp_seq_s = common.median_seconds(step, args.repeats)
                 del sequential, step
                 gc.collect()
                 grouped = build_experts(True, experts, hidden, ffn, dtype)
@@ -166,6 +185,8 @@ def run(args, results: common.Results) -> None:
                         with engine(name):
                             step = _Step(grouped, x, counts, probs, grad)
                             timings[name] = (common.median_seconds(step, args.repeats), peak_mib(step))
+                    ddp_like(grouped)  # the default engine, its weight grads fused into main_grad
+                    ddp_ours_s = common.median_seconds(_Step(grouped, x, counts, probs, grad), args.repeats)
                 del grouped, step
                 gc.collect()
                 best = min(timings, key=lambda n: timings[n][0])
@@ -180,6 +201,9 @@ def run(args, results: common.Results) -> None:
                     ours_peak_MiB=timings["grouped_mm"][1],
                     ours_loop_peak_MiB=timings["loop"][1],
                     fastest=best,
+                    ddp_sequential_ms=ddp_seq_s * 1e3,
+                    ddp_ours_ms=ddp_ours_s * 1e3,
+                    ddp_speedup=ddp_seq_s / ddp_ours_s,
                 )
     finally:
         destroy_parallel()
@@ -191,11 +215,15 @@ def check_target(results: common.Results) -> list[str]:
     for row in results.rows:
         if row["E"] != max(r["E"] for r in results.rows):
             continue
-        verdict = "met" if row["speedup"] >= TARGET else "missed"
+        verdict = "met" if row["ddp_speedup"] >= TARGET else "missed"
         lines.append(
-            f"target >= {TARGET}x vs SequentialMLP at E={row['E']} ({row['dtype']}): {row['speedup']:.2f}x "
-            f"(default engine torch._grouped_mm), {row['speedup_loop']:.2f}x (loop engine): {verdict}"
+            f"target >= {TARGET}x vs SequentialMLP at E={row['E']} ({row['dtype']}) under DDP (megatron's "
+            f"training path): {row['ddp_speedup']:.2f}x: {verdict}; bare module (no DDP, a fresh weight gradient "
+            f"each step): {row['speedup']:.2f}x (torch._grouped_mm), {row['speedup_loop']:.2f}x (loop)"
         )
+    for row in results.rows:
+        if row["ddp_speedup"] < 1.0:
+            lines.append(f"below 1.0x under DDP: E={row['E']} {row['dtype']} ({row['ddp_speedup']:.2f}x)")
     return lines
 
 

@@ -28,7 +28,7 @@ LEGACY = "<0.17"  # GroupedMLP and grouped_gemm_util: deleted in megatron-core 0
 
 def patches(ctx: Context) -> list[Patch]:
     fall_back = ctx.fallback(NAME, GroupedGemmUnsupported)
-    ops = GroupedGemmOps(ctx["gemm_gradient_accumulation_fusion"], fall_back)
+    ops = GroupedGemmOps(fusion_mode(ctx), fall_back)
     return [
         Patch(
             f"{GROUPED_GEMM_UTIL}.ops",
@@ -57,7 +57,7 @@ def patches(ctx: Context) -> list[Patch]:
             f"{MOE_EXPERTS}.SequentialMLP.forward",
             Kind.WRAP,
             SequentialExpertsForward(
-                GroupedGemmOps(False, fall_back), ctx["gemm_gradient_accumulation_fusion"], fall_back
+                GroupedGemmOps("off", fall_back), ctx["gemm_gradient_accumulation_fusion"], fall_back
             ),
             versions=">=0.17",
             why="moe_grouped_gemm=True builds SequentialMLP on 0.17+: its experts' linears as one grouped GEMM each",
@@ -65,7 +65,21 @@ def patches(ctx: Context) -> list[Patch]:
     ]
 
 
+def fusion_mode(ctx: Context) -> str:
+    """Gradient-accumulation fusion of GroupedMLP's expert weights: auto (where DDP's main_grad
+    exists), on (required) or off."""
+    if ctx["gemm_gradient_accumulation_fusion"] and ctx["no_gemm_gradient_accumulation_fusion"]:
+        raise ConfigError(
+            "--gemm-gradient-accumulation-fusion and --no-gemm-gradient-accumulation-fusion contradict each "
+            "other; pass one of them"
+        )
+    if ctx["no_gemm_gradient_accumulation_fusion"]:
+        return "off"
+    return "on" if ctx["gemm_gradient_accumulation_fusion"] else "auto"
+
+
 def enabled(ctx: Context) -> bool:
+    fusion_mode(ctx)  # a contradiction is a configuration error, said at configure time
     mode = ctx["grouped_gemm"]
     on = mode == "on" or (mode == "auto" and not grouped_gemm_package_installed())
     if ctx["gemm_gradient_accumulation_fusion"] and not on:
@@ -96,8 +110,16 @@ FEATURE = Feature(
             "gemm_gradient_accumulation_fusion",
             bool,
             False,
-            "accumulate GroupedMLP's expert weight gradients straight into megatron DDP's main_grad "
-            "(megatron-core <0.17; SequentialMLP's per-expert weights: logged, computed normally)",
+            "require GroupedMLP's expert weight gradients to go straight into megatron DDP's main_grad (done by "
+            "default wherever main_grad exists; this also reports a weight without it) (megatron-core <0.17; "
+            "SequentialMLP's per-expert weights: logged, computed normally)",
+        ),
+        Flag(
+            "no_gemm_gradient_accumulation_fusion",
+            bool,
+            False,
+            "keep megatron's unfused expert weight gradient (a fresh [E, K, N] tensor each step, added to "
+            "main_grad by DDP's hook) instead of accumulating into main_grad",
         ),
     ),
     enabled=enabled,

@@ -140,21 +140,32 @@ def test_gpt_trains_like_sequential_bf16(cpu_config):
     assert rel_close(ours, base, 1e-2), (ours, base)
 
 
-def test_gemm_gradient_accumulation_fusion_parity(cpu_config, monkeypatch):
-    """With the flag, DDP's main_grad receives the expert weight grads straight from the kernel
-    (the dummy .grad is skipped by DDP's hook): same training as without it."""
+@pytest.mark.parametrize("flags", [{}, {"gemm_gradient_accumulation_fusion": True}], ids=["default", "required"])
+def test_gemm_gradient_accumulation_fusion_parity(cpu_config, monkeypatch, flags):
+    """Under megatron's DDP the expert weight grads go into main_grad straight from the kernel (by
+    default, and with the flag that requires it; DDP's hook skips the dummy .grad): the same
+    training as megatron's unfused gradient (--no-gemm-gradient-accumulation-fusion)."""
     from mindspeed_like.kernels import grouped_gemm as kernel
 
-    cpu_config()
-    base, unfused = _train_pair(moe_token_dispatcher_type="alltoall")
     fused_calls = []
     real = kernel._accumulate_grad_b
     monkeypatch.setattr(kernel, "_accumulate_grad_b", lambda *a: fused_calls.append(1) or real(*a))
-    cpu_config(gemm_gradient_accumulation_fusion=True)
+    cpu_config(no_gemm_gradient_accumulation_fusion=True)
+    base, unfused = _train_pair(moe_token_dispatcher_type="alltoall")
+    assert fused_calls == []
+    cpu_config(**flags)
     _, fused = _train_pair(moe_token_dispatcher_type="alltoall")
     assert len(fused_calls) == 2 * 2 * STEPS  # weight1 and weight2, 2 layers, every step
     assert rel_close(fused, unfused, 1e-5), (fused, unfused)
     assert rel_close(fused, base, 1e-5)
+
+
+def test_fusion_flags_contradict():
+    from mindspeed_like.toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="contradict"):
+        mindspeed_like.configure(gemm_gradient_accumulation_fusion=True, no_gemm_gradient_accumulation_fusion=True)
+    mindspeed_like.reset()
 
 
 def test_moe_act_recompute_parity(cpu_config):
