@@ -2,7 +2,9 @@
 
 Both run in the same process on the same inputs; time is the median of ``--repeats`` fwd+bwd
 passes (the two timed alternately, see ``_interleaved_ms``); saved bytes are what autograd keeps
-for backward (saved-tensor hooks).
+for backward (saved-tensor hooks). Ours runs as configured (``--portable-kernels auto``:
+compiled where the host can, i.e. unless TORCHDYNAMO_DISABLE is set); ``ours_eager_ms`` is the
+eager portable kernel.
 
     python benchmarks/fused_ops_rmsnorm.py [--quick] [--json out.json]
 """
@@ -18,6 +20,7 @@ import common  # benchmarks/ is the script directory (as in import_overhead.py)
 import torch
 
 from mindspeed_like.features.fused_rmsnorm import FusedRMSNorm
+from mindspeed_like.kernels import compiled
 from mindspeed_like.kernels.backend import force_backend
 from mindspeed_like.testing import SavedBytesMeter
 
@@ -66,12 +69,16 @@ def run(args: argparse.Namespace, results: common.Results) -> None:
             with force_backend("portable"):
                 megatron_ms, ours_ms = _interleaved_ms(_step(megatron, x, grad), _step(ours, x, grad), args.repeats)
                 megatron_mib, ours_mib = _saved_mib(megatron, x), _saved_mib(ours, x)
+                compiled.set_mode("eager")
+                _, eager_ms = _interleaved_ms(_step(megatron, x, grad), _step(ours, x, grad), args.repeats)
+                compiled.set_mode(None)
             results.add(
                 op="rmsnorm",
                 dtype=str(dtype).removeprefix("torch."),
                 shape=f"{tokens}x{hidden}",
                 megatron_ms=megatron_ms,
                 ours_ms=ours_ms,
+                ours_eager_ms=eager_ms,
                 speedup=megatron_ms / ours_ms,
                 megatron_saved_MiB=megatron_mib,
                 ours_saved_MiB=ours_mib,

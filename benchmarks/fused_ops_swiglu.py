@@ -1,6 +1,11 @@
 """SwiGLU fwd+bwd: megatron's eager GLU (``MLP.forward``'s inline ``silu(a) * b``, the path
 without ``bias_activation_fusion``) and megatron's ``bias_swiglu_impl`` vs ours (portable backend).
 
+``bias_swiglu_impl`` is megatron's ``jit_fuser`` (``torch.compile``) function: compiled unless
+``TORCHDYNAMO_DISABLE`` is set, like ours (``--portable-kernels auto``: compiled where the host
+can; the bias case runs the eager kernel). ``ours_eager_ms`` is ours with ``--portable-kernels
+eager``. Run without TORCHDYNAMO_DISABLE to compare the compiled paths.
+
 Time: median of ``--repeats`` fwd+bwd runs, same inputs, same process. Saved: bytes autograd
 keeps for backward (saved-tensor hooks, storages counted once).
 
@@ -13,6 +18,7 @@ import common  # benchmarks/ is the script directory (as in import_overhead.py)
 import torch
 import torch.nn.functional as F
 
+from mindspeed_like.kernels import compiled
 from mindspeed_like.kernels.backend import force_backend
 from mindspeed_like.kernels.swiglu import swiglu
 from mindspeed_like.testing import SavedBytesMeter
@@ -67,6 +73,9 @@ def run(args, results: common.Results) -> None:
             grad = torch.randn(tokens, ffn, dtype=dtype)
             ours_s = common.median_seconds(_fwd_bwd(ours, x, bias, grad), args.repeats)
             ours_mib = _saved_mib(ours, x, bias)
+            compiled.set_mode("eager")
+            eager_s = common.median_seconds(_fwd_bwd(ours, x, bias, grad), args.repeats)
+            compiled.set_mode(None)
             for label, baseline in (("inline", megatron_inline), ("bias_swiglu_impl", megatron_fused)):
                 base_s = common.median_seconds(_fwd_bwd(baseline, x, bias, grad), args.repeats)
                 results.add(
@@ -75,6 +84,7 @@ def run(args, results: common.Results) -> None:
                     shape=f"{tokens}x{2 * ffn}",
                     megatron_ms=base_s * 1e3,
                     ours_ms=ours_s * 1e3,
+                    ours_eager_ms=eager_s * 1e3,
                     speedup=base_s / ours_s,
                     megatron_saved_MiB=_saved_mib(baseline, x, bias),
                     ours_saved_MiB=ours_mib,

@@ -41,6 +41,14 @@ GLOBAL_FLAGS = (
         generic=True,
     ),
     Flag(
+        "portable_kernels",
+        str,
+        "auto",
+        "the portable SwiGLU/RMSNorm kernels: compiled with torch.compile (auto: where TorchDynamo is on and "
+        "Inductor can compile for the device), or always eager",
+        choices=("auto", "compiled", "eager"),
+    ),
+    Flag(
         "optimization_level",
         int,
         None,

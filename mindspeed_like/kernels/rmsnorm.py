@@ -9,6 +9,9 @@ Three backends (:func:`mindspeed_like.kernels.backend.backend_for`):
   ~8 autograd ops that keeps the upcast input, the normalized output and more alive.
 - ``reference``: the plain eager math of ``torch.nn.RMSNorm`` (the oracle).
 
+The portable backend runs compiled where the host can compile (``kernels/compiled.py``,
+``--portable-kernels``), the hand-written Function otherwise.
+
 Semantics follow ``torch.nn.RMSNorm`` of torch >= 2.8 (what megatron's local spec builds), so
 checkpoints and losses are interchangeable: everything computed in fp32 (x, rstd and gamma
 upcast) and rounded once to x's dtype, which is also the result dtype (as npu_rms_norm's y).
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
+from mindspeed_like.kernels import compiled
 from mindspeed_like.kernels.backend import backend_for
 
 _NPU_GAMMA_DTYPES = {
@@ -143,4 +147,9 @@ def rms_norm(
         return reference_rms_norm(x, weight, eps, zero_centered_gamma)
     if backend == "npu":
         return _npu_rms_norm(x, weight, eps, zero_centered_gamma)
+    if compiled.active(x):
+        _reduce_dims(x, weight)
+        gamma = _scale(weight, zero_centered_gamma).reshape(-1).float()
+        y, _rstd = compiled.rms_norm(x.reshape(-1, gamma.numel()), gamma, eps)
+        return y.reshape(x.shape)
     return _PortableRMSNorm.apply(x, weight, eps, zero_centered_gamma)

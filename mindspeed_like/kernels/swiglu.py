@@ -14,6 +14,9 @@ Backends (``mindspeed_like.kernels.backend.backend_for``):
   ``silu_backward`` and writes both halves of the gradient straight into one buffer (no
   ``cat``), which is where it beats megatron's eager autograd graph on CPU.
 - ``reference``: plain eager math, the oracle of the tests.
+
+The portable backend runs compiled where the host can compile
+(``kernels/compiled.py``, ``--portable-kernels``), the hand-written Function otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mindspeed_like.kernels import compiled
 from mindspeed_like.kernels.backend import backend_for
 
 
@@ -116,6 +120,8 @@ def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _swiglu_npu(x, bias)
     if backend == "reference":
         return swiglu_reference(x, bias)
+    if compiled.active(x):
+        return compiled.swiglu(x) if bias is None else compiled.swiglu_bias(x, bias)
     return _SwiGLU.apply(x, bias)
 
 

@@ -1,0 +1,157 @@
+"""The compiled portable backend (mindspeed_like/kernels/compiled.py).
+
+Default lane (TorchDynamo disabled, as ``make test`` runs): the custom ops pass
+``torch.library.opcheck`` (schema, fake kernels, autograd registration) and the fallback to the
+eager kernels is said once. Compile lane (``make test-compile``): compiled equals the eager
+portable kernel (fp32 within 1e-6, bf16 within one bf16 ulp of the result's scale: the compiled
+code computes in fp32 and rounds once, the eager kernel rounds between ops), and a GPT trains 10
+steps with varying batch sizes without recompiling.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import mindspeed_like
+from mindspeed_like.kernels import compiled
+from mindspeed_like.kernels import rmsnorm as rmsnorm_kernel
+from mindspeed_like.kernels import swiglu as swiglu_kernel
+
+
+@pytest.fixture(autouse=True)
+def _mode_back():
+    yield
+    compiled.set_mode(None)
+    mindspeed_like.reset()
+
+
+def _inputs(dtype, rows=6, hidden=16):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 2 * hidden, generator=g).to(dtype)
+    return x, torch.randn(rows, hidden, generator=g).to(dtype), (torch.rand(hidden, generator=g) + 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_custom_ops_pass_opcheck(dtype):
+    x, grad, gamma = _inputs(dtype)
+    torch.library.opcheck(compiled.swiglu, (x.requires_grad_(),))
+    torch.library.opcheck(compiled.swiglu_backward, (grad, x.detach()))
+    bias = torch.randn(x.shape[-1]).to(dtype)
+    torch.library.opcheck(compiled.swiglu_bias, (x, bias.requires_grad_()))
+    torch.library.opcheck(compiled.swiglu_bias_backward, (grad, x.detach(), bias.detach()))
+    xr = torch.randn(6, 16).to(dtype).requires_grad_()
+    torch.library.opcheck(compiled.rms_norm, (xr, gamma.requires_grad_(), 1e-5))
+    _, rstd = compiled.rms_norm(xr.detach(), gamma.detach(), 1e-5)
+    torch.library.opcheck(compiled.rms_norm_backward, (torch.randn(6, 16).to(dtype), xr.detach(), gamma.detach(), rstd))
+
+
+def test_fallback_is_said_once_without_dynamo(monkeypatch, caplog):
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    compiled._state["said"].clear()
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.INFO, logger="mindspeed_like"):
+        for _ in range(3):
+            swiglu_kernel.swiglu(x)
+    lines = [r for r in caplog.records if "compiled portable kernels unavailable" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO and "TORCHDYNAMO_DISABLE" in lines[0].getMessage()
+    compiled._state["said"].clear()
+    mindspeed_like.configure(portable_kernels="compiled")  # asked for explicitly: a warning
+    with caplog.at_level(logging.INFO, logger="mindspeed_like"):
+        swiglu_kernel.swiglu(x)
+    assert caplog.records[-1].levelno == logging.WARNING
+
+
+def test_eager_mode_never_calls_the_custom_ops(monkeypatch):
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    mindspeed_like.configure(portable_kernels="eager")
+    assert not compiled.active(torch.randn(2))
+
+
+# ---------------------------------------------------------------- compile lane
+
+
+def _with_grads(fn, *inputs):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(torch.ones_like(out) * 0.5 + torch.arange(out.numel()).view(out.shape).to(out.dtype) / out.numel())
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _compiled_and_eager(fn, *inputs):
+    compiled.set_mode("compiled")
+    compiled._compiled.clear()
+    ours = _with_grads(fn, *inputs)
+    assert compiled._compiled and all(  # the compiled bodies ran (a compile failure would fall back to eager)
+        body is not getattr(compiled, f"{name}_math") for name, body in compiled._compiled.items()
+    ), compiled._compiled
+    compiled.set_mode("eager")
+    eager = _with_grads(fn, *inputs)
+    return ours, eager
+
+
+def _close(a, b, dtype):
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
+    torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_swiglu_equals_eager(dtype, monkeypatch):
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    x, bias = torch.randn(3, 5, 64).to(dtype), torch.randn(64).to(dtype)
+    (out, (dx,)), (ref, (ref_dx,)) = _compiled_and_eager(swiglu_kernel.swiglu, x)
+    _close(out, ref, dtype)
+    _close(dx, ref_dx, dtype)
+    (out, (dx, db)), (ref, (ref_dx, ref_db)) = _compiled_and_eager(swiglu_kernel.swiglu, x, bias)
+    _close(out, ref, dtype)
+    _close(dx, ref_dx, dtype)
+    # bf16: the compiled kernel sums the unrounded fp32 gradient rows, the eager one the bf16-rounded ones
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(db.float(), ref_db.float(), **tol)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_compiled_rmsnorm_equals_eager(dtype, zero_centered, monkeypatch):
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    x, w = torch.randn(3, 5, 64).to(dtype), (torch.rand(64) * 0.2).to(dtype)
+
+    def fn(x, w):
+        return rmsnorm_kernel.rms_norm(x, w, 1e-5, zero_centered)
+
+    (out, (dx, dw)), (ref, (ref_dx, ref_dw)) = _compiled_and_eager(fn, x, w)
+    _close(out, ref, dtype)
+    _close(dx, ref_dx, dtype)
+    torch.testing.assert_close(dw.float(), ref_dw.float(), rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-5)
+
+
+@pytest.mark.compile
+def test_gpt_with_varying_batch_sizes_compiles_once(monkeypatch):
+    """10 GPT steps (fused SwiGLU and RMSNorm through the compiled ops) at micro-batch sizes 1-4
+    and two sequence lengths: no recompilation after the first two steps (torch.compile
+    specializes a size-1 dimension, so batch 1 then 2 compile twice, as any dynamic compile does)."""
+    import torch._dynamo
+
+    from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    compiled._compiled.clear()
+    mindspeed_like.configure(device="cpu", use_fused_swiglu=True, use_fused_rmsnorm=True, portable_kernels="compiled")
+    init_parallel(seed=1)
+    try:
+        model = tiny_gpt(seq_length=32)
+        graphs = []
+        for batch, seq in [(1, 32), (2, 32), (3, 16), (4, 32), (2, 16)] * 2:
+            tokens = torch.randint(0, 256, (batch, seq))
+            position_ids = torch.arange(seq).expand(batch, seq)
+            model(tokens, position_ids, None, labels=tokens).float().mean().backward()
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        assert graphs[0] > 0 and graphs[1] == graphs[-1], f"unique compiled graphs after each step: {graphs}"
+        for name in ("swiglu", "swiglu_backward", "rms_norm", "rms_norm_backward"):
+            assert name in compiled._compiled and compiled._compiled[name] is not getattr(compiled, f"{name}_math")
+    finally:
+        destroy_parallel()
