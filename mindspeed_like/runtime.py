@@ -119,11 +119,18 @@ def check_versions(ctx: Context) -> None:
             )
 
 
+def _configure_kernels(portable_kernels: str) -> None:
+    from mindspeed_like.kernels import compiled
+
+    compiled.configure_mode(portable_kernels)
+
+
 def apply(code: Mapping[str, Any] | None = None) -> Config:
     """Resolve the config from all sources and bring the patches in line with it."""
     global _current
     with _lock:
         config = resolve_config(code)
+        _configure_kernels(config["portable_kernels"])
         ctx = context_for(config)
         check_relations(ctx)
         check_versions(ctx)
@@ -230,4 +237,5 @@ def reset() -> None:
         _code_overrides.clear()
         _megatron_args.clear()
         forget_logged()
+        _configure_kernels("auto")
         _current = None

@@ -35,24 +35,29 @@ import torch.nn.functional as F
 
 MODES = ("auto", "compiled", "eager")
 _log = logging.getLogger("mindspeed_like")
-_state: dict = {"mode": None, "said": set()}  # mode None: read --portable-kernels from the config
+# configured: --portable-kernels as the runtime applied it; override: set_mode (tests, benchmarks)
+_state: dict = {"configured": "auto", "override": None, "said": set()}
 _compiled: dict[str, Callable] = {}
+
+
+def _check(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"portable kernels mode must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def configure_mode(mode: str) -> None:
+    """``--portable-kernels`` as configured (called by the runtime: configuration flows down)."""
+    _state["configured"] = _check(mode)
 
 
 def set_mode(mode: str | None) -> None:
     """Override ``--portable-kernels`` (tests, benchmarks); None: back to the configured value."""
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"portable kernels mode must be one of {MODES}, got {mode!r}")
-    _state["mode"] = mode
+    _state["override"] = None if mode is None else _check(mode)
 
 
 def mode() -> str:
-    if _state["mode"] is not None:
-        return _state["mode"]
-    from mindspeed_like import runtime
-
-    current = runtime._current  # the applied config; before any, the default
-    return current.config["portable_kernels"] if current is not None else "auto"
+    return _state["override"] or _state["configured"]
 
 
 def _say_once(key: str, level: int, message: str) -> None:

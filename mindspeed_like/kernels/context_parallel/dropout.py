@@ -4,7 +4,7 @@ Dropout acts on the normalized probabilities: ``out = sum_j (P_j * m_j / keep) V
 block's partial output is rescaled linearly by the log-sum-exp merge, each block can apply its
 own slice of the mask to its un-normalized probabilities and the merged result is exactly
 dropout of the whole row's softmax. The backward regenerates every block's mask: one generator,
-seeded once per forward (the seed drawn from megatron's RNG tracker by the caller, so
+seeded once per forward (the caller draws the seed out of megatron's RNG tracker, so
 ``--seed``, TP ranks and recompute behave as megatron's own dropout), drawn block by block in the
 same order forward and backward (every algorithm visits its blocks in the same order both ways).
 The CP rank is mixed into the seed so the ranks' blocks draw independent masks.
