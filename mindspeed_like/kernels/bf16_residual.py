@@ -208,35 +208,53 @@ def fp32_view(buf: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return buf.view(torch.float32).view(shape)
 
 
-def decode_split(buf: torch.Tensor, start: int, stop: int, side: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The exact masters of elements ``[start, stop)`` of a split-layout buffer into fp32 ``out``
-    (``stop - start`` elements), the buffer untouched. int32 arithmetic: the pattern is
-    ``(b << 16) + r`` modulo 2**32, which two's-complement wrap-around computes exactly."""
-    n = buf.numel() // 2
-    m = out.view(torch.int32)
-    torch.bitwise_left_shift(buf[start:stop].to(torch.int32), 16, out=m)
-    m.add_(buf[n + start : n + stop])
+def decode_into(weights: torch.Tensor, residual: torch.Tensor, side: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The exact masters of int16 ``weights`` (bf16 bits) and ``residual`` into fp32 ``out``;
+    ``side``: the range's side-table indices, relative to its start. int32 arithmetic: the
+    pattern is ``(b << 16) + r`` modulo 2**32, which two's-complement wrap-around computes
+    exactly. ``out`` may overlap the inputs only where each element reads before it writes."""
+    m = torch.bitwise_left_shift(weights.to(torch.int32), 16).add_(residual)
     if side.numel():
-        lo, hi = torch.searchsorted(side, torch.tensor([start, stop], device=side.device)).tolist()
-        if hi > lo:
-            m[side[lo:hi] - start] += TIE
+        m[side] += TIE
+    out.view(torch.int32).copy_(m)
     return out
 
 
-def encode_split(buf: torch.Tensor, start: int, stop: int, master: torch.Tensor) -> torch.Tensor:
-    """fp32 ``master`` (``stop - start`` elements) -> bf16 weights and residuals of elements
-    ``[start, stop)`` of a split-layout buffer; returns the new side-table indices of the range."""
-    n = buf.numel() // 2
-    weights = buf[start:stop]
-    weights.copy_(master.to(torch.bfloat16).view(torch.int16))
-    d = master.view(torch.int32) - torch.bitwise_left_shift(weights.to(torch.int32), 16)
+def encode_into(master: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """fp32 ``master`` -> int16 bf16 bits into ``weights`` and residuals into ``residual``;
+    returns the range's new side-table indices (relative). Everything is computed before the
+    first write, so the outputs may overlap ``master``."""
+    bf16 = master.to(torch.bfloat16).view(torch.int16)
+    d = master.view(torch.int32) - torch.bitwise_left_shift(bf16.to(torch.int32), 16)
     d.masked_fill_(torch.isnan(master), 0)
     tie = d == TIE
-    ties = tie.nonzero().flatten().add_(start)
+    ties = tie.nonzero().flatten()
     if ties.numel():
         d.masked_fill_(tie, 0)
-    buf[n + start : n + stop].copy_(d)
+    weights.copy_(bf16)
+    residual.copy_(d)
     return ties
+
+
+def side_range(side: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The sorted side-table indices in ``[start, stop)``, relative to ``start``."""
+    if not side.numel():
+        return side
+    lo, hi = torch.searchsorted(side, torch.tensor([start, stop], device=side.device)).tolist()
+    return side[lo:hi] - start
+
+
+def decode_split(buf: torch.Tensor, start: int, stop: int, side: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The exact masters of elements ``[start, stop)`` of a split-layout buffer into fp32 ``out``."""
+    n = buf.numel() // 2
+    return decode_into(buf[start:stop], buf[n + start : n + stop], side_range(side, start, stop), out)
+
+
+def encode_split(buf: torch.Tensor, start: int, stop: int, master: torch.Tensor) -> torch.Tensor:
+    """fp32 ``master`` -> bf16 weights and residuals of elements ``[start, stop)`` of a
+    split-layout buffer; returns the new side-table indices of the range (absolute)."""
+    n = buf.numel() // 2
+    return encode_into(master, buf[start:stop], buf[n + start : n + stop]).add_(start)
 
 
 def master_copy(buf: torch.Tensor, side: torch.Tensor, shape: torch.Size, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:

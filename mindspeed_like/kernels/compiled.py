@@ -144,10 +144,10 @@ def swiglu_bias_math(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return swiglu_math(x + bias)
 
 
-def swiglu_bias_backward_math(grad, x, bias) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad of x, grad of the bias summed over rows in fp32, cast to the bias dtype)."""
-    grad_y = swiglu_backward_math(grad, x + bias)
-    return grad_y, grad_y.float().sum(dim=0).to(bias.dtype)
+def swiglu_bias_backward_math(grad, x, bias) -> torch.Tensor:
+    """The gradient of ``x + bias`` (the bias gradient is its column sum, taken outside: ATen's
+    column reduction measured faster than Inductor's here, and it sums what the eager kernel sums)."""
+    return swiglu_backward_math(grad, x + bias)
 
 
 def rms_norm_math(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,10 +219,8 @@ def _(x, bias):
 @torch.library.custom_op("mindspeed_like::swiglu_bias_backward", mutates_args=())
 def swiglu_bias_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.reshape(-1, x.shape[-1])
-    grad_x, grad_bias = _run(
-        "swiglu_bias_backward", swiglu_bias_backward_math, grad.reshape(rows.shape[0], -1), rows, bias
-    )
-    return grad_x.view(x.shape), grad_bias
+    grad_x = _run("swiglu_bias_backward", swiglu_bias_backward_math, grad.reshape(rows.shape[0], -1), rows, bias)
+    return grad_x.view(x.shape), grad_x.sum(dim=0).to(bias.dtype)
 
 
 @swiglu_bias_backward.register_fake

@@ -121,13 +121,11 @@ def _chunks(size: int, chunk: int, descending: bool) -> list[tuple[int, int]]:
 
 def _build_scratch(bucket: BucketShard, chunk: int) -> None:
     p16, own, base = bucket.param16, bucket.own, bucket.scratch
-    side = bucket.side
     for i0, i1 in _chunks(bucket.size, chunk, bucket.descending):
-        m = (p16[own + i0 : own + i1].to(torch.int64) << 16) + bucket.residual[i0:i1].to(torch.int64)
-        if side.numel():
-            lo, hi = torch.searchsorted(side, torch.tensor([i0, i1], device=side.device)).tolist()
-            m[side[lo:hi] - i0] += kernel.TIE
-        p16[base + 2 * i0 : base + 2 * i1].view(torch.int32).copy_(m)
+        masters = p16[base + 2 * i0 : base + 2 * i1].view(torch.float32)
+        kernel.decode_into(
+            p16[own + i0 : own + i1], bucket.residual[i0:i1], kernel.side_range(bucket.side, i0, i1), masters
+        )
 
 
 def _split_scratch(bucket: BucketShard, chunk: int) -> None:
@@ -135,10 +133,7 @@ def _split_scratch(bucket: BucketShard, chunk: int) -> None:
     ties = []
     for i0, i1 in _chunks(bucket.size, chunk, not bucket.descending):
         master = p16[base + 2 * i0 : base + 2 * i1].view(torch.float32)
-        bf16, residual, side = kernel.split_reference(master)
-        p16[own + i0 : own + i1] = bf16.view(torch.int16)
-        bucket.residual[i0:i1] = residual
-        ties.append(side + i0)
+        ties.append(kernel.encode_into(master, p16[own + i0 : own + i1], bucket.residual[i0:i1]) + i0)
     bucket.side = torch.cat(ties).sort().values if ties else kernel._empty_side(p16.device)
 
 
