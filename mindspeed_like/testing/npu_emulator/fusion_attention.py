@@ -29,7 +29,7 @@ from mindspeed_like.testing.npu_emulator import ContractError, register
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
-_KEYWORDS = (
+KEYWORDS = (
     "pse",
     "padding_mask",
     "atten_mask",
@@ -261,7 +261,7 @@ def dense_inputs(op: str, call: dict, checked: Checked):
 @register("npu_fusion_attention")
 def npu_fusion_attention(*args, **kwargs) -> tuple:
     op = "npu_fusion_attention"
-    call = bind(op, _POSITIONAL, _KEYWORDS, args, kwargs)
+    call = bind(op, _POSITIONAL, KEYWORDS, args, kwargs)
     c = check_common(op, call, "scale")
     if c.layout == "TND":
         return _tnd(

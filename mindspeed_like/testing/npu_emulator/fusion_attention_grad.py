@@ -21,6 +21,9 @@ import torch
 
 from mindspeed_like.testing.npu_emulator import ContractError, register
 from mindspeed_like.testing.npu_emulator.fusion_attention import (
+    KEYWORDS as FORWARD_KEYWORDS,
+)
+from mindspeed_like.testing.npu_emulator.fusion_attention import (
     bind,
     check_common,
     dense_inputs,
@@ -31,28 +34,17 @@ from mindspeed_like.testing.npu_emulator.fusion_attention import (
 
 _OP = "npu_fusion_attention_grad"
 _POSITIONAL = ("query", "key", "value", "dy", "head_num", "input_layout")
+# the forward's keywords (``scale`` renamed ``scale_value``) and the forward's results
 _KEYWORDS = (
-    "pse",
-    "padding_mask",
-    "atten_mask",
+    *(name for name in FORWARD_KEYWORDS if name != "scale"),
     "softmax_max",
     "softmax_sum",
     "softmax_in",
     "attention_in",
     "scale_value",
-    "keep_prob",
-    "pre_tockens",
-    "next_tockens",
-    "inner_precise",
     "seed",
     "offset",
     "numels",
-    "prefix",
-    "actual_seq_qlen",
-    "actual_seq_kvlen",
-    "sparse_mode",
-    "gen_mask_parallel",
-    "sync",
 )
 
 
