@@ -6,7 +6,9 @@ without ``bias_activation_fusion``) and megatron's ``bias_swiglu_impl`` vs ours 
 can; the bias case runs the eager kernel). ``ours_eager_ms`` is ours with ``--portable-kernels
 eager``. Run without TORCHDYNAMO_DISABLE to compare the compiled paths.
 
-Time: median of ``--repeats`` fwd+bwd runs, same inputs, same process. Saved: bytes autograd
+Time: median of ``--repeats`` fwd+bwd runs, same inputs, same process, after ``WARMUP`` runs
+(the process's first compile leaves Inductor's compile workers busy for a few calls: measured
+280 ms then 100 ms calls after a 57 ms one, so one warm-up run is not enough). Saved: bytes autograd
 keeps for backward (saved-tensor hooks, storages counted once).
 
     python benchmarks/fused_ops_swiglu.py [--quick] [--json out.json]
@@ -24,6 +26,7 @@ from mindspeed_like.kernels.swiglu import swiglu
 from mindspeed_like.testing import SavedBytesMeter
 
 MiB = 2**20
+WARMUP = 4
 
 
 def megatron_inline(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -71,13 +74,13 @@ def run(args, results: common.Results) -> None:
             x = torch.randn(tokens, 2 * ffn, dtype=dtype, requires_grad=True)
             bias = torch.randn(2 * ffn, dtype=dtype, requires_grad=True) if with_bias else None
             grad = torch.randn(tokens, ffn, dtype=dtype)
-            ours_s = common.median_seconds(_fwd_bwd(ours, x, bias, grad), args.repeats)
+            ours_s = common.median_seconds(_fwd_bwd(ours, x, bias, grad), args.repeats, WARMUP)
             ours_mib = _saved_mib(ours, x, bias)
             compiled.set_mode("eager")
-            eager_s = common.median_seconds(_fwd_bwd(ours, x, bias, grad), args.repeats)
+            eager_s = common.median_seconds(_fwd_bwd(ours, x, bias, grad), args.repeats, WARMUP)
             compiled.set_mode(None)
             for label, baseline in (("inline", megatron_inline), ("bias_swiglu_impl", megatron_fused)):
-                base_s = common.median_seconds(_fwd_bwd(baseline, x, bias, grad), args.repeats)
+                base_s = common.median_seconds(_fwd_bwd(baseline, x, bias, grad), args.repeats, WARMUP)
                 results.add(
                     op=f"swiglu{'+bias' if with_bias else ''} vs {label}",
                     dtype=str(dtype).replace("torch.", ""),

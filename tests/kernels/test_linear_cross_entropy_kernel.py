@@ -67,6 +67,26 @@ def test_bf16_within_stated_tolerance():
     assert _rel(gw, ref_gw) < 2e-2
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 0], ids=["one-token", "odd", "auto"])
+def test_accumulation_fusion_adds_every_row_block_to_main_grad(chunk):
+    """With gradient-accumulation fusion the weight gradient goes into ``main_grad`` slice by
+    slice of the vocabulary; what was there (an earlier micro-batch) stays, and megatron's dummy
+    gradient comes back so DDP's hook runs."""
+    h, w, labels, grad = _inputs(tokens=45, hidden=24, vocab=131, dtype=torch.float32)
+    _, ref_gh, ref_gw = _reference(h, w, labels, grad)
+    earlier = torch.randn(w.shape, dtype=torch.float64)
+    weight = w.clone().requires_grad_()
+    weight.main_grad = earlier.float().clone()
+    weight.grad_added_to_main_grad = False
+    hidden = h.clone().requires_grad_()
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk, accumulation_fusion=True)
+    (loss * grad).sum().backward()
+    assert weight.grad_added_to_main_grad is True
+    assert weight.grad is not None and weight.grad.shape == w.shape  # the dummy
+    assert _rel(weight.main_grad - earlier, ref_gw) < 1e-6
+    assert _rel(hidden.grad, ref_gh) < 1e-6
+
+
 def test_leading_dimensions_follow_labels():
     h, w, labels, grad = _inputs(tokens=12, hidden=8, vocab=19, dtype=torch.float32)
     loss = linear_cross_entropy(h.view(3, 4, 8), w, labels.view(3, 4), chunk_tokens=5)

@@ -34,16 +34,19 @@ def weight_gradient(
     accumulation_fusion: bool,
     compute: bool,
     input_dtype: torch.dtype,
+    rows: slice = slice(None),
 ) -> torch.Tensor | None:
-    """``grad_output`` ``[M, n]`` and ``total_input`` ``[M, k]`` (rank-major, as megatron's)."""
+    """``grad_output`` ``[M, n]`` and ``total_input`` ``[M, k]`` (rank-major, as megatron's).
+    ``rows``: the slice of the weight's rows ``grad_output`` covers (a caller that computes the
+    gradient in row blocks, each block complete over all tokens: the fused output loss)."""
     if not accumulation_fusion:
         return grad_output.t().matmul(total_input) if compute else None
     if compute:
         if hasattr(weight, "__fsdp_param__"):
             weight.main_grad = weight.get_main_grad()
-            torch.matmul(grad_output.t(), total_input, out=weight.main_grad)
+            torch.matmul(grad_output.t(), total_input, out=weight.main_grad[rows])
         else:
-            main_grad = weight.main_grad
+            main_grad = weight.main_grad[rows]
             if main_grad.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise RuntimeError("Unsupported gradient type for gradient accumulation fusion")
             main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
