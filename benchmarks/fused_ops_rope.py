@@ -1,7 +1,9 @@
 """RoPE fwd+bwd: megatron's ``rope_utils.apply_rotary_pos_emb`` (its eager, non-TE path) vs ours
 (portable backend), on megatron's sbhd layout ``[s, b, n, d]`` with ``[s, 1, 1, rot_dim]`` freqs.
 
-Time: median of ``--repeats`` fwd+bwd runs, same inputs, same process. Saved: bytes autograd
+Time: median of ``--repeats`` fwd+bwd runs, same inputs, same process, after ``WARMUP`` runs.
+``ours_ms`` is the default (``--portable-kernels auto``: the compiled custom op where TorchDynamo
+is on), ``ours_eager_ms`` the eager Function (``--portable-kernels eager``). Saved: bytes autograd
 keeps for backward per call (saved-tensor hooks, storages counted once). Megatron recomputes
 cos/sin on every call and saves them per call; ours saves references to one cached cos/sin
 pair shared by every call with the same freqs (q and k of every layer, every step), so the
@@ -17,10 +19,12 @@ import types
 import common  # benchmarks/ is the script directory (as in import_overhead.py)
 import torch
 
+from mindspeed_like.kernels import compiled
 from mindspeed_like.kernels import rope as rope_kernel
 from mindspeed_like.testing import SavedBytesMeter
 
 MiB = 2**20
+WARMUP = 4  # the process's first compile keeps Inductor's workers busy for a few calls
 
 
 class _NoCP:
@@ -74,14 +78,18 @@ def run(args, results: common.Results) -> None:
         for label, percent, interleaved in cases:
             rot_dim = int(dim * percent)
             freqs = torch.rand(seq, 1, 1, rot_dim) * 100
-            base_s = common.median_seconds(_fwd_bwd(megatron, t, freqs, interleaved, grad), args.repeats)
-            ours_s = common.median_seconds(_fwd_bwd(ours, t, freqs, interleaved, grad), args.repeats)
+            base_s = common.median_seconds(_fwd_bwd(megatron, t, freqs, interleaved, grad), args.repeats, WARMUP)
+            ours_s = common.median_seconds(_fwd_bwd(ours, t, freqs, interleaved, grad), args.repeats, WARMUP)
+            compiled.set_mode("eager")
+            eager_s = common.median_seconds(_fwd_bwd(ours, t, freqs, interleaved, grad), args.repeats, WARMUP)
+            compiled.set_mode(None)
             results.add(
                 op=f"rope {label}" + (f" rotary_percent={percent}" if percent < 1 else ""),
                 dtype=str(dtype).replace("torch.", ""),
                 shape=f"{seq}x{batch}x{heads}x{dim}",
                 megatron_ms=base_s * 1e3,
                 ours_ms=ours_s * 1e3,
+                ours_eager_ms=eager_s * 1e3,
                 speedup=base_s / ours_s,
                 megatron_saved_MiB=_saved_mib(megatron, t, freqs, interleaved),
                 ours_saved_MiB=_saved_mib(ours, t, freqs, interleaved),

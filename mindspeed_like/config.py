@@ -44,7 +44,7 @@ GLOBAL_FLAGS = (
         "portable_kernels",
         str,
         "auto",
-        "the portable SwiGLU/RMSNorm kernels: compiled with torch.compile (auto: where TorchDynamo is on and "
+        "the portable SwiGLU/RMSNorm/RoPE kernels: compiled with torch.compile (auto: where TorchDynamo is on and "
         "Inductor can compile for the device), or always eager",
         choices=("auto", "compiled", "eager"),
     ),

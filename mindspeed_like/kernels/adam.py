@@ -37,9 +37,10 @@ the bucket is block scaled (so blocks never straddle parameters; otherwise segme
 and ``self.state[p][name]`` is a view of its segment. A step is, per bucket:
 gradients and (for remainders) weights gathered into flat fp32 workspaces with ``torch._foreach_copy_``,
 non-fp32 states decoded in one op each, the Adam(W) update as single ops on the flat buffers, states
-encoded back, weights scattered with ``torch._foreach_copy_``. No Python loop over parameters does
-tensor math; the transient fp32 workspace is one bucket's grads, masters and decoded moments (TE's
-unfused path likewise materializes fp32 copies of every non-fp32 state).
+encoded back, weights scattered with ``torch._foreach_copy_``, all piece by piece of
+:data:`STEP_CHUNK` elements so each piece stays in cache. No Python loop over parameters does
+tensor math; the transient fp32 workspace is one piece's grads, masters and decoded moments (TE's
+unfused path materializes fp32 copies of every non-fp32 state).
 
 A skipped step (megatron found inf/nan in the grads) never calls :meth:`step`; nothing here
 changes state outside :meth:`step`, :meth:`set_scaled_state` and :meth:`load_state_dict`.
@@ -55,6 +56,12 @@ from typing import Any
 import torch
 
 BLOCK = 128
+STEP_CHUNK = 1 << 17
+"""Elements per piece of the step (a multiple of BLOCK, so block scales never straddle pieces).
+Why pieces: every op of the step was a pass over the whole bucket (tens of MB), so a step of
+~15 elementwise ops streamed memory ~15 times; on a piece of 2^17 elements (0.5 MiB per fp32
+array) the decode, the update and the encode run while the piece is in cache. Per-element math
+is unchanged, so results are bitwise those of the whole-bucket pass."""
 FP8 = torch.uint8  # megatron / TE spelling of an fp8 (E4M3) state
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, FP8)
 MASTER_DTYPES = (torch.float32, torch.float16)
@@ -98,6 +105,11 @@ class _Store:
     scales: torch.Tensor | None = None
     sqrt_domain: bool = False  # fp8 second moment: codes of sqrt(v)
 
+    def part(self, lo: int, hi: int) -> _Store:
+        """Elements ``[lo, hi)`` (block-aligned when scaled) as a store over the same memory."""
+        scales = None if self.scales is None else self.scales[lo // BLOCK : hi // BLOCK]
+        return _Store(self.dtype, self.data[lo:hi], scales, self.sqrt_domain)
+
     def decode(self) -> torch.Tensor:
         if self.dtype == torch.float32:
             return self.data
@@ -135,6 +147,22 @@ class _Bucket:
     align: int = BLOCK  # segment alignment: BLOCK when a state is block scaled, else 1 (no padding)
     stores: dict[str, _Store] = field(default_factory=dict)
     remainders: torch.Tensor | None = None
+    plan: list[tuple[int, int, list[tuple[int, int, int]]]] | None = None  # see :meth:`chunks`
+
+    def chunks(self) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+        """The step's chunks ``(lo, hi, pieces)``; a piece ``(i, a, b)`` is elements ``[a, b)`` of
+        param ``i`` (flattened), which sit at ``offsets[i] + a`` of the flat layout."""
+        if self.plan is None:
+            self.plan = []
+            for lo in range(0, self.size, STEP_CHUNK):
+                hi = min(self.size, lo + STEP_CHUNK)
+                pieces = []
+                for i, p in enumerate(self.params):
+                    a, b = max(lo, self.offsets[i]) - self.offsets[i], min(hi, self.offsets[i] + p.numel())
+                    if b - self.offsets[i] > a:
+                        pieces.append((i, a, b - self.offsets[i]))
+                self.plan.append((lo, hi, pieces))
+        return self.plan
 
     def segment(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -424,50 +452,70 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
             return
         device = bucket.params[0].device
         saved = self._snapshot(bucket, frozen)
-        g = torch.zeros(bucket.size, dtype=torch.float32, device=device)
-        live = [i for i, x in enumerate(grads) if x is not None]
-        torch._foreach_copy_([bucket.segment(g, i) for i in live], [grads[i].detach() for i in live])
-        m = bucket.stores["exp_avg"].decode()
-        v = bucket.stores["exp_avg_sq"].decode()
-        w = self._load_master(bucket, device)
-        adam_math(
-            w,
-            g,
-            m,
-            v,
-            step=group["step"],
-            lr=group["lr"],
-            betas=group["betas"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            adam_w_mode=self.adam_w_mode,
-            bias_correction=group.get("bias_correction", True),
-        )
-        bucket.stores["exp_avg"].encode(m)
-        bucket.stores["exp_avg_sq"].encode(v)
-        self._store_master(bucket, w)
+        flat_grads = [None if x is None else x.detach().reshape(-1) for x in grads]
+        # megatron's params are contiguous views; any other is stepped in a contiguous copy
+        flat_params = [p.detach().reshape(-1) if p.is_contiguous() else p.detach().flatten() for p in bucket.params]
+        workspace = torch.empty(2, min(STEP_CHUNK, bucket.size), dtype=torch.float32, device=device)
+        for lo, hi, pieces in bucket.chunks():
+            g = workspace[0, : hi - lo].zero_()
+            live = [(i, a, b) for i, a, b in pieces if flat_grads[i] is not None]
+            torch._foreach_copy_(
+                [g[bucket.offsets[i] + a - lo : bucket.offsets[i] + b - lo] for i, a, b in live],
+                [flat_grads[i][a:b] for i, a, b in live],
+            )
+            m_store, v_store = bucket.stores["exp_avg"].part(lo, hi), bucket.stores["exp_avg_sq"].part(lo, hi)
+            m, v = m_store.decode(), v_store.decode()
+            w = self._load_master(bucket, lo, hi, pieces, flat_params, workspace[1, : hi - lo])
+            adam_math(
+                w,
+                g,
+                m,
+                v,
+                step=group["step"],
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                adam_w_mode=self.adam_w_mode,
+                bias_correction=group.get("bias_correction", True),
+            )
+            m_store.encode(m)
+            v_store.encode(v)
+            self._store_master(bucket, lo, hi, pieces, flat_params, w)
+        for p, flat in zip(bucket.params, flat_params):
+            if not p.is_contiguous():
+                p.detach().copy_(flat.view(p.shape))
         self._restore(bucket, saved)
 
-    def _load_master(self, bucket: _Bucket, device: torch.device) -> torch.Tensor:
-        params = [p.detach() for p in bucket.params]
+    @staticmethod
+    def _load_master(bucket: _Bucket, lo: int, hi: int, pieces, flat_params, space: torch.Tensor) -> torch.Tensor:
+        """The fp32 masters of elements ``[lo, hi)``: decoded, or the params (+ remainders) in ``space``."""
         if bucket.master == "buffer":
-            return bucket.stores["master_param"].decode()
-        w = _workspace(bucket, params, device)  # bf16 -> fp32 is exact: (bf16_bits << 16)
+            return bucket.stores["master_param"].part(lo, hi).decode()
+        w = space.zero_()
+        torch._foreach_copy_(  # bf16 -> fp32 is exact: (bf16_bits << 16)
+            [w[bucket.offsets[i] + a - lo : bucket.offsets[i] + b - lo] for i, a, b in pieces],
+            [flat_params[i][a:b] for i, a, b in pieces],
+        )
         if bucket.master == "remainder":
-            w.view(torch.int32).add_(bucket.remainders)
+            w.view(torch.int32).add_(bucket.remainders[lo:hi])
         return w
 
-    def _store_master(self, bucket: _Bucket, w: torch.Tensor) -> None:
+    @staticmethod
+    def _store_master(bucket: _Bucket, lo: int, hi: int, pieces, flat_params, w: torch.Tensor) -> None:
         if bucket.master == "buffer":
-            bucket.stores["master_param"].encode(w)
+            bucket.stores["master_param"].part(lo, hi).encode(w)
             out = w
         elif bucket.master == "remainder":
             low = w.view(torch.int16)[0::2]  # little endian: the low half of each fp32 word
-            bucket.remainders.copy_(low)
+            bucket.remainders[lo:hi].copy_(low)
             out = (w.view(torch.int32) - low).view(torch.float32)  # low half 0: exactly a bf16 value
         else:
             out = w
-        torch._foreach_copy_([p.detach() for p in bucket.params], bucket.segments(out))
+        torch._foreach_copy_(
+            [flat_params[i][a:b] for i, a, b in pieces],
+            [out[bucket.offsets[i] + a - lo : bucket.offsets[i] + b - lo] for i, a, b in pieces],
+        )
 
     def _snapshot(self, bucket: _Bucket, frozen: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(view, copy) of every storage slice of the params without a grad: restored after the pass,

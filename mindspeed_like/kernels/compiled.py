@@ -1,4 +1,4 @@
-"""The compiled portable backend: the portable SwiGLU and RMSNorm forward/backward as
+"""The compiled portable backend: the portable SwiGLU, RMSNorm and RoPE forward/backward as
 ``torch.compile``'d kernels behind ``torch.library`` custom ops.
 
 Why: the portable kernels are eager autograd Functions, several elementwise passes each, while
@@ -6,21 +6,23 @@ megatron's own path compiles its fused activations (``jit_fuser`` is ``torch.com
 TorchDynamo is on; one generated kernel per op reads and writes each tensor once.
 
 How:
-- each kernel body is plain torch math compiled with ``torch.compile(dynamic=True)`` on first
-  use: one compiled graph per dtype/rank family, no recompilation when the batch or sequence
-  length changes (tests/kernels/test_compiled_kernels.py checks this over GPT steps);
+- each kernel body is plain torch math compiled with ``torch.compile`` on first use, the row
+  dimensions marked dynamic (see :func:`_run`): one compiled graph per dtype/rank family, no
+  recompilation when the batch or sequence length changes (tests/kernels/test_compiled_kernels.py
+  checks this over GPT steps);
 - the custom ops (``mindspeed_like::swiglu``, ``swiglu_backward``, ``rms_norm``,
-  ``rms_norm_backward``) carry fake (meta) implementations and autograd registrations, so a
-  user's own ``torch.compile`` of the model traces through them as single opaque nodes
-  (checked with ``torch.library.opcheck``);
+  ``rms_norm_backward``, ``rope``, ``rope_backward``) carry fake (meta) implementations and
+  autograd registrations, so a user's own ``torch.compile`` of the model traces through them as
+  single opaque nodes (checked with ``torch.library.opcheck``);
 - where compiling is unavailable (``TORCHDYNAMO_DISABLE=1``, no compiler for the device, a
-  compile error) the same math runs eagerly, said once in the log.
+  compile error, dynamo's recompile limit) the same math runs eagerly, said once in the log.
 
 Which: ``--portable-kernels`` ``auto`` (default) / ``compiled`` / ``eager``. ``auto`` compiles
 when TorchDynamo is enabled and Inductor can generate code for the device (a C++ compiler on
-CPU, triton on CUDA): the rule, since a compiled elementwise kernel is never slower than the
-eager chain once compiled (measured in benchmarks/fused_ops_{swiglu,rmsnorm}.py). Saved tensors
-are the eager portable kernels' (SwiGLU: its input; RMSNorm: input and fp32 rstd).
+CPU, triton on CUDA). That is the rule for SwiGLU and RMSNorm, whose compiled kernels beat the
+eager chains in every measured row (benchmarks/fused_ops_{swiglu,rmsnorm}.py); RoPE goes
+compiled only for partial rotation, also measured (kernels/rope.py says why). Saved tensors are
+the eager portable kernels' (SwiGLU: its input; RMSNorm: input and fp32 rstd; RoPE: cos/sin).
 """
 
 from __future__ import annotations
@@ -103,20 +105,26 @@ def active(x: torch.Tensor) -> bool:
     return False
 
 
+_DYNAMIC_DIMS = {2: (0,), 4: (0, 1)}
+
+
 def _run(name: str, fn: Callable, *args):
     """``fn(*args)`` compiled once per dtype family, or eagerly after a compile failure.
 
-    Only the row count (dim 0 of the 2-D tensors) is dynamic: the hidden size stays a constant
-    of the generated code. Fully dynamic shapes (``dynamic=True``) measured 1.3-1.5x slower in
-    the backward kernels here: symbolic inner sizes cost the vectorized loops."""
+    Only the row count (dim 0 of the 2-D tensors; sequence and batch, dims 0 and 1, of the 4-D
+    ``[s, b, n, d]`` ones) is dynamic: the hidden size stays a constant of the generated code.
+    Fully dynamic shapes (``dynamic=True``) measured 1.3-1.5x slower in the backward kernels
+    here: symbolic inner sizes cost the vectorized loops."""
     compiled = _compiled.get(name)
     if compiled is None:
         compiled = _compiled[name] = torch.compile(fn, dynamic=False, fullgraph=True)
     if compiled is fn:
         return fn(*args)
     for arg in args:
-        if isinstance(arg, torch.Tensor) and arg.dim() == 2:
-            torch._dynamo.maybe_mark_dynamic(arg, 0)
+        if isinstance(arg, torch.Tensor) and arg.dim() in _DYNAMIC_DIMS:
+            for dim in _DYNAMIC_DIMS[arg.dim()]:
+                if arg.shape[dim] > 1:  # a size-1 (broadcast) dimension stays specialized
+                    torch._dynamo.maybe_mark_dynamic(arg, dim)
     try:
         return compiled(*args)
     except Exception as error:  # a compiler problem on this host: the math is the same eagerly
@@ -164,6 +172,31 @@ def rms_norm_backward_math(grad, x, gamma, rstd) -> tuple[torch.Tensor, torch.Te
     proj = (gx * gamma).sum(dim=1, keepdim=True) / x.shape[1]
     dx = g_r * gamma - xf * (rstd * rstd * proj)
     return dx.to(x.dtype), gx.sum(dim=0)
+
+
+def _rope_swap(x: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """The rotate permutation without its sign (kernels/rope.py's ``_swap``)."""
+    if interleave:
+        return torch.stack((x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    half = x.shape[-1] // 2
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_math(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """``t [s, b, n, d]``, ``cos``/``signed_sin [s, 1|b, 1, rot]`` (rotate's sign folded into the
+    sin): ``x * cos + swap(x) * signed_sin`` on the first ``rot`` channels, the rest passed on."""
+    rot = cos.shape[-1]
+    x = t[..., :rot]
+    out = x * cos + _rope_swap(x, interleave) * signed_sin
+    return torch.cat((out, t[..., rot:]), dim=-1) if rot < t.shape[-1] else out
+
+
+def rope_backward_math(grad: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, interleave: bool):
+    """The inverse rotation: ``g * cos + swap(g * signed_sin)`` (swap is its own transpose)."""
+    rot = cos.shape[-1]
+    g = grad[..., :rot]
+    dx = g * cos + _rope_swap(g * signed_sin, interleave)
+    return torch.cat((dx, grad[..., rot:]), dim=-1) if rot < grad.shape[-1] else dx
 
 
 # ---------------------------------------------------------------- custom ops
@@ -276,3 +309,37 @@ def _rms_grad(ctx, grad_y, _grad_rstd):
 
 
 rms_norm.register_autograd(_rms_grad, setup_context=_rms_setup)
+
+
+@torch.library.custom_op("mindspeed_like::rope", mutates_args=())
+def rope(t: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """RoPE's ``half``/``interleave`` modes on ``[s, b, n, d]``; saves only the shared cos/sin."""
+    return _run("rope", rope_math, t, cos, signed_sin, interleave).contiguous()  # as the fake says
+
+
+@rope.register_fake
+def _(t, cos, signed_sin, interleave):
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("mindspeed_like::rope_backward", mutates_args=())
+def rope_backward(grad: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    return _run("rope_backward", rope_backward_math, grad, cos, signed_sin, interleave).contiguous()
+
+
+@rope_backward.register_fake
+def _(grad, cos, signed_sin, interleave):
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
+def _rope_setup(ctx, inputs, output) -> None:
+    _, cos, signed_sin, ctx.interleave = inputs
+    ctx.save_for_backward(cos, signed_sin)
+
+
+def _rope_grad(ctx, grad):
+    cos, signed_sin = ctx.saved_tensors
+    return rope_backward(grad.contiguous(), cos, signed_sin, ctx.interleave), None, None, None
+
+
+rope.register_autograd(_rope_grad, setup_context=_rope_setup)

@@ -9,6 +9,12 @@ Modes: ``half`` (megatron's non-interleaved rotate-half), ``interleave`` (pairs 
 and ``mla`` (megatron's multi-latent-attention variant: the input is de-interleaved into
 ``[even | odd]`` and then rotated half-wise; the output stays in that order).
 
+Portable backend: partial rotation (``rot_dim < d``) runs the compiled custom op
+(``kernels/compiled.py``) where the host compiles; full rotation stays on the eager Function.
+That is the measured rule (benchmarks/fused_ops_rope.py, 2-core CPU, 4096x1x32x128): compiled
+beat eager only with ``rotary_percent=0.5`` (63 vs 75 ms fp32, 26 vs 32 ms bf16); with full
+rotation the three eager passes (swap, mul, addcmul) were faster (72 vs 83 ms fp32, 37 vs 49 ms bf16).
+
 Why so little is saved: a rotation is orthogonal, so the backward is the inverse rotation of
 the gradient and needs nothing but cos/sin. cos/sin (times ``mscale``, in the activation dtype)
 are computed once per (freqs tensor, dtype, device, mscale, cu_seqlens) and shared by every
@@ -25,6 +31,7 @@ from collections import OrderedDict
 
 import torch
 
+from mindspeed_like.kernels import compiled
 from mindspeed_like.kernels.backend import backend_for
 from mindspeed_like.kernels.backends.npu import torch_npu
 
@@ -274,7 +281,10 @@ def apply_rope(
     elif chosen == "reference":
         out = _reference(t4, cos, sin, mode)
     elif chosen in ("npu", "portable"):
-        out = _PortableRope.apply(t4, cos, sin, mode)
+        if mode != "mla" and cos.shape[-1] < t4.shape[-1] and compiled.active(t4):
+            out = compiled.rope(t4, cos, _signed_sin(sin, mode), mode == "interleave")
+        else:
+            out = _PortableRope.apply(t4, cos, sin, mode)
     else:
         raise ValueError(f"unknown backend {chosen!r}")
     return out.squeeze(1) if packed else out

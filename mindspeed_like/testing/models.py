@@ -34,6 +34,7 @@ MODEL_DEFAULTS: dict[str, Any] = dict(
     vocab_size=256,
     max_sequence_length=32,
     position_embedding_type="rope",
+    rotary_percent=1.0,
     share_embeddings_and_output_weights=False,
 )
 
@@ -72,7 +73,7 @@ def tiny_gpt(*, wrap_float16: bool = True, **overrides: Any):
 
     Overrides go to :func:`gpt_config` (TransformerConfig fields) or to GPTModel
     (``vocab_size``, ``max_sequence_length`` alias ``seq_length``, ``position_embedding_type``,
-    ``share_embeddings_and_output_weights``). Defaults: 2 layers, hidden 64, 4 heads, seq 32,
+    ``rotary_percent``, ``share_embeddings_and_output_weights``). Defaults: 2 layers, hidden 64, 4 heads, seq 32,
     vocab 256, RMSNorm, SwiGLU, RoPE, no biases, no dropout, CPU initialization.
 
     The same seed gives the same model function at every tensor-parallel size, in every

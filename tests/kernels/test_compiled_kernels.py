@@ -18,6 +18,7 @@ import torch
 import mindspeed_like
 from mindspeed_like.kernels import compiled
 from mindspeed_like.kernels import rmsnorm as rmsnorm_kernel
+from mindspeed_like.kernels import rope as rope_kernel
 from mindspeed_like.kernels import swiglu as swiglu_kernel
 
 
@@ -26,6 +27,9 @@ def _mode_back():
     yield
     compiled.set_mode(None)
     mindspeed_like.reset()
+    compiled._compiled.clear()
+    # dynamo's per-function recompile limit (8) spans tests: every dtype/shape variant here counts
+    torch._dynamo.reset()
 
 
 def _inputs(dtype, rows=6, hidden=16):
@@ -46,6 +50,14 @@ def test_custom_ops_pass_opcheck(dtype):
     torch.library.opcheck(compiled.rms_norm, (xr, gamma.requires_grad_(), 1e-5))
     _, rstd = compiled.rms_norm(xr.detach(), gamma.detach(), 1e-5)
     torch.library.opcheck(compiled.rms_norm_backward, (torch.randn(6, 16).to(dtype), xr.detach(), gamma.detach(), rstd))
+    t, cos, sin = (
+        torch.randn(5, 2, 3, 8).to(dtype),
+        torch.randn(5, 1, 1, 6).to(dtype),
+        torch.randn(5, 1, 1, 6).to(dtype),
+    )
+    for interleave in (False, True):  # rot_dim 6 < head dim 8: the pass-through channels too
+        torch.library.opcheck(compiled.rope, (t.clone().requires_grad_(), cos, sin, interleave))
+        torch.library.opcheck(compiled.rope_backward, (t, cos, sin, interleave))
 
 
 def test_fallback_is_said_once_without_dynamo(monkeypatch, caplog):
@@ -130,8 +142,31 @@ def test_compiled_rmsnorm_equals_eager(dtype, zero_centered, monkeypatch):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["half", "interleave"])
+@pytest.mark.parametrize("rot_dim", [64, 32], ids=["full", "rotary_percent=0.5"])
+def test_compiled_rope_equals_eager(dtype, mode, rot_dim, monkeypatch):
+    """The custom op at full and partial rotation against the eager Function; apply_rope routes
+    partial rotation to it and keeps full rotation eager (the measured rule, kernels/rope.py)."""
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    t, freqs = torch.randn(7, 2, 3, 64).to(dtype), torch.rand(7, 1, 1, rot_dim) * 10
+    cos, sin = rope_kernel.cos_sin(freqs, dtype)
+    signed = rope_kernel._signed_sin(sin, mode)
+    compiled.set_mode("compiled")
+    compiled._compiled.clear()
+    out, (dx,) = _with_grads(lambda x: compiled.rope(x, cos, signed, mode == "interleave"), t)
+    assert compiled._compiled["rope"] is not compiled.rope_math  # compiled, not the eager fallback
+    ref, (ref_dx,) = _with_grads(lambda x: rope_kernel._PortableRope.apply(x, cos, sin, mode), t)
+    _close(out, ref, dtype)
+    _close(dx, ref_dx, dtype)
+    compiled._compiled.clear()
+    rope_kernel.apply_rope(t, freqs, mode=mode, backend="portable")
+    assert ("rope" in compiled._compiled) == (rot_dim < t.shape[-1])
+
+
+@pytest.mark.compile
 def test_gpt_with_varying_batch_sizes_compiles_once(monkeypatch):
-    """10 GPT steps (fused SwiGLU and RMSNorm through the compiled ops) at micro-batch sizes 1-4
+    """10 GPT steps (fused SwiGLU, RMSNorm and RoPE through the compiled ops) at micro-batch sizes 1-4
     and two sequence lengths: no recompilation after the first two steps (torch.compile
     specializes a size-1 dimension, so batch 1 then 2 compile twice, as any dynamic compile does)."""
     import torch._dynamo
@@ -140,10 +175,16 @@ def test_gpt_with_varying_batch_sizes_compiles_once(monkeypatch):
 
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     compiled._compiled.clear()
-    mindspeed_like.configure(device="cpu", use_fused_swiglu=True, use_fused_rmsnorm=True, portable_kernels="compiled")
+    mindspeed_like.configure(
+        device="cpu",
+        use_fused_swiglu=True,
+        use_fused_rmsnorm=True,
+        use_fused_rotary_pos_emb=True,
+        portable_kernels="compiled",
+    )
     init_parallel(seed=1)
     try:
-        model = tiny_gpt(seq_length=32)
+        model = tiny_gpt(seq_length=32, rotary_percent=0.5)  # partial rotation: the compiled RoPE
         graphs = []
         for batch, seq in [(1, 32), (2, 32), (3, 16), (4, 32), (2, 16)] * 2:
             tokens = torch.randint(0, 256, (batch, seq))
@@ -151,7 +192,7 @@ def test_gpt_with_varying_batch_sizes_compiles_once(monkeypatch):
             model(tokens, position_ids, None, labels=tokens).float().mean().backward()
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         assert graphs[0] > 0 and graphs[1] == graphs[-1], f"unique compiled graphs after each step: {graphs}"
-        for name in ("swiglu", "swiglu_backward", "rms_norm", "rms_norm_backward"):
+        for name in ("swiglu", "swiglu_backward", "rms_norm", "rms_norm_backward", "rope", "rope_backward"):
             assert name in compiled._compiled and compiled._compiled[name] is not getattr(compiled, f"{name}_math")
     finally:
         destroy_parallel()

@@ -160,7 +160,7 @@ def test_remainder_identity_on_special_values():
     bucket = opt._buckets[id(p)]
     w = torch.zeros(bucket.size)
     w[: p.numel()] = master
-    opt._store_master(bucket, w)
+    opt._store_master(bucket, 0, bucket.size, bucket.chunks()[0][2], [p.view(-1)], w)
     assert torch.equal(opt.master_param(p).view(torch.int32), master.view(torch.int32))
 
 
@@ -209,6 +209,40 @@ def test_state_api_round_trip_and_cross_dtype_load(dtype):
         value = torch.full(p.shape, 0.25)
         low.set_scaled_state(p, "exp_avg", value)
         assert torch.equal(low.get_unscaled_state(p, "exp_avg"), value)  # 0.25 is exact in every dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8], ids=str)
+def test_step_in_pieces_is_bitwise_the_whole_bucket_step(dtype, monkeypatch):
+    """The step runs piece by piece (STEP_CHUNK elements, for cache): pieces of 2 blocks cut
+    through every parameter here, a frozen one and a non-contiguous one included, and give the
+    whole-bucket step's bits."""
+    from mindspeed_like.kernels import adam
+
+    def run(chunk: int):
+        monkeypatch.setattr(adam, "STEP_CHUNK", chunk)
+        params = _weights()
+        params[0] = params[0].t()  # non-contiguous [33, 64]
+        opt = PrecisionAwareAdam(
+            params,
+            lr=LR,
+            betas=BETAS,
+            weight_decay=WD,
+            master_weights=True,
+            store_param_remainders=True,
+            use_decoupled_grad=True,
+            exp_avg_dtype=dtype,
+            exp_avg_sq_dtype=dtype,
+        )
+        for step, gs in enumerate(_grads(4)):
+            for i, (p, g) in enumerate(zip(params, gs)):
+                p.decoupled_grad = None if (i == 2 and step == 2) else g.view(p.shape).bfloat16()
+            opt.step()
+        return [(p.clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params]
+
+    whole, pieces = run(1 << 30), run(2 * BLOCK)
+    for (w1, s1), (w2, s2) in zip(whole, pieces):
+        assert torch.equal(w1, w2)
+        assert all(torch.equal(s1[k], s2[k]) for k in s1)
 
 
 def test_params_without_grad_keep_weight_and_state():
