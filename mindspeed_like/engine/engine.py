@@ -350,6 +350,8 @@ class PatchEngine:
                 return self._missing(feature, patch, f"has no '{name}' in {module.__name__}")
             owner = getattr(owner, name)
         attr = attrs[-1]
+        if patch.kind is Kind.PROVIDE:
+            return self._provide(feature, patch, owner, attr)
         had_own = attr in vars(owner) if isinstance(owner, (type, types.ModuleType)) else False
         if not had_own:
             if not isinstance(owner, type) or not hasattr(owner, attr):
@@ -359,6 +361,14 @@ class PatchEngine:
             original = vars(owner)[attr]
         if patch.kind is Kind.WRAP and not callable(original) and not isinstance(original, (staticmethod, classmethod)):
             raise self._error(feature, patch, "is not callable (WRAP needs a callable)")
+        if patch.kind is Kind.REPLACE and patch.update_aliases and isinstance(owner, types.ModuleType):
+            if original is None or isinstance(original, (bool, int, float, str, bytes)):
+                # identity means nothing for such values: every module's False is the same object
+                self._order = [k for k in self._order if k != (feature, patch.target)]
+                raise PatchError(
+                    f"feature '{feature}': patch target '{patch.target}' holds the plain value {original!r}, whose "
+                    "copies in other modules cannot be told apart by identity; declare update_aliases=False"
+                )
         wrapper = patch.new if self.calls is None else _CountingWrapper(patch.new, self.calls, feature)
         installed = wrapt.FunctionWrapper(original, wrapper) if patch.kind is Kind.WRAP else patch.new
         setattr(owner, attr, installed)
@@ -367,6 +377,21 @@ class PatchEngine:
             self._swap_aliases(original, installed, skip=(owner.__name__, attr))
         self._active.setdefault(patch.target, []).append(entry)
         logger.debug("feature '%s': %s %s", feature, patch.kind.value, patch.target)
+        return None
+
+    def _provide(self, feature: str, patch: Patch, owner: Any, attr: str) -> None:
+        if not isinstance(owner, types.ModuleType):
+            raise PatchError(f"feature '{feature}': PROVIDE target '{patch.target}' must be a module-level name")
+        namespace = vars(owner)
+        bound = attr in namespace
+        if bound and namespace[attr] is not None:
+            return self._missing(
+                feature, patch, f"is already bound (to {namespace[attr]!r}): nothing to provide, its module has it"
+            )
+        setattr(owner, attr, patch.new)
+        entry = _Active(feature, patch, owner, attr, None, patch.new, bound)
+        self._active.setdefault(patch.target, []).append(entry)
+        logger.debug("feature '%s': provide %s", feature, patch.target)
         return None
 
     def _missing(self, feature: str, patch: Patch, detail: str) -> None:
@@ -379,7 +404,7 @@ class PatchEngine:
     def _aliases_of(self, entry: _Active) -> list[tuple[str, str]]:
         """Live view: every scoped module global holding our object, whenever it got it
         (swapped at apply time, or copied by a module imported afterwards)."""
-        if not isinstance(entry.owner, types.ModuleType) or not entry.patch.update_aliases:
+        if not isinstance(entry.owner, types.ModuleType) or not self._tracks_aliases(entry.patch):
             return []
         home = (entry.owner.__name__, entry.attr)
         return sorted(
@@ -388,6 +413,10 @@ class PatchEngine:
             for name, value in list(vars(module).items())
             if value is entry.installed and (module.__name__, name) != home
         )
+
+    @staticmethod
+    def _tracks_aliases(patch: Patch) -> bool:
+        return patch.update_aliases and patch.kind is not Kind.PROVIDE
 
     def _scoped_modules(self) -> list[types.ModuleType]:
         # Cached while sys.modules is unchanged: same size and same newest entry (imports
@@ -460,7 +489,7 @@ class PatchEngine:
             setattr(entry.owner, entry.attr, entry.original)
         else:
             delattr(entry.owner, entry.attr)
-        if isinstance(entry.owner, types.ModuleType) and entry.patch.update_aliases:
+        if isinstance(entry.owner, types.ModuleType) and self._tracks_aliases(entry.patch):
             # Every scoped reference to ours goes back: the aliases swapped at apply time and
             # the copies taken by modules imported while the patch was active.
             self._swap_aliases(entry.installed, entry.original)

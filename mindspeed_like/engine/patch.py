@@ -16,10 +16,16 @@ class Kind(enum.Enum):
     REPLACE: the attribute becomes ``new`` (a module global, a class attribute or method,
         inherited or own: an inherited one is shadowed on the class and deleted on undo).
     WRAP: the callable is wrapped with wrapt: ``new(wrapped, instance, args, kwargs)``.
+    PROVIDE: a module-level name that the module binds only when an optional dependency imports
+        (its ``try: import X`` failed, so the name is unbound, or bound to None) is bound to
+        ``new``. A name already bound to anything else is not ours to provide: an error naming
+        what is there (a skip for an optional patch). Undo unbinds it again (or restores None).
+        Nothing else holds such a name, so there are no aliases to update.
     """
 
     REPLACE = "replace"
     WRAP = "wrap"
+    PROVIDE = "provide"
 
 
 class PatchError(RuntimeError):

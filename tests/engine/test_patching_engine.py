@@ -44,6 +44,13 @@ FILES = {
             pass
 
         VALUE = 3
+        FLAG = False
+
+        try:
+            from fakemeg_optional_dependency import Thing  # absent: Thing stays unbound
+        except ImportError:
+            pass
+        NOTHING = None  # what a module binds when its optional dependency is absent
     """,
     "core/user.py": """
         from fakemeg.core.funcs import f
@@ -257,6 +264,45 @@ def test_wrap_needs_a_callable(fakemeg, engine):
     importlib.import_module(f"{PKG}.core.funcs")
     with pytest.raises(PatchTargetError, match="callable"):
         engine.apply("feat", [Patch(f"{PKG}.core.funcs.VALUE", Kind.WRAP, lambda *a: None)])
+
+
+def test_provide_binds_what_a_missing_optional_dependency_left_unbound(fakemeg, engine):
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    user = importlib.import_module(f"{PKG}.core.user")
+
+    class Ours:
+        pass
+
+    engine.apply(
+        "feat",
+        [Patch(f"{PKG}.core.funcs.Thing", Kind.PROVIDE, Ours), Patch(f"{PKG}.core.funcs.NOTHING", Kind.PROVIDE, Ours)],
+    )
+    assert funcs.Thing is Ours and funcs.NOTHING is Ours
+    assert not hasattr(user, "Thing")  # nothing else is touched: no aliases of a name nobody held
+    assert [r.kind for r in engine.report()] == ["provide", "provide"]
+    engine.remove("feat")
+    assert "Thing" not in vars(funcs) and funcs.NOTHING is None
+
+
+def test_provide_refuses_a_bound_name(fakemeg, engine):
+    importlib.import_module(f"{PKG}.core.funcs")
+    with pytest.raises(PatchTargetError, match="already bound"):
+        engine.apply("feat", [Patch(f"{PKG}.core.funcs.VALUE", Kind.PROVIDE, object())])
+    engine.apply("feat", [Patch(f"{PKG}.core.funcs.VALUE", Kind.PROVIDE, object(), optional=True)])
+    assert importlib.import_module(f"{PKG}.core.funcs").VALUE == 3
+    assert [r.status for r in engine.report()] == ["skipped"]
+
+
+def test_replacing_a_plain_value_needs_update_aliases_off(fakemeg, engine):
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    with pytest.raises(PatchError, match="update_aliases=False"):
+        engine.apply("feat", [Patch(f"{PKG}.core.funcs.FLAG", Kind.REPLACE, True)])
+    assert funcs.FLAG is False and funcs.NOTHING is None  # nothing else holding False was swapped
+    assert engine.report() == []
+    engine.apply("feat", [Patch(f"{PKG}.core.funcs.FLAG", Kind.REPLACE, True, update_aliases=False)])
+    assert funcs.FLAG is True and funcs.NOTHING is None
+    engine.remove("feat")
+    assert funcs.FLAG is False
 
 
 def test_applying_twice_equals_once(fakemeg, engine):
