@@ -2,9 +2,10 @@
 
 from mindspeed_like.engine.engine import PatchEngine, distribution_version
 from mindspeed_like.engine.locate import split_target
-from mindspeed_like.engine.patch import Kind, Patch, PatchError, PatchRecord, PatchTargetError, StackingError
+from mindspeed_like.engine.patch import Deferred, Kind, Patch, PatchError, PatchRecord, PatchTargetError, StackingError
 
 __all__ = [
+    "Deferred",
     "Kind",
     "Patch",
     "PatchEngine",

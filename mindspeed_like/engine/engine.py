@@ -39,7 +39,7 @@ from packaging.version import Version
 
 from mindspeed_like.engine import stacking
 from mindspeed_like.engine.locate import locate
-from mindspeed_like.engine.patch import Kind, Patch, PatchError, PatchRecord, PatchTargetError
+from mindspeed_like.engine.patch import Kind, Patch, PatchError, PatchRecord, PatchTargetError, resolved
 
 logger = logging.getLogger("mindspeed_like")
 
@@ -370,7 +370,7 @@ class PatchEngine:
                     "copies in other modules cannot be told apart by identity; declare update_aliases=False"
                 )
         wrapper = patch.new if self.calls is None else _CountingWrapper(patch.new, self.calls, feature)
-        installed = wrapt.FunctionWrapper(original, wrapper) if patch.kind is Kind.WRAP else patch.new
+        installed = wrapt.FunctionWrapper(original, wrapper) if patch.kind is Kind.WRAP else resolved(patch.new)
         setattr(owner, attr, installed)
         entry = _Active(feature, patch, owner, attr, original, installed, had_own)
         if isinstance(owner, types.ModuleType) and patch.update_aliases:
@@ -388,8 +388,9 @@ class PatchEngine:
             return self._missing(
                 feature, patch, f"is already bound (to {namespace[attr]!r}): nothing to provide, its module has it"
             )
-        setattr(owner, attr, patch.new)
-        entry = _Active(feature, patch, owner, attr, None, patch.new, bound)
+        installed = resolved(patch.new)
+        setattr(owner, attr, installed)
+        entry = _Active(feature, patch, owner, attr, None, installed, bound)
         self._active.setdefault(patch.target, []).append(entry)
         logger.debug("feature '%s': provide %s", feature, patch.target)
         return None

@@ -41,15 +41,43 @@ class StackingError(PatchError):
 
 
 @dataclass(frozen=True)
+class Deferred:
+    """A patch's new object that is defined only once its target's package is importable: the
+    attribute ``attr`` of module ``module``, imported when the patch is installed (at the target
+    module's import, or at apply when it is imported already).
+
+    Why: a replacement class that subclasses one of the patched package's own classes cannot be
+    defined before that package is imported, while patches are declared (and checked, listed by
+    the CLI) without importing it. Compared by value, like every ``Patch.new``."""
+
+    module: str
+    attr: str
+
+    def resolve(self) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(self.module), self.attr)
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.attr}"
+
+
+def resolved(new: Any) -> Any:
+    """``new`` itself, or the object a :class:`Deferred` stands for."""
+    return new.resolve() if isinstance(new, Deferred) else new
+
+
+@dataclass(frozen=True)
 class Patch:
     """One change to one target.
 
     target: dotted path, module part then attribute part, e.g.
         ``megatron.core.tensor_parallel.random.CudaRNGStatesTracker.add``.
     kind: see :class:`Kind`.
-    new: the replacement object (REPLACE) or the wrapt wrapper ``new(wrapped, instance, args,
-        kwargs)`` (WRAP). Compared by value when a feature is applied again: an equal patch is
-        left in place (wrappers built from config values are frozen dataclasses for that).
+    new: the replacement object (REPLACE, PROVIDE; a :class:`Deferred` for one defined at install
+        time) or the wrapt wrapper ``new(wrapped, instance, args, kwargs)`` (WRAP). Compared by
+        value when a feature is applied again: an equal patch is left in place (wrappers built
+        from config values are frozen dataclasses for that).
     optional: a missing target is a logged skip instead of an error.
     on_missing: for an optional target whose absence changes behaviour (the feature needs it
         when it exists in this version): called with the reason instead of the info-level skip

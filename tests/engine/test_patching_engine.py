@@ -284,6 +284,21 @@ def test_provide_binds_what_a_missing_optional_dependency_left_unbound(fakemeg, 
     assert "Thing" not in vars(funcs) and funcs.NOTHING is None
 
 
+def test_deferred_new_is_imported_when_its_target_module_is(fakemeg, engine):
+    """A replacement defined in terms of the patched package waits, like the patch, for its import."""
+    from mindspeed_like.engine import Deferred
+
+    patch = Patch(f"{PKG}.core.funcs.NOTHING", Kind.PROVIDE, Deferred(f"{PKG}.core.later", "call_f"))
+    engine.apply("feat", [patch])
+    assert f"{PKG}.core.later" not in sys.modules and engine.report()[0].status == "pending"
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    assert funcs.NOTHING is sys.modules[f"{PKG}.core.later"].call_f
+    engine.apply("feat", [Patch(f"{PKG}.core.funcs.NOTHING", Kind.PROVIDE, Deferred(f"{PKG}.core.later", "call_f"))])
+    assert funcs.NOTHING.__name__ == "call_f"  # equal by value: left in place
+    engine.remove("feat")
+    assert funcs.NOTHING is None
+
+
 def test_provide_refuses_a_bound_name(fakemeg, engine):
     importlib.import_module(f"{PKG}.core.funcs")
     with pytest.raises(PatchTargetError, match="already bound"):
