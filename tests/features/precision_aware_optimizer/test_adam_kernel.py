@@ -164,6 +164,14 @@ def test_remainder_identity_on_special_values():
     assert torch.equal(opt.master_param(p).view(torch.int32), master.view(torch.int32))
 
 
+def test_e4m3_table_decode_is_the_cast_bit_for_bit():
+    from mindspeed_like.kernels.adam import e4m3_to_float
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3)
+    cast = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(e4m3_to_float(codes).view(torch.int32), cast.view(torch.int32))  # NaN codes included
+
+
 def test_block_codec_fp8():
     gen = torch.Generator().manual_seed(SEED)
     x = torch.randn(4 * BLOCK, generator=gen) * torch.tensor([1e-6, 1.0, 1e3, 0.0]).repeat_interleave(BLOCK)
