@@ -12,7 +12,18 @@ Almost all of them run megatron's own function bodies as host twins (``host_view
 
 from __future__ import annotations
 
-from mindspeed_like.adapters.cpu import checkpointing, context_parallel, devices, moe, norm, optimizer, rng, schedules
+from mindspeed_like.adapters.cpu import (
+    checkpointing,
+    context_parallel,
+    devices,
+    moe,
+    mtp,
+    norm,
+    optimizer,
+    rng,
+    schedules,
+    yarn,
+)
 from mindspeed_like.toolkit.declaration import Feature, on_device
 
 NAME = "cpu-adapter"
@@ -29,6 +40,8 @@ FEATURE = Feature(
         *schedules.PATCHES,
         *checkpointing.PATCHES,
         *context_parallel.PATCHES,
+        *yarn.PATCHES,
+        *mtp.PATCHES,
     ],
     enabled=on_device("cpu"),
     backend="cpu",
