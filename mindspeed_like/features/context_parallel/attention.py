@@ -52,8 +52,13 @@ def cp_size_of(config) -> int:
 
 
 def construct(wrapped, instance, args, kwargs):
-    """``DotProductAttention.__init__`` past its CP assertion, the real config kept."""
-    call = Call(wrapped, args, kwargs)
+    """``DotProductAttention.__init__`` past its CP assertion, the real config kept. A call megatron's
+    signature does not take goes to megatron as it is, so its own TypeError names the argument
+    (not this wrapper)."""
+    try:
+        call = Call(wrapped, args, kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)
     config = call["config"]
     if cp_size_of(config) <= 1:
         return wrapped(*args, **kwargs)
