@@ -71,7 +71,9 @@ class _Active:
     attr: str
     original: Any  # the raw object found in owner.__dict__ (or the inherited one)
     installed: Any  # the object we put there
-    had_own_attr: bool  # False: the attribute was inherited, undo deletes ours
+    had_own_attr: bool  # False: the attribute was inherited (or unbound), undo deletes ours
+    aliases: bool = False  # other modules' copies of `original` were swapped (and go back on undo)
+    restores: bool = True  # False: found in place already (another patch's alias swap), undo leaves it
 
 
 @dataclass(frozen=True)
@@ -372,8 +374,9 @@ class PatchEngine:
         wrapper = patch.new if self.calls is None else _CountingWrapper(patch.new, self.calls, feature)
         installed = wrapt.FunctionWrapper(original, wrapper) if patch.kind is Kind.WRAP else resolved(patch.new)
         setattr(owner, attr, installed)
-        entry = _Active(feature, patch, owner, attr, original, installed, had_own)
-        if isinstance(owner, types.ModuleType) and patch.update_aliases:
+        aliases = isinstance(owner, types.ModuleType) and patch.update_aliases
+        entry = _Active(feature, patch, owner, attr, original, installed, had_own, aliases)
+        if aliases:
             self._swap_aliases(original, installed, skip=(owner.__name__, attr))
         self._active.setdefault(patch.target, []).append(entry)
         logger.debug("feature '%s': %s %s", feature, patch.kind.value, patch.target)
@@ -384,13 +387,17 @@ class PatchEngine:
             raise PatchError(f"feature '{feature}': PROVIDE target '{patch.target}' must be a module-level name")
         namespace = vars(owner)
         bound = attr in namespace
-        if bound and namespace[attr] is not None:
-            return self._missing(
-                feature, patch, f"is already bound (to {namespace[attr]!r}): nothing to provide, its module has it"
-            )
+        current = namespace.get(attr)
         installed = resolved(patch.new)
+        placeholder = current is not None and patch.placeholder is not None and patch.placeholder(current)
+        if current is not None and current is not installed and not placeholder:
+            return self._missing(
+                feature, patch, f"is already bound (to {current!r}): nothing to provide, its module has it"
+            )
         setattr(owner, attr, installed)
-        entry = _Active(feature, patch, owner, attr, None, installed, bound)
+        entry = _Active(feature, patch, owner, attr, current, installed, bound, placeholder, current is not installed)
+        if placeholder:
+            self._swap_aliases(current, installed, skip=(owner.__name__, attr))
         self._active.setdefault(patch.target, []).append(entry)
         logger.debug("feature '%s': provide %s", feature, patch.target)
         return None
@@ -405,7 +412,7 @@ class PatchEngine:
     def _aliases_of(self, entry: _Active) -> list[tuple[str, str]]:
         """Live view: every scoped module global holding our object, whenever it got it
         (swapped at apply time, or copied by a module imported afterwards)."""
-        if not isinstance(entry.owner, types.ModuleType) or not self._tracks_aliases(entry.patch):
+        if not entry.aliases:
             return []
         home = (entry.owner.__name__, entry.attr)
         return sorted(
@@ -414,10 +421,6 @@ class PatchEngine:
             for name, value in list(vars(module).items())
             if value is entry.installed and (module.__name__, name) != home
         )
-
-    @staticmethod
-    def _tracks_aliases(patch: Patch) -> bool:
-        return patch.update_aliases and patch.kind is not Kind.PROVIDE
 
     def _scoped_modules(self) -> list[types.ModuleType]:
         # Cached while sys.modules is unchanged: same size and same newest entry (imports
@@ -486,11 +489,13 @@ class PatchEngine:
             self._install(upper.feature, upper.patch, sys.modules[module_name], attrs)
 
     def _undo(self, entry: _Active) -> None:
+        if not entry.restores:
+            return  # the patch whose alias swap put it there takes it back
         if entry.had_own_attr:
             setattr(entry.owner, entry.attr, entry.original)
         else:
             delattr(entry.owner, entry.attr)
-        if isinstance(entry.owner, types.ModuleType) and self._tracks_aliases(entry.patch):
+        if entry.aliases:
             # Every scoped reference to ours goes back: the aliases swapped at apply time and
             # the copies taken by modules imported while the patch was active.
             self._swap_aliases(entry.installed, entry.original)

@@ -17,10 +17,12 @@ class Kind(enum.Enum):
         inherited or own: an inherited one is shadowed on the class and deleted on undo).
     WRAP: the callable is wrapped with wrapt: ``new(wrapped, instance, args, kwargs)``.
     PROVIDE: a module-level name that the module binds only when an optional dependency imports
-        (its ``try: import X`` failed, so the name is unbound, or bound to None) is bound to
-        ``new``. A name already bound to anything else is not ours to provide: an error naming
-        what is there (a skip for an optional patch). Undo unbinds it again (or restores None).
-        Nothing else holds such a name, so there are no aliases to update.
+        (its ``try: import X`` failed, so the name is unbound, bound to None, or bound to a
+        stand-in object that ``Patch.placeholder`` recognises) is bound to ``new``. A name bound
+        to anything else is not ours to provide: an error naming what is there (a skip for an
+        optional patch); bound to ``new`` already (an alias swap got there first), nothing to do.
+        Undo restores what was there. Aliases are swapped only for a placeholder object (None or
+        an unbound name has no identity to follow).
     """
 
     REPLACE = "replace"
@@ -98,6 +100,8 @@ class Patch:
     after / before: names of other features whose patch of the SAME target this one must sit
         above (wrap: it runs first and calls theirs) / below. Two features patching one target
         must declare their order on at least one side; otherwise the engine refuses the second.
+    placeholder: PROVIDE only: tells the stand-in objects a module binds in place of what its
+        absent dependency would have given (e.g. ``unittest.mock.MagicMock`` instances).
     """
 
     target: str
@@ -112,6 +116,7 @@ class Patch:
     on_missing: Callable[[str], None] | None = None
     after: tuple[str, ...] = ()
     before: tuple[str, ...] = ()
+    placeholder: Callable[[Any], bool] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):
@@ -120,6 +125,8 @@ class Patch:
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 raise TypeError(f"patch {self.target!r}: {name} must be a tuple of feature names, got {value!r}")
+        if self.placeholder is not None and self.kind is not Kind.PROVIDE:
+            raise ValueError(f"patch {self.target!r}: placeholder is for PROVIDE patches")
         if self.on_missing is not None and not self.optional:
             raise ValueError(f"patch {self.target!r}: on_missing is for optional targets (a required one raises)")
         if self.versions is not None:

@@ -299,6 +299,35 @@ def test_deferred_new_is_imported_when_its_target_module_is(fakemeg, engine):
     assert funcs.NOTHING is None
 
 
+def test_provide_replaces_a_placeholder_everywhere_it_was_copied(fakemeg, engine):
+    """megatron binds MagicMock stand-ins where TE is absent, and other modules import them by name."""
+    from unittest import mock
+
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+    stand_in = funcs.NOTHING = mock.MagicMock()
+    user = importlib.import_module(f"{PKG}.core.user")
+    user.NOTHING = stand_in  # a copy taken by `from funcs import NOTHING`
+
+    class Ours:
+        pass
+
+    def is_mock(value):
+        return isinstance(value, mock.NonCallableMock)
+
+    patches = [
+        Patch(f"{PKG}.core.funcs.NOTHING", Kind.PROVIDE, Ours, placeholder=is_mock),
+        Patch(f"{PKG}.core.user.NOTHING", Kind.PROVIDE, Ours, placeholder=is_mock),  # found swapped already
+    ]
+    engine.apply("feat", patches)
+    assert funcs.NOTHING is Ours and user.NOTHING is Ours
+    with pytest.raises(PatchTargetError, match="already bound"):
+        engine.apply("other", [Patch(f"{PKG}.core.funcs.f", Kind.PROVIDE, Ours)])  # no placeholder: refused
+    engine.remove("feat")
+    assert funcs.NOTHING is stand_in and user.NOTHING is stand_in
+    with pytest.raises(ValueError, match="placeholder is for PROVIDE"):
+        Patch(f"{PKG}.core.funcs.f", Kind.REPLACE, Ours, placeholder=is_mock)
+
+
 def test_provide_refuses_a_bound_name(fakemeg, engine):
     importlib.import_module(f"{PKG}.core.funcs")
     with pytest.raises(PatchTargetError, match="already bound"):
