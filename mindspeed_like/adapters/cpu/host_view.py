@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import wrapt
 
 _HOST_CONSTANTS = {
     "cuda": "cpu",
@@ -371,6 +372,11 @@ def host_wrapper(torch_view: HostTorch = HOST_TORCH, missing_globals: dict | Non
     key = (id(torch_view), tuple(sorted((k, id(v)) for k, v in (missing_globals or {}).items())))
 
     def wrapper(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if isinstance(wrapped, wrapt.PartialCallableObjectProxy):
+            # a method called through its class (``Base.__init__(self, ...)``, as subclasses do):
+            # wrapt took the instance out of args and holds it in this partial
+            twin = _twin(wrapped.__wrapped__, key, lambda f: host_function(f, torch_view, missing_globals))
+            return twin(instance, *args, **kwargs)
         func = getattr(wrapped, "__func__", wrapped)
         twin = _twin(func, key, lambda f: host_function(f, torch_view, missing_globals))
         bound_to = getattr(wrapped, "__self__", None)
