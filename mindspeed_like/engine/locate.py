@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.machinery
+import os
 import sys
 
 from mindspeed_like.engine.patch import Patch, PatchTargetError
@@ -25,10 +26,12 @@ def split_target(target: str) -> tuple[str, list[str]]:
         if loaded is not None:
             locations = getattr(loaded, "__path__", None)
         elif index == 0 or search_path is not None:
-            spec = importlib.machinery.PathFinder.find_spec(candidate, search_path)
-            if spec is None:
-                break
-            locations = spec.submodule_search_locations
+            locations = _namespace_dirs(part, search_path)
+            if locations is None:
+                spec = importlib.machinery.PathFinder.find_spec(candidate, search_path)
+                if spec is None:
+                    break
+                locations = spec.submodule_search_locations
         else:
             break
         module_name = candidate
@@ -41,6 +44,20 @@ def split_target(target: str) -> tuple[str, list[str]]:
     if not attrs:
         raise PatchTargetError(f"patch target {target!r} names a module, not an attribute")
     return module_name, attrs
+
+
+def _namespace_dirs(part: str, search_path: list[str] | None) -> list[str] | None:
+    """The directories of a namespace package (a folder without ``__init__.py``) named ``part``
+    inside ``search_path``, or None for anything else. Asked before PathFinder, whose namespace
+    spec needs the parent package imported (a KeyError otherwise)."""
+    if not search_path:
+        return None
+    dirs = [os.path.join(d, part) for d in search_path if os.path.isdir(os.path.join(d, part))]
+    if not dirs or any(os.path.exists(os.path.join(d, "__init__.py")) for d in dirs):
+        return None
+    if any(os.path.exists(os.path.join(d, part + ".py")) for d in search_path):
+        return None  # a module of that name wins over a namespace folder
+    return dirs
 
 
 def locate(patch: Patch) -> tuple[str, list[str]]:
