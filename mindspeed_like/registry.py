@@ -2,8 +2,11 @@
 
 Built-in features are the ``FEATURE`` of every module or package directly inside
 ``mindspeed_like.adapters``, ``.fixes``, ``.integrations`` and ``.features``: adding one is adding
-its package, with no list to edit. Their order means nothing: two features patching one target
-declare their order on the patch (see ``engine.stacking``). Users and downstream frameworks add
+its package, with no list to edit; a concern with a package of its own at the top
+(``mindspeed_like.te_backend``) declares its ``FEATURE`` in that package and is listed in
+:data:`BUILTIN_MODULES` (its other modules import megatron and are not scanned). Their order
+means nothing: two features patching one target declare their order on the patch (see
+``engine.stacking``). Users and downstream frameworks add
 their own with :func:`register_feature`; they get flags, configure(), the report, reset() and
 the stacking rule exactly like the built-in ones.
 """
@@ -19,6 +22,7 @@ from mindspeed_like.toolkit.declaration import Feature
 from mindspeed_like.toolkit.errors import ConfigError
 
 BUILTIN_PACKAGES = ("adapters", "fixes", "integrations", "features")
+BUILTIN_MODULES = ("te_backend",)
 
 _lock = threading.RLock()
 _registered: dict[str, Feature] = {}
@@ -26,7 +30,8 @@ _registered: dict[str, Feature] = {}
 
 @functools.cache
 def builtin_features() -> tuple[Feature, ...]:
-    """Every built-in feature, adapters first, then fixes, integrations and accelerations, by name."""
+    """Every built-in feature, adapters first, then fixes, integrations and accelerations, by name;
+    then the top-level concerns (:data:`BUILTIN_MODULES`)."""
     found: list[Feature] = []
     for package_name in BUILTIN_PACKAGES:
         package = importlib.import_module(f"mindspeed_like.{package_name}")
@@ -37,6 +42,8 @@ def builtin_features() -> tuple[Feature, ...]:
             if isinstance(feature, Feature):
                 members.append(feature)
         found.extend(sorted(members, key=lambda f: f.name))
+    for module_name in BUILTIN_MODULES:
+        found.append(importlib.import_module(f"mindspeed_like.{module_name}").FEATURE)
     names = [f.name for f in found]
     duplicates = {n for n in names if names.count(n) > 1}
     if duplicates:

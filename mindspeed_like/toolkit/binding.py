@@ -61,3 +61,12 @@ class Call:
         bound = inspect.BoundArguments(self._bound.signature, dict(self._bound.arguments))
         bound.arguments.update(changes)
         return self.wrapped(*bound.args, **bound.kwargs)
+
+
+def accepted(function: Callable, **optional: Any) -> dict[str, Any]:
+    """The keyword arguments among ``optional`` that the installed ``function`` takes: for
+    arguments a newer megatron release added (e.g. ``tp_group=``), passed where they exist."""
+    parameters = signature_of(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(optional)
+    return {name: value for name, value in optional.items() if name in parameters}

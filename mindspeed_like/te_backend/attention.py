@@ -1,0 +1,106 @@
+"""``TEDotProductAttention``: megatron's TE core attention as megatron's own ``DotProductAttention``.
+
+The TE wrapper's contract: constructor ``(config, layer_number, attn_mask_type, attention_type,
+attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None[, num_splits],
+cp_comm_type="p2p", pg_collection / model_comm_pgs)``, forward ``(query, key, value,
+attention_mask, attn_mask_type, attention_bias=None, packed_seq_params=None[, num_splits])``
+returning ``[sq, b, heads * v_channels]``, no parameters (vanilla softmax), an ``_extra_state``
+in the state dict that megatron leaves out of the distributed checkpoint.
+
+Here it is a subclass of megatron's local ``DotProductAttention``: its forward is looked up on
+that class at call time, so everything that acts on the local core attention acts here
+(flash-attention's kernel, context-parallel's ring / Ulysses / hybrid / all-gather-KV at CP > 1,
+megatron's own unfused math when neither is on). What TE adds over the local module:
+
+* ``k_channels`` / ``v_channels`` (MLA: the query/key head dim differs from the value's), which
+  megatron's local attention takes through ``fixes/local_attention_head_dims.py`` (an always-on
+  fix: MLA on the local spec needs the same); megatron's unfused math and the flash kernel both
+  take a different V head dim, V is never padded;
+* context parallelism constructed (``cp_comm_type`` is megatron's argument; the algorithm is
+  ``--context-parallel-algo``'s, see docs/features/te-backend.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from mindspeed_like.te_backend.extra_state import TEExtraState
+from mindspeed_like.te_backend.sharding import sharded_tensors
+from mindspeed_like.toolkit.binding import accepted
+
+
+class TEDotProductAttention(TEExtraState, DotProductAttention):
+    """megatron's ``TEDotProductAttention`` contract on megatron's ``DotProductAttention``."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        num_splits: int | None = None,
+        cp_comm_type: str | None = "p2p",
+        pg_collection=None,
+        model_comm_pgs=None,
+        **newer: Any,
+    ) -> None:
+        if newer:
+            raise TypeError(f"TEDotProductAttention() got unexpected keyword arguments {sorted(newer)}")
+        if num_splits is not None:
+            raise ValueError("TEDotProductAttention: num_splits (TE's flash-attention split count) is not supported")
+        if (k_channels is None) != (v_channels is None):
+            raise ValueError("TEDotProductAttention: give both k_channels and v_channels, or neither")
+        head_dims = {} if k_channels is None else {"k_channels": k_channels, "v_channels": v_channels}
+        groups = accepted(DotProductAttention.__init__, pg_collection=pg_collection, model_comm_pgs=model_comm_pgs)
+        DotProductAttention.__init__(  # head dims: fixes/local_attention_head_dims.py (megatron's takes none)
+            self,
+            config=config,
+            layer_number=layer_number,
+            attn_mask_type=attn_mask_type,
+            attention_type=attention_type,
+            attention_dropout=attention_dropout,
+            softmax_scale=softmax_scale,
+            cp_comm_type=cp_comm_type,
+            **{name: value for name, value in groups.items() if value is not None},
+            **head_dims,
+        )
+        self.qkv_format = "sbhd"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type=None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+        num_splits: int | None = None,
+    ) -> torch.Tensor:
+        if num_splits is not None:
+            raise ValueError("TEDotProductAttention: num_splits (TE's flash-attention split count) is not supported")
+        return DotProductAttention.forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=attn_mask_type,
+            attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+        )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """As megatron's TE wrapper: only a learnable softmax offset goes into the checkpoint."""
+        learnable = getattr(self.config, "softmax_type", "vanilla") == "learnable"
+        state_dict = self.state_dict(prefix="", keep_vars=True) if learnable else {}
+        return sharded_tensors(
+            state_dict, prefix, {"softmax_offset": 0}, sharded_offsets, getattr(self, "tp_group", None), metadata
+        )

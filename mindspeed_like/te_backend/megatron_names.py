@@ -1,0 +1,110 @@
+"""Which of megatron's module names the backend binds, read from the installed megatron-core.
+
+megatron reaches TransformerEngine through one module, ``megatron.core.extensions.transformer_engine``
+(its TE wrapper classes; without TE they are ``MagicMock`` stand-ins or None), and one spec
+provider, ``...transformer_engine_spec_provider.TESpecProvider``. Other modules take those names by
+``from ... import`` at their top level, often inside ``try: import transformer_engine`` (unbound
+without TE) or ``if HAVE_TE:`` (None without TE): the spec modules (``gpt_layer_specs``, MTP,
+HybridModel's, ...), attention, MLA, MoE. Which modules and which names differs per release, so
+it is read from the installed source (the text first, the AST of the few files that mention the
+extension modules), never from a hand-kept table. Nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import os
+from collections.abc import Iterator
+
+EXTENSION = "megatron.core.extensions.transformer_engine"
+SPEC_PROVIDER = "megatron.core.extensions.transformer_engine_spec_provider"
+SOURCES = (EXTENSION, SPEC_PROVIDER)
+
+
+def _top_level(nodes: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Module-level statements, including those inside top-level if/try blocks (not functions)."""
+    for node in nodes:
+        yield node
+        if isinstance(node, ast.If):
+            yield from _top_level(node.body)
+            yield from _top_level(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                yield from _top_level(block)
+
+
+def _megatron_core_dir() -> str | None:
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def _module_name(root: str, path: str) -> str:
+    relative = os.path.relpath(path, os.path.dirname(os.path.dirname(root)))
+    name = relative[: -len(".py")].replace(os.sep, ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+@functools.cache
+def bound_in(module_path: str) -> frozenset[str]:
+    """Names a module binds at its top level in any branch (classes, functions, imports, assignments)."""
+    with open(module_path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    names: set[str] = set()
+    for node in _top_level(tree.body):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Name):
+                        names.add(leaf.id)
+    return frozenset(names)
+
+
+def names_of(module: str) -> frozenset[str]:
+    """What the installed megatron module ``module`` (one of :data:`SOURCES`) binds in some branch."""
+    root = _megatron_core_dir()
+    if root is None:
+        return frozenset()
+    return bound_in(os.path.join(root, *module.split(".")[2:]) + ".py")
+
+
+@functools.cache
+def _importers(root: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    found = []
+    for directory, _, files in os.walk(root):
+        for file in files:
+            if not file.endswith(".py"):
+                continue
+            path = os.path.join(directory, file)
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                text = handle.read()
+            if EXTENSION not in text:
+                continue
+            module = _module_name(root, path)
+            if module in SOURCES:
+                continue
+            names = sorted(
+                {
+                    alias.name
+                    for node in _top_level(ast.parse(text).body)
+                    if isinstance(node, ast.ImportFrom) and node.module in SOURCES and node.level == 0
+                    for alias in node.names
+                    if alias.asname is None
+                }
+            )
+            if names:
+                found.append((module, tuple(names)))
+    return tuple(sorted(found))
+
+
+def importers() -> dict[str, tuple[str, ...]]:
+    """megatron module -> the names it takes at its top level from the two extension modules."""
+    root = _megatron_core_dir()
+    return dict(_importers(root)) if root is not None else {}
