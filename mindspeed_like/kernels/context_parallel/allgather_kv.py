@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mindspeed_like.kernels.context_parallel.blocks import accumulator, attend, block_grads
+from mindspeed_like.kernels.context_parallel.blocks import KVLayout, accumulator, attend, block_grads
 from mindspeed_like.kernels.context_parallel.dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.groups import CPGroup
 from mindspeed_like.kernels.context_parallel.zigzag import gathered_to_natural, rank_chunks, reorder_chunks
@@ -39,7 +39,7 @@ class _AllGatherKV(torch.autograd.Function):
         chunk = q.shape[2] // 2
         k_all, v_all = _gather_natural(k, cp), _gather_natural(v, cp)
         masks = dropout.masks(q.device, cp.rank) if dropout else None
-        acc = accumulator(q, masks)
+        acc = accumulator(q, v, masks)
         for rows, keys in _blocks(cp, chunk, causal):
             for key_rows, diagonal in keys:
                 attend(acc, q, k_all, v_all, rows, key_rows, diagonal, scale, masks)
@@ -55,22 +55,28 @@ class _AllGatherKV(torch.autograd.Function):
         dout = dout.contiguous()
         masks = ctx.dropout.masks(q.device, cp.rank) if ctx.dropout else None
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dkv = torch.zeros((2, *k_all.shape), dtype=torch.float32, device=q.device)
+        layout = KVLayout.of(k_all, v_all)
+        dkv = layout.zeros(q)  # dK and dV of the whole sequence, one buffer for one all-reduce
+        dk_all, dv_all = layout.unpack(dkv)
         for rows, keys in _blocks(cp, chunk, ctx.causal):
             for key_rows, diagonal in keys:
                 dq_b, dk_b, dv_b = block_grads(
                     dout, q, out, stats, k_all, v_all, rows, key_rows, diagonal, ctx.scale, masks
                 )
                 dq[:, :, rows] += dq_b
-                dkv[0][:, :, key_rows] += dk_b
-                dkv[1][:, :, key_rows] += dv_b
+                dk_all[:, :, key_rows] += dk_b
+                dv_all[:, :, key_rows] += dv_b
         dist.all_reduce(dkv, group=cp.group)
-        mine = torch.cat([dkv[..., j * chunk : (j + 1) * chunk, :] for j in rank_chunks(cp.rank, cp.size)], dim=-2)
-        return dq.to(q.dtype), mine[0].to(k_all.dtype), mine[1].to(v_all.dtype), None, None, None, None
+        dk, dv = (
+            torch.cat([t[..., j * chunk : (j + 1) * chunk, :] for j in rank_chunks(cp.rank, cp.size)], dim=-2)
+            for t in (dk_all, dv_all)
+        )
+        return dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None, None, None
 
 
 def allgather_kv_attention(
     q, k, v, cp: CPGroup, *, causal: bool, scale: float, dropout: AttentionDropout | None = None
 ) -> torch.Tensor:
-    """``q [b, n, 2c, d]``, ``k/v [b, groups, 2c, d]`` (zigzag chunks) -> ``[b, n, 2c, d]``."""
+    """``q [b, n, 2c, d]``, ``k [b, groups, 2c, d]``, ``v [b, groups, 2c, dv]`` (zigzag chunks)
+    -> ``[b, n, 2c, dv]``."""
     return _AllGatherKV.apply(q, k, v, causal, scale, cp, dropout)

@@ -14,28 +14,58 @@ softmax); ``npu`` torch_npu's ``npu_fusion_attention`` / ``npu_fusion_attention_
 ``npu_ring_attention_update`` merge (``npu_blocks``), whose statistics are softmax max and sum.
 The statistics travel as one opaque tensor whose 4th dim is the query row (portable:
 ``lse[None]`` ``[1, b, n, s]``; npu: ``stack(max, sum)`` ``[2, b, n, s, 8]``).
-Shapes: q ``[b, n, sq, d]``, k/v ``[b, groups, sk, d]`` (GQA groups unexpanded), causal = top-left
+Shapes: q, k ``[b, n|groups, s, d]``, v ``[b, groups, sk, dv]`` (GQA groups unexpanded; ``dv`` may differ
+from ``d``: multi-latent attention), causal = top-left
 (query i sees keys <= i; used only on diagonal blocks where sq == sk).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from mindspeed_like.kernels.backend import backend_for
+from mindspeed_like.kernels.blocked_attention import blocked_attention
 from mindspeed_like.kernels.context_parallel import npu_blocks
 
 
-def _flash_cpu(q: torch.Tensor) -> bool:
-    return backend_for(q) == "portable" and q.device.type == "cpu"
+def _flash_cpu(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """torch's CPU flash kernel: portable backend on CPU, one head dim for q, k and v (multi-latent
+    attention's V head dim differs: the plain formulas run those blocks)."""
+    return backend_for(q) == "portable" and q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """K and V packed into ONE flat buffer, so a block travels the ring as one message whatever
+    the V head dim (multi-latent attention: ``d_v != d_qk``); unpacked as contiguous views."""
+
+    k_shape: torch.Size
+    v_shape: torch.Size
+
+    @classmethod
+    def of(cls, k: torch.Tensor, v: torch.Tensor) -> KVLayout:
+        return cls(k.shape, v.shape)
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+    def unpack(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.k_shape.numel()
+        return kv[:n].view(self.k_shape), kv[n:].view(self.v_shape)
+
+    def zeros(self, like: torch.Tensor) -> torch.Tensor:
+        """An fp32 (dK, dV) accumulator in the same packed layout."""
+        return torch.zeros(self.k_shape.numel() + self.v_shape.numel(), dtype=torch.float32, device=like.device)
 
 
 def block_forward(q, k, v, causal: bool, scale: float, masks=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in q's dtype, lse fp32 ``[b, n, sq]``) of q against k/v of q's head count; with a
     dropout :class:`~.dropout.MaskStream`, the probabilities are dropped by its next mask (the lse
     is the undropped normalizer, so merges stay exact)."""
-    if _flash_cpu(q) and masks is None:
+    if _flash_cpu(q, v) and masks is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
@@ -50,7 +80,7 @@ def block_forward(q, k, v, causal: bool, scale: float, masks=None) -> tuple[torc
 
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, masks=None):
-    if _flash_cpu(q) and masks is None:
+    if _flash_cpu(q, v) and masks is None:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
@@ -79,11 +109,12 @@ def _upper(scores: torch.Tensor) -> torch.Tensor:
 
 
 class Accumulator:
-    """Running (out, lse) of some query rows over the key blocks seen so far (fp32)."""
+    """Running (out, lse) of some query rows over the key blocks seen so far (fp32); ``out`` has
+    the V head dim ``dv``."""
 
-    def __init__(self, like_out: torch.Tensor) -> None:
-        self.out = torch.zeros(like_out.shape, dtype=torch.float32, device=like_out.device)
-        self.lse = torch.full(like_out.shape[:-1], float("-inf"), dtype=torch.float32, device=like_out.device)
+    def __init__(self, q: torch.Tensor, dv: int) -> None:
+        self.out = torch.zeros(*q.shape[:-1], dv, dtype=torch.float32, device=q.device)
+        self.lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor, rows: slice = slice(None)) -> None:
         old_out, old_lse = self.out[..., rows, :], self.lse[..., rows]
@@ -103,9 +134,9 @@ def _npu(q: torch.Tensor, masks) -> bool:
     return backend_for(q) == "npu" and masks is None
 
 
-def accumulator(q: torch.Tensor, masks=None):
-    """The running result of ``q``'s rows for its backend."""
-    return npu_blocks.NpuAccumulator(q) if _npu(q, masks) else Accumulator(q)
+def accumulator(q: torch.Tensor, v: torch.Tensor, masks=None):
+    """The running result of ``q``'s rows for its backend (output head dim: ``v``'s)."""
+    return npu_blocks.NpuAccumulator(q, v.shape[-1]) if _npu(q, masks) else Accumulator(q, v.shape[-1])
 
 
 def expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -160,4 +191,6 @@ def full_attention(q, k, v, causal: bool, scale: float, masks=None) -> torch.Ten
         return torch.matmul(probs, expand_heads(v, heads).float()).to(q.dtype)
     if _npu(q, masks):
         return npu_blocks.full_attention(q, k, v, causal, scale)
+    if q.device.type == "cpu" and q.shape[-1] != v.shape[-1]:  # the CPU flash kernel needs one head dim
+        return blocked_attention(q, k, v, scale=scale, causal=causal)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])

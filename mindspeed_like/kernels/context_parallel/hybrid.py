@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mindspeed_like.kernels.context_parallel.blocks import accumulator, attend, block_grads
+from mindspeed_like.kernels.context_parallel.blocks import KVLayout, accumulator, attend, block_grads
 from mindspeed_like.kernels.context_parallel.dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.groups import CPGroup, wait
 from mindspeed_like.kernels.context_parallel.ulysses import _AllToAll, check_divisible
@@ -37,13 +37,15 @@ class _ChunkRing(torch.autograd.Function):
         chunk = q.shape[2] // (2 * inner_size)
         q_ids = _ids(ring.rank, inner_size, cp_size)
         masks = dropout[0].masks(q.device, dropout[1]) if dropout else None
-        acc = accumulator(q, masks)
-        kv = torch.stack([k, v])
+        acc = accumulator(q, v, masks)
+        layout = KVLayout.of(k, v)
+        kv = layout.pack(k, v)
         for i in range(ring.size):
             requests, incoming = ring.ring_exchange(kv) if i < ring.size - 1 else ([], None)
             k_ids = _ids((ring.rank - i) % ring.size, inner_size, cp_size)
+            block_k, block_v = layout.unpack(kv)
             for q_rows, k_rows, diagonal in _pairs(q_ids, k_ids, causal, chunk):
-                attend(acc, q, kv[0], kv[1], q_rows, k_rows, diagonal, scale, masks)
+                attend(acc, q, block_k, block_v, q_rows, k_rows, diagonal, scale, masks)
             wait(requests)
             kv = incoming
         out, stats = acc.finish(q.dtype)
@@ -60,28 +62,32 @@ class _ChunkRing(torch.autograd.Function):
         q_ids = _ids(ring.rank, inner_size, cp_size)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        layout = KVLayout.of(k, v)
+        kv = layout.pack(k, v)
         pending, arriving = [], None
         for i in range(ring.size):
             requests, incoming = ring.ring_exchange(kv) if i < ring.size - 1 else ([], None)
             k_ids = _ids((ring.rank - i) % ring.size, inner_size, cp_size)
+            block_k, block_v = layout.unpack(kv)
             shares = []
             for q_rows, k_rows, diagonal in _pairs(q_ids, k_ids, causal, chunk):
                 dq_b, dk_b, dv_b = block_grads(
-                    dout, q, out, stats, kv[0], kv[1], q_rows, k_rows, diagonal, scale, masks
+                    dout, q, out, stats, block_k, block_v, q_rows, k_rows, diagonal, scale, masks
                 )
                 dq[:, :, q_rows] += dq_b
                 shares.append((k_rows, dk_b, dv_b))
             wait(pending)
-            dkv = arriving if arriving is not None else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            dkv = arriving if arriving is not None else layout.zeros(kv)
+            dk_acc, dv_acc = layout.unpack(dkv)
             for k_rows, dk_b, dv_b in shares:
-                dkv[0][:, :, k_rows] += dk_b
-                dkv[1][:, :, k_rows] += dv_b
+                dk_acc[:, :, k_rows] += dk_b
+                dv_acc[:, :, k_rows] += dv_b
             pending, arriving = ring.ring_exchange(dkv)
             wait(requests)
             kv = incoming
         wait(pending)
-        return dq.to(q.dtype), arriving[0].to(k.dtype), arriving[1].to(v.dtype), *([None] * 6)
+        dk, dv = layout.unpack(arriving)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)
 
 
 def hybrid_attention(

@@ -87,12 +87,12 @@ def _merge_with_torch(prev_out, prev_max, prev_sum, cur_out, cur_max, cur_sum):
 class NpuAccumulator:
     """Running (out SBH fp32, softmax max, softmax sum) of some query rows."""
 
-    def __init__(self, like_out: torch.Tensor) -> None:
-        b, n, s, d = like_out.shape
-        self.shape = (b, n, s, d)
-        self.out = torch.zeros(s, b, n * d, dtype=torch.float32, device=like_out.device)
-        self.max = torch.full((b, n, s, 8), float("-inf"), dtype=torch.float32, device=like_out.device)
-        self.sum = torch.zeros((b, n, s, 8), dtype=torch.float32, device=like_out.device)
+    def __init__(self, q: torch.Tensor, dv: int) -> None:
+        b, n, s, _ = q.shape
+        self.shape = (b, n, s, dv)
+        self.out = torch.zeros(s, b, n * dv, dtype=torch.float32, device=q.device)
+        self.max = torch.full((b, n, s, 8), float("-inf"), dtype=torch.float32, device=q.device)
+        self.sum = torch.zeros((b, n, s, 8), dtype=torch.float32, device=q.device)
 
     def merge(self, out: torch.Tensor, stats: torch.Tensor, rows: slice = slice(None)) -> None:
         update = getattr(torch_npu(), "npu_ring_attention_update", None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mindspeed_like.kernels.context_parallel.blocks import accumulator, attend, block_grads
+from mindspeed_like.kernels.context_parallel.blocks import KVLayout, accumulator, attend, block_grads
 from mindspeed_like.kernels.context_parallel.dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.groups import CPGroup, wait
 
@@ -40,12 +40,13 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal: bool, scale: float, cp: CPGroup, dropout: AttentionDropout | None):
         chunk = q.shape[2] // 2
         masks = dropout.masks(q.device, cp.rank) if dropout else None
-        acc = accumulator(q, masks)
-        kv = torch.stack([k, v])
+        acc = accumulator(q, v, masks)
+        layout = KVLayout.of(k, v)
+        kv = layout.pack(k, v)
         for i in range(cp.size):
             requests, incoming = cp.ring_exchange(kv) if i < cp.size - 1 else ([], None)
             q_rows, k_rows, diagonal = _plan(i, cp.rank, cp.size, causal, chunk)
-            attend(acc, q, kv[0], kv[1], q_rows, k_rows, diagonal, scale, masks)
+            attend(acc, q, *layout.unpack(kv), q_rows, k_rows, diagonal, scale, masks)
             wait(requests)
             kv = incoming
         out, stats = acc.finish(q.dtype)
@@ -60,33 +61,36 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         masks = ctx.dropout.masks(q.device, cp.rank) if ctx.dropout else None
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
+        layout = KVLayout.of(k, v)
+        kv = layout.pack(k, v)
         pending, arriving = [], None  # the accumulator of the block in hand, on its way here
         for i in range(cp.size):
             requests, incoming = cp.ring_exchange(kv) if i < cp.size - 1 else ([], None)
             q_rows, k_rows, diagonal = _plan(i, cp.rank, cp.size, ctx.causal, chunk)
             dq_b, dk_b, dv_b = block_grads(
-                dout, q, out, stats, kv[0], kv[1], q_rows, k_rows, diagonal, ctx.scale, masks
+                dout, q, out, stats, *layout.unpack(kv), q_rows, k_rows, diagonal, ctx.scale, masks
             )
             dq[:, :, q_rows] += dq_b
             # this block's share, added to its accumulator once that arrives (it travelled during
             # the compute above); then the accumulator moves on while the next block computes
             wait(pending)
-            dkv = arriving if arriving is not None else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            dkv[0][:, :, k_rows] += dk_b
-            dkv[1][:, :, k_rows] += dv_b
+            dkv = arriving if arriving is not None else layout.zeros(kv)
+            dk_acc, dv_acc = layout.unpack(dkv)
+            dk_acc[:, :, k_rows] += dk_b
+            dv_acc[:, :, k_rows] += dv_b
             pending, arriving = cp.ring_exchange(dkv)  # after CP hops it is back with its owner
             wait(requests)
             kv = incoming
         wait(pending)
-        dkv = arriving
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        dk, dv = layout.unpack(arriving)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(
     q, k, v, cp: CPGroup, *, causal: bool, scale: float, dropout: AttentionDropout | None = None
 ) -> torch.Tensor:
-    """``q [b, n, 2c, d]``, ``k/v [b, groups, 2c, d]`` (this rank's zigzag chunks) -> ``[b, n, 2c, d]``."""
+    """``q [b, n, 2c, d]``, ``k [b, groups, 2c, d]``, ``v [b, groups, 2c, dv]`` (this rank's zigzag chunks)
+    -> ``[b, n, 2c, dv]``."""
     if cp.size == 1:
         raise ValueError("ring attention needs a context-parallel group of more than one rank")
     return _RingAttention.apply(q, k, v, causal, scale, cp, dropout)

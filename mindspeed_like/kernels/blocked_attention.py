@@ -1,0 +1,130 @@
+"""Flash attention in plain torch ops, one block of query rows at a time, for the shapes the fused
+CPU kernel refuses: a value head dim different from the query/key head dim.
+
+Multi-latent attention (DeepSeek-V2/V3) attends with ``d_qk = qk_head_dim + qk_pos_emb_head_dim``
+(192) and ``d_v = v_head_dim`` (128). PyTorch's CPU flash kernel
+(``_scaled_dot_product_flash_attention_for_cpu``) requires one head dim for q, k and v ("Q/K/V
+should have the same head size"); ``scaled_dot_product_attention`` then runs its math kernel,
+which materializes the ``[b, n, sq, sk]`` probabilities and saves them for backward: the saving
+flash attention exists for is lost. Padding V to ``d_qk`` would make the fused kernel run, at the
+price of a padded copy of V, ``d_qk / d_v`` times the PV work and a padded output to slice.
+
+This op keeps the flash property without padding: the forward walks blocks of query rows, each
+against every key (the block's fp32 scores ``[b, n, rows, sk]`` are the only quadratic tensor, alive
+one block at a time), and saves ``q, k, v``, the output and the fp32 log-sum-exp per row; the
+backward recomputes each block's probabilities from the log-sum-exp (``P = exp(S - lse)``,
+``dV = P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``, ``dQ = dS K scale``, ``dK = dS^T Q scale``).
+
+Semantics are SDPA's (the caller, ``kernels/flash_attention.py``, prepares them as for SDPA):
+``keep`` is a boolean mask broadcastable to ``[b, nq, sq, sk]`` with True = attend; ``causal`` is
+SDPA's top-left causal; GQA query heads ``h`` use key/value head ``h // (nq / nk)`` (megatron's
+``repeat_interleave``), through a broadcast view (k/v are not copied). Scores and softmax in fp32
+for every input dtype, the output in the input dtype. No dropout (the caller keeps SDPA's math
+kernel for that). Rows with no key kept must not be passed (the caller substitutes megatron's
+uniform average for them, as it does for SDPA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_BYTES = 16 * 2**20  # one block's fp32 scores: small enough to stay in cache-friendly chunks
+
+
+def block_rows(b: int, heads: int, sq: int, sk: int) -> int:
+    """Query rows per block so that one block's fp32 scores stay within :data:`BLOCK_BYTES`."""
+    return max(1, min(sq, BLOCK_BYTES // max(1, b * heads * sk * 4)))
+
+
+def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[b, nq, s, d]`` -> ``[b, groups, nq/groups, s, d]`` (a view)."""
+    b, n, s, d = t.shape
+    return t.view(b, groups, n // groups, s, d)
+
+
+def _keep_rows(keep: torch.Tensor | None, rows: slice, groups: int, causal: bool, sk: int, device) -> torch.Tensor:
+    """This block's keep-mask, broadcastable to ``[b, groups, r, rows, sk]`` (None: keep all)."""
+    block = None
+    if keep is not None:
+        k4 = keep
+        while k4.dim() < 4:
+            k4 = k4.unsqueeze(0)
+        k4 = k4[..., rows, :]
+        heads = k4.shape[1]
+        block = k4.unsqueeze(2) if heads == 1 else k4.reshape(k4.shape[0], groups, heads // groups, *k4.shape[2:])
+    if causal:
+        index = torch.arange(rows.start, rows.stop, device=device)[:, None]
+        band = torch.arange(sk, device=device)[None, :] <= index
+        block = band if block is None else block & band
+    return block
+
+
+def _scores(qb: torch.Tensor, k5: torch.Tensor, scale: float, keep: torch.Tensor | None) -> torch.Tensor:
+    scores = torch.matmul(qb.float(), k5.float().transpose(-1, -2)) * scale
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+class _BlockedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, keep, causal: bool, scale: float):
+        b, nq, sq, _ = q.shape
+        groups, sk = k.shape[1], k.shape[2]
+        q5, k5, v5 = _grouped(q, groups), k.unsqueeze(2), v.unsqueeze(2)
+        out = torch.empty(*q5.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(q5.shape[:-1], dtype=torch.float32, device=q.device)
+        step = block_rows(b, nq, sq, sk)
+        for start in range(0, sq, step):
+            rows = slice(start, min(sq, start + step))
+            scores = _scores(q5[..., rows, :], k5, scale, _keep_rows(keep, rows, groups, causal, sk, q.device))
+            row_lse = torch.logsumexp(scores, dim=-1)
+            lse[..., rows] = row_lse
+            out[..., rows, :] = torch.matmul(torch.exp(scores - row_lse.unsqueeze(-1)), v5.float()).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, keep)
+        ctx.causal, ctx.scale = causal, scale
+        return out.view(b, nq, sq, v.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, keep = ctx.saved_tensors
+        b, nq, sq, _ = q.shape
+        groups, sk = k.shape[1], k.shape[2]
+        q5, k5, v5 = _grouped(q, groups), k.unsqueeze(2).float(), v.unsqueeze(2).float()
+        do5 = _grouped(dout.contiguous(), groups)
+        dq = torch.empty(q5.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k5.shape[:2] + k5.shape[3:], dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v5.shape[:2] + v5.shape[3:], dtype=torch.float32, device=q.device)
+        step = block_rows(b, nq, sq, sk)
+        for start in range(0, sq, step):
+            rows = slice(start, min(sq, start + step))
+            qb, dob = q5[..., rows, :].float(), do5[..., rows, :].float()
+            scores = _scores(qb, k5, ctx.scale, _keep_rows(keep, rows, groups, ctx.causal, sk, q.device))
+            probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))  # [b, g, r, rows, sk]
+            dv += torch.matmul(probs.transpose(-1, -2), dob).sum(2)
+            delta = (dob * out[..., rows, :].float()).sum(-1, keepdim=True)
+            dscores = probs * (torch.matmul(dob, v5.transpose(-1, -2)) - delta) * ctx.scale
+            dq[..., rows, :] = torch.matmul(dscores, k5)
+            dk += torch.matmul(dscores.transpose(-1, -2), qb).sum(2)
+        return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def blocked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    keep: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """``q [b, nq, sq, d]``, ``k [b, nk, sk, d]``, ``v [b, nk, sk, dv]`` -> ``[b, nq, sq, dv]``
+    (SDPA's layout and mask semantics, see the module docstring)."""
+    if q.shape[-1] != k.shape[-1] or k.shape[:-1] != v.shape[:-1] or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"blocked_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [b, nq, sq, d], "
+            "[b, nk, sk, d], [b, nk, sk, dv] with nq a multiple of nk"
+        )
+    if keep is not None and keep.dtype != torch.bool:
+        raise ValueError(f"blocked_attention: keep must be a bool mask (True = attend), got {keep.dtype}")
+    return _BlockedAttention.apply(q, k, v, keep, causal, float(scale))
