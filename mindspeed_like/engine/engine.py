@@ -395,7 +395,11 @@ class PatchEngine:
                 feature, patch, f"is already bound (to {current!r}): nothing to provide, its module has it"
             )
         setattr(owner, attr, installed)
-        entry = _Active(feature, patch, owner, attr, current, installed, bound, placeholder, current is not installed)
+        # aliases: the report's live view lists every module holding ours, whichever order put it
+        # there (a placeholder swapped here, or ours found in place after another PROVIDE's swap);
+        # undo swaps back only where this patch swapped (restores)
+        found_ours = current is installed
+        entry = _Active(feature, patch, owner, attr, current, installed, bound, placeholder or found_ours, not found_ours)
         if placeholder:
             self._swap_aliases(current, installed, skip=(owner.__name__, attr))
         self._active.setdefault(patch.target, []).append(entry)
