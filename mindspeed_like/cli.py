@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from packaging.specifiers import SpecifierSet
 
-from mindspeed_like.config import add_flag
+from mindspeed_like.config import add_flag, add_negation, negatable
 from mindspeed_like.toolkit.errors import ConfigError
 
 
@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         group = sub.add_argument_group("feature flags")
         for flag in runtime.flags():
             add_flag(group, flag)
+        for flag in negatable(runtime.flags()):
+            add_negation(group, flag)
     return parser
 
 

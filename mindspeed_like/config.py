@@ -121,10 +121,66 @@ def add_flag(
         )
 
 
+def negation_option(flag: Flag) -> str:
+    """``--no-<flag>``: ``--no-reuse-fp32-param``, ``--no-use-flash-attn`` (argparse's
+    BooleanOptionalAction spelling: ``--no-`` before the flag's own name)."""
+    return "--no-" + flag.option.removeprefix("--")
+
+
+def negatable(flags: Sequence[Flag]) -> list[Flag]:
+    """The flags that have ``--no-<flag>``: every feature's on switch (a bool flag, off by default),
+    so a command line can keep an ``--optimization-level`` and switch one of its features off.
+    Not: generic flags (``--strict``), off switches already named ``no_...``, and a flag whose
+    ``--no-`` spelling is another flag of ours (``--no-gemm-gradient-accumulation-fusion``)."""
+    taken = {o for f in flags for o in f.option_strings}
+    return [
+        f
+        for f in flags
+        if f.type is bool
+        and f.default is False
+        and not f.generic
+        and not f.name.startswith("no_")
+        and negation_option(f) not in taken
+    ]
+
+
+class _NegateAndMark(argparse.Action):
+    """``--no-<flag>`` beside an option another parser owns: the flag's attribute becomes False (a
+    later ``--<flag>`` sets it back: the later one wins) and ``dest`` (the marker) records that it
+    was given, since False is also the owner's default."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, flag_dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+        self.flag_dest = flag_dest
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.flag_dest, False)
+        setattr(namespace, self.dest, True)
+
+
+def add_negation(parser: argparse.ArgumentParser | Any, flag: Flag, marker: str | None = None) -> None:
+    """``--no-<flag>``: stores False in the flag (default suppressed, so 'given' is visible; with
+    ``--<flag>`` the later one wins, as argparse's BooleanOptionalAction). ``marker``: for a flag
+    whose own option belongs to Megatron-LM's parser, this attribute is set True as well (the
+    flag's False is also Megatron's default, so a given ``--no-`` would not be visible)."""
+    help_text = f"switch {flag.option} off (e.g. keep an --optimization-level without it)"
+    option = negation_option(flag)
+    if marker is None:
+        parser.add_argument(
+            option, dest=flag.name, action="store_const", const=False, default=argparse.SUPPRESS, help=help_text
+        )
+    else:
+        parser.add_argument(
+            option, dest=marker, action=_NegateAndMark, flag_dest=flag.name, default=argparse.SUPPRESS, help=help_text
+        )
+
+
 def build_parser(flags: Sequence[Flag], argv: bool = False) -> argparse.ArgumentParser:
     parser = _RaisingParser(prog="mindspeed_like", add_help=False, allow_abbrev=False)
     for flag in flags:
         add_flag(parser, flag, argv=argv)
+    for flag in negatable(flags):
+        add_negation(parser, flag)
     return parser
 
 
@@ -145,7 +201,7 @@ def parse_env(flags: Sequence[Flag], text: str | None) -> dict[str, Any]:
             f"e.g. {ENV_VAR}='--device cpu --use-flash-attn'"
         ) from None
     namespace, unknown = build_parser(flags).parse_known_args(tokens)
-    options = [o for f in flags for o in f.option_strings]
+    options = [o for f in flags for o in f.option_strings] + [negation_option(f) for f in negatable(flags)]
     for token in unknown:
         if token.startswith("-"):
             option = token.split("=", 1)[0]
@@ -216,7 +272,7 @@ def _drop_options(tokens: list[str], options: Sequence[str]) -> list[str]:
 def _warn_misspelt(unknown: Sequence[str], flags: Sequence[Flag]) -> None:
     from mindspeed_like.toolkit.megatron_lm_options import MEGATRON_LM_OPTIONS
 
-    ours = {o for f in flags for o in f.argv_option_strings}
+    ours = {o for f in flags for o in f.argv_option_strings} | {negation_option(f) for f in negatable(flags)}
     generic = {o for f in flags if f.generic for o in (f.option, *f.aliases)}
     for token in unknown:
         if not token.startswith("--") or token == "--":
@@ -292,9 +348,16 @@ def normalize_names(flags: Sequence[Flag], overrides: Mapping[str, Any], source:
     for flag in flags:
         for option in flag.option_strings:
             by_name[option.lstrip("-").replace("-", "_")] = flag
+    negations = {negation_option(f).lstrip("-").replace("-", "_"): f for f in negatable(flags)}
     result = {}
     for key, value in overrides.items():
-        flag = by_name.get(key.lstrip("-").replace("-", "_"))
+        name = key.lstrip("-").replace("-", "_")
+        flag = by_name.get(name)
+        if flag is None and name in negations:
+            raise ConfigError(
+                f"{source}: unknown flag {key!r}; --{name.replace('_', '-')} is the command line's spelling, "
+                f"in code pass {negations[name].name}=False"
+            )
         if flag is None:
             raise ConfigError(f"{source}: unknown flag {key!r}.{_suggest(key.replace('-', '_'), by_name)}")
         result[flag.name] = check_value(flag, value, source)

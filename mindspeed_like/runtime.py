@@ -27,7 +27,7 @@ from mindspeed_like.engine import PatchEngine, PatchError, PatchRecord
 from mindspeed_like.megatron_version import SUPPORTED, TESTED_VERSIONS, megatron_core_version, version_of
 from mindspeed_like.toolkit import built_models
 from mindspeed_like.toolkit.declaration import Context, Flag
-from mindspeed_like.toolkit.errors import ConfigError
+from mindspeed_like.toolkit.errors import ConfigError, LevelConflict
 from mindspeed_like.toolkit.fallback import forget_logged
 
 logger = logging.getLogger("mindspeed_like")
@@ -39,6 +39,7 @@ _code_overrides: dict[str, Any] = {}
 _megatron_args: dict[str, Any] = {}
 _current: Context | None = None
 _warned_version = False
+_stepped_aside: dict[str, str] = {}  # level member -> the explicit flag it yielded to (see levels.py)
 
 
 def flags() -> list[Flag]:
@@ -60,7 +61,7 @@ def resolve_config(code: Mapping[str, Any] | None = None, argv: list[str] | None
 
 
 def _level_values(level: int) -> dict[str, Any]:
-    return levels.flag_values(level, registry.all_features())
+    return levels.flag_values(level, registry.all_features(), stepped_aside=_stepped_aside)
 
 
 def context_for(config: Config) -> Context:
@@ -72,12 +73,16 @@ def context_for(config: Config) -> Context:
         megatron_version=megatron_core_version(),
         flags=tuple(flags()),
         megatron_args_sink=set_megatron_args,
+        resolve_conflict=resolve_conflict,
     )
     enabled = tuple(f for f in registry.all_features() if f.is_enabled(base))
     return dataclasses.replace(base, features=enabled)
 
 
 def check_relations(ctx: Context) -> None:
+    """Requirements, conflicts and each feature's own checks. A conflict between a feature the
+    level switched on and one asked for by name is a :class:`LevelConflict` (``apply`` makes the
+    level's feature step aside); between two features asked for by name, a ConfigError."""
     names = set(ctx.enabled_names)
     for feature in ctx.features:
         for required in feature.requires:
@@ -87,9 +92,66 @@ def check_relations(ctx: Context) -> None:
                 )
         for other in feature.conflicts:
             if other in names:
-                raise ConfigError(f"features '{feature.name}' and '{other}' cannot be used together; switch one off")
+                _conflict(ctx, feature, registry.feature_by_name(other))
         if feature.validate is not None:
             feature.validate(ctx)
+
+
+def _conflict(ctx: Context, feature, other) -> None:
+    message = f"features '{feature.name}' and '{other.name}' cannot be used together; switch one off"
+    by_level = {f.name: levels.set_by_level(f, ctx.config.sources) for f in (feature, other)}
+    if by_level[feature.name] and not by_level[other.name]:
+        raise LevelConflict(feature.name, _given(ctx, other), message)
+    if by_level[other.name] and not by_level[feature.name]:
+        raise LevelConflict(other.name, _given(ctx, feature), message)
+    raise ConfigError(message)
+
+
+def _given(ctx: Context, feature) -> str:
+    """How the user switched ``feature`` on: its flags given by name, else the feature's name."""
+    implicit = ("default", "optimization-level")
+    given = [f.option for f in feature.flags if ctx.config.sources.get(f.name, "default") not in implicit]
+    return " ".join(given) or f"feature '{feature.name}'"
+
+
+def _checked_context(code: Mapping[str, Any] | None) -> Context:
+    """The Context of the current sources, its relations checked; members of the level that
+    conflict with an explicit flag step aside first (each re-resolves the config)."""
+    for _ in range(len(registry.all_features()) + 1):
+        ctx = context_for(resolve_config(code))
+        try:
+            check_relations(ctx)
+            return ctx
+        except LevelConflict as conflict:
+            _step_aside(ctx, conflict)
+    raise ConfigError("mindspeed_like: level members kept conflicting after stepping aside")  # pragma: no cover
+
+
+def _step_aside(ctx: Context, conflict: LevelConflict) -> None:
+    """The level's member yields to the explicit flag (one log line), or ``conflict`` is the error:
+    the user asked for that feature by name."""
+    try:
+        feature = registry.feature_by_name(conflict.feature)
+    except KeyError:
+        raise conflict from None
+    if not levels.set_by_level(feature, ctx.config.sources) or feature.name in _stepped_aside:
+        raise conflict
+    _stepped_aside[feature.name] = conflict.given
+    logger.warning(
+        "%s (from --optimization-level %s) stepped aside: %s was given",
+        feature.name,
+        ctx.config["optimization_level"],
+        conflict.given,
+    )
+
+
+def resolve_conflict(conflict: LevelConflict) -> Context:
+    """A conflict found after configuration (``Context.resolve_conflict``): the level's member steps
+    aside and the config is re-applied, returning the new Context; else ``conflict`` is raised."""
+    with _lock:
+        _step_aside(current_context(), conflict)
+        apply()
+        return current_context()
 
 
 def _how_to_enable(name: str) -> str:
@@ -129,10 +191,9 @@ def apply(code: Mapping[str, Any] | None = None) -> Config:
     """Resolve the config from all sources and bring the patches in line with it."""
     global _current
     with _lock:
-        config = resolve_config(code)
+        ctx = _checked_context(code)
+        config = ctx.config
         _configure_kernels(config["portable_kernels"])
-        ctx = context_for(config)
-        check_relations(ctx)
         check_versions(ctx)
         plan: dict[str, list] = {f.name: [] for f in registry.all_features()}
         for feature in ctx.features:
@@ -236,6 +297,7 @@ def reset() -> None:
         built_models.forget()
         _code_overrides.clear()
         _megatron_args.clear()
+        _stepped_aside.clear()
         forget_logged()
         _configure_kernels("auto")
         _current = None

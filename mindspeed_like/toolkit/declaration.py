@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from packaging.version import Version
 
 from mindspeed_like.engine import Patch
-from mindspeed_like.toolkit.errors import FeatureUnsupported
+from mindspeed_like.toolkit.errors import FeatureUnsupported, LevelConflict
 from mindspeed_like.toolkit.fallback import Fallback
 
 if TYPE_CHECKING:
@@ -77,6 +77,10 @@ class Context:
     flags: every flag of every registered feature (for Megatron-LM's parser).
     megatron_args_sink: hands values parsed from Megatron-LM's command line to the runtime,
         which re-applies and returns the new Context (used by the Megatron-LM integration).
+    resolve_conflict: hands a :class:`LevelConflict` found after configuration (a validate_args
+        hook, an optimizer being built) to the runtime: a feature only ``--optimization-level``
+        switched on steps aside (re-applied, logged once) and the new Context is returned;
+        otherwise the conflict is raised as the error it is.
     """
 
     config: Config
@@ -85,6 +89,7 @@ class Context:
     features: tuple[Feature, ...] = ()
     flags: tuple[Flag, ...] = ()
     megatron_args_sink: Callable[[dict[str, Any]], Context] | None = None
+    resolve_conflict: Callable[[LevelConflict], Context] | None = None
 
     def __getitem__(self, name: str) -> Any:
         return self.config[name]

@@ -93,15 +93,26 @@ def test_declaration_checks_levels():
     assert levels.flag_values(2, [feature]) == {"use_x": True}
 
 
-def test_level_2_conflict_with_precision_aware_optimizer_names_the_level():
+def test_level_2_precision_aware_optimizer_build_hands_the_conflict_to_the_runtime():
     """Level 2 switches reuse-fp32-param on; megatron's --use-precision-aware-optimizer cannot be
-    combined with it, and the error says the level did it and how to keep the rest."""
+    combined with it: the optimizer build hands the conflict to the runtime (which makes the level's
+    member step aside: tests/config/test_level_conflicts.py), or raises it without a runtime."""
     from mindspeed_like.features.precision_aware_optimizer import FEATURE
     from mindspeed_like.features.precision_aware_optimizer.optimizer import BuildOptimizer
+    from mindspeed_like.toolkit.errors import LevelConflict
 
     ctx = runtime.context_for(runtime.resolve_config(argv=["--optimization-level", "2"], code={"device": "cpu"}))
     builds = [p.new for p in FEATURE.patches_for(ctx) if isinstance(p.new, BuildOptimizer)]
-    assert builds and builds[0].reuse_fp32_param and builds[0].reuse_from_level
+    assert builds and builds[0].reuse_fp32_param and builds[0].resolve_conflict is runtime.resolve_conflict
     config = type("OptimizerConfig", (), {"use_precision_aware_optimizer": True})()
-    with pytest.raises(ConfigError, match="--optimization-level 2 switches --reuse-fp32-param on"):
-        builds[0](lambda config, param_groups: None, None, (), {"config": config, "param_groups": []})
+    seen = []
+
+    def build(config, param_groups):
+        return "built"
+
+    handed = BuildOptimizer(reuse_fp32_param=True, resolve_conflict=seen.append)
+    assert handed(build, None, (), {"config": config, "param_groups": []}) == "built"
+    assert isinstance(seen[0], LevelConflict) and seen[0].feature == "reuse-fp32-param"
+    assert seen[0].given == "--use-precision-aware-optimizer"
+    with pytest.raises(ConfigError, match="Drop --reuse-fp32-param"):
+        BuildOptimizer(reuse_fp32_param=True)(build, None, (), {"config": config, "param_groups": []})

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.features.precision_aware_optimizer import optimizer as o
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
-from mindspeed_like.toolkit.errors import ConfigError
 
 NAME = "precision-aware-optimizer"
 
@@ -40,7 +39,7 @@ def patches(ctx: Context) -> list[Patch]:
             Kind.WRAP,
             o.BuildOptimizer(
                 reuse_fp32_param=bool(ctx.config.get("reuse_fp32_param", False)),
-                reuse_from_level=ctx.config.sources.get("reuse_fp32_param") == "optimization-level",
+                resolve_conflict=ctx.resolve_conflict,
             ),
             why="precision-aware configs get PrecisionAwareAdam instead of torch's AdamW",
         ),
@@ -50,10 +49,11 @@ def patches(ctx: Context) -> list[Patch]:
 @contextlib.contextmanager
 def check_megatron_args(args) -> Iterator[None]:
     """validate_args hook (Megatron-LM): --reuse-fp32-param with --use-precision-aware-optimizer is a
-    start-up error naming both."""
-    yield
+    start-up conflict, raised before validation (both are parsed values validate_args only reads):
+    the level's reuse-fp32-param steps aside; both given by name, the error naming both."""
     if getattr(args, "use_precision_aware_optimizer", False) and getattr(args, "reuse_fp32_param", False):
-        raise ConfigError(o.conflict_message())
+        raise o.conflict()
+    yield
 
 
 FEATURE = Feature(

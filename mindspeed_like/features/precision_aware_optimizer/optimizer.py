@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from packaging.version import Version
 
 from mindspeed_like.toolkit.binding import Call
-from mindspeed_like.toolkit.errors import ConfigError
+from mindspeed_like.toolkit.errors import LevelConflict
 
 TE_API = Version("2.1.0")
 """The TE FusedAdam API our Adam implements (keywords, initialize_state, get_unscaled_state /
@@ -59,19 +60,21 @@ def te_fused_adam_available() -> bool:
     return True
 
 
-def conflict_message(from_level: bool = False) -> str:
-    """from_level: --reuse-fp32-param was switched on by --optimization-level 2, not given."""
-    fix = (
-        "--optimization-level 2 switches --reuse-fp32-param on: use --optimization-level 1 (plus "
-        "--recompute-activation-function if you want it), or configure(reuse_fp32_param=False)"
-        if from_level
-        else "Drop --reuse-fp32-param (or --use-precision-aware-optimizer)"
-    )
+def conflict_message() -> str:
+    """Both asked for by name (switched on by ``--optimization-level 2``, reuse-fp32-param steps
+    aside instead: :func:`conflict`)."""
     return (
         "--reuse-fp32-param and --use-precision-aware-optimizer both change where the fp32 masters "
         "live and cannot be combined: the precision-aware optimizer already keeps each master as the "
-        f"bf16 weight plus an int16 remainder (store_param_remainders, the same 4 bytes). {fix}."
+        "bf16 weight plus an int16 remainder (store_param_remainders, the same 4 bytes). "
+        "Drop --reuse-fp32-param (or --use-precision-aware-optimizer)."
     )
+
+
+def conflict() -> LevelConflict:
+    """reuse-fp32-param against megatron's --use-precision-aware-optimizer: the runtime makes a
+    reuse-fp32-param that ``--optimization-level 2`` switched on step aside, else it is the error."""
+    return LevelConflict("reuse-fp32-param", "--use-precision-aware-optimizer", conflict_message())
 
 
 def te_min_version(version: str, check_equality: bool = True) -> bool:
@@ -107,17 +110,21 @@ class ConfigPostInit:
 class BuildOptimizer:
     """Wrapper of ``_get_megatron_optimizer_based_on_param_groups``: our Adam for precision-aware configs.
 
-    reuse_fp32_param: that feature is on (it cannot be combined: ConfigError)."""
+    reuse_fp32_param: that feature is on; it cannot be combined (:func:`conflict`): handed to
+    ``resolve_conflict`` (the runtime's: a level's reuse-fp32-param steps aside, switched off
+    before this optimizer is built; asked for by name, the error), or raised without one."""
 
     reuse_fp32_param: bool = False
-    reuse_from_level: bool = False
+    resolve_conflict: Callable[[LevelConflict], object] | None = None
 
     def __call__(self, wrapped, instance, args, kwargs):
         config = Call(wrapped, args, kwargs)["config"]
         if not getattr(config, "use_precision_aware_optimizer", False) or te_fused_adam_available():
             return wrapped(*args, **kwargs)
         if self.reuse_fp32_param:
-            raise ConfigError(conflict_message(self.reuse_from_level))
+            if self.resolve_conflict is None:
+                raise conflict()
+            self.resolve_conflict(conflict())
         from mindspeed_like.kernels.adam import PrecisionAwareAdam
 
         # (module, name, value) for the call; USING_PYTORCH_OPTIMIZER exists from megatron-core 0.15
