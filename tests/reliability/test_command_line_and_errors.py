@@ -164,3 +164,70 @@ def test_run_distributed_names_the_rank_that_died_and_its_exit_code():
     text = str(info.value)
     assert "rank 1 died first (process exited with code 7 without a result)" in text
     assert "--- rank 0 ---" in text
+
+
+# ---------------------------------------------------------------- issue 28 item 4: one process without torchrun
+
+WORLD_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import torch.distributed as dist
+    dist.init_process_group("gloo")  # env://, as Megatron-LM's initialize does
+    print("WORLD", dist.get_rank(), dist.get_world_size(), os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"])
+    dist.destroy_process_group()
+    """
+)
+LAUNCHER = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _runner_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER and k != "MINDSPEED_LIKE_ARGS"}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+@pytest.mark.parametrize("entry", [["-m", "mindspeed_like.run"], ["-m", "mindspeed_like.cli", "run"]])
+def test_run_without_a_launcher_is_a_one_process_world(tmp_path, entry):
+    script = tmp_path / "train.py"
+    script.write_text(WORLD_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, *entry, str(script)], capture_output=True, text=True, env=_runner_env(), timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "WORLD 0 1 0 1" in result.stdout
+    notes = [line for line in result.stderr.splitlines() if "mindspeed_like.run: no launcher" in line]
+    assert len(notes) == 1 and "MASTER_ADDR=127.0.0.1" in notes[0] and "MASTER_PORT=" in notes[0]
+
+
+def test_a_launchers_variables_are_never_overridden():
+    from mindspeed_like.run import one_process_world
+
+    launched = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    env = dict(launched)
+    assert one_process_world(env) == {} and env == launched
+    env = {"MASTER_PORT": "29555"}  # the user's own port, no launcher
+    added = one_process_world(env)
+    assert env["MASTER_PORT"] == "29555" and "MASTER_PORT" not in added
+    assert env == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}  # fmt: skip
+    env = {}
+    assert set(one_process_world(env)) == set(LAUNCHER) and int(env["MASTER_PORT"]) > 0
+
+
+@pytest.mark.slow
+def test_megatron_lm_pretrain_gpt_trains_as_one_process_without_torchrun():
+    """``mindspeed-like run pretrain_gpt.py ...`` with no launcher variables (opt-in: MEGATRON_LM_PATH)."""
+    from mindspeed_like.testing import megatron_lm
+
+    if not megatron_lm.available():
+        pytest.skip(megatron_lm.SKIP_REASON)
+    bin_dir = os.path.dirname(sys.executable)
+    env = _runner_env(PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), TORCHDYNAMO_DISABLE="1")
+    command = [os.path.join(bin_dir, "mindspeed-like"), "run", megatron_lm.PRETRAIN_GPT, *megatron_lm.TINY]
+    command += ["--train-iters", "3"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    iterations = [line for line in output.splitlines() if megatron_lm.ITERATION.search(line)]
+    assert len(iterations) == 3, output[-4000:]
+    assert "mindspeed_like.run: no launcher, one process" in output
