@@ -15,7 +15,9 @@ flash-style kernel:
   a boolean mask (SDPA: ``True`` = keep, the opposite of megatron's) only when the caller gives
   one or asks for a band SDPA cannot express. GQA with ``enable_gqa`` (k/v are expanded as
   views, not copied). Dropout > 0 makes PyTorch's CPU dispatcher pick its math kernel, which
-  materializes the probabilities: the memory saving then is lost on CPU (not on CUDA).
+  materializes the probabilities: the memory saving then is lost on CPU (not on CUDA). A value
+  head dim different from q/k's (multi-latent attention) is refused by the CPU flash kernel: on
+  CPU those calls run ``kernels/blocked_attention.py`` (flash-style, V not padded).
 - ``reference``: megatron's eager math (``masked_fill(-10000)``, softmax, dropout, matmul),
   the oracle of the tests.
 
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 
 from mindspeed_like.kernels.backend import backend_for
 from mindspeed_like.kernels.backends.npu import torch_npu
+from mindspeed_like.kernels.blocked_attention import blocked_attention
 
 NPU_COMPRESSED_MASK_SIZE = 2048  # sparse modes 2, 3, 4 take this fixed mask whatever the lengths
 NPU_UNBOUNDED = 2147483647  # torch_npu's default pre/next_tockens: no band
@@ -101,6 +104,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_dim: int) ->
         raise ValueError(
             f"flash_attention: query heads ({nq}) must be a multiple of key/value heads ({nk}, {v.shape[heads_dim]})"
         )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"flash_attention: query and key head dims differ ({q.shape[-1]}, {k.shape[-1]})")
 
 
 # ---------------------------------------------------------------- mask preparation (all backends)
@@ -136,6 +141,14 @@ def _uniform_rows(v_bnsd: torch.Tensor, nq: int) -> torch.Tensor:
 # ---------------------------------------------------------------- portable (SDPA)
 
 
+def _cpu_flash_refuses(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """PyTorch's CPU flash kernel needs one head dim for q, k and v; with a different V head dim
+    (multi-latent attention) SDPA would run its math kernel and save the s x s probabilities, so
+    :func:`~mindspeed_like.kernels.blocked_attention.blocked_attention` runs instead (V unpadded).
+    On CUDA, SDPA's memory-efficient kernel takes a different V head dim itself."""
+    return q.device.type == "cpu" and q.shape[-1] != v.shape[-1]
+
+
 def _portable_bnsd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -155,9 +168,12 @@ def _portable_bnsd(
     empty = None if keep is None else _empty_rows(keep)
     if empty is not None:
         keep = keep | empty  # give the kernel a valid row; its output is replaced below
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=nq != nk
-    )
+    if _cpu_flash_refuses(q, v) and dropout_p == 0.0:
+        out = blocked_attention(q, k, v, scale=scale, keep=keep, causal=is_causal)
+    else:
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=nq != nk
+        )
     if empty is not None:
         out = torch.where(empty, _uniform_rows(v, nq).to(out.dtype), out)
     return out
@@ -280,14 +296,18 @@ def _npu_sbhd(q, k, v, scale, mask, band, dropout_p) -> torch.Tensor:
     elif band is not None and not band.is_full(sq, sk):
         kwargs.update(_npu_band_args(Band(band.left, band.right, band.bottom_right or sq == sk), q.device, sq == sk))
     npu = torch_npu()
-    out = npu.npu_fusion_attention(
-        q.reshape(sq, b, nq * d).contiguous(),
-        k.reshape(sk, b, -1).contiguous(),
-        v.reshape(sk, b, -1).contiguous(),
-        nq,
-        "SBH",
-        **kwargs,
-    )[0]
+    if v.shape[-1] == d:
+        out = npu.npu_fusion_attention(
+            q.reshape(sq, b, nq * d).contiguous(),
+            k.reshape(sk, b, -1).contiguous(),
+            v.reshape(sk, b, -1).contiguous(),
+            nq,
+            "SBH",
+            **kwargs,
+        )[0]
+    else:  # V head dim < q/k's (multi-latent attention): BNSD names each tensor's head dim explicitly
+        q4, k4, v4 = (t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
+        out = npu.npu_fusion_attention(q4, k4, v4, nq, "BNSD", **kwargs)[0].permute(2, 0, 1, 3).reshape(sq, b, -1)
     if empty is not None:  # empty: [b|1, n|1, sq, 1] -> rows of the [sq, b, n*d] output
         uniform = _uniform_rows(v.permute(1, 2, 0, 3), nq)  # [b, nq, 1, d]
         bnsd = out.view(sq, b, nq, -1).permute(1, 2, 0, 3)
@@ -340,9 +360,10 @@ def flash_attention(
 ) -> torch.Tensor:
     """Attention in megatron's layouts; no s x s matrix on the npu and portable backends.
 
-    sbhd: ``q [sq, b, nq, d]``, ``k, v [sk, b, nk, d]`` (``nq % nk == 0``: GQA) -> ``[sq, b, nq*d]``.
-    thd (packed, when ``cu_seqlens_q`` is given): ``q [t, nq, d]``, ``k, v [t_kv, nk, d]`` with
-    megatron's cumulative lengths (leading 0) -> ``[t, nq*d]``; ``mask`` is not allowed there.
+    sbhd: ``q, k [s, b, n, d]``, ``v [sk, b, nk, dv]`` (``nq % nk == 0``: GQA; ``dv`` may differ from
+    ``d``: multi-latent attention) -> ``[sq, b, nq*dv]``.
+    thd (packed, when ``cu_seqlens_q`` is given): ``q [t, nq, d]``, ``k [t_kv, nk, d]``, ``v [t_kv, nk, dv]``
+    with megatron's cumulative lengths (leading 0) -> ``[t, nq*dv]``; ``mask`` is not allowed there.
     ``mask``: bool, True = masked out, broadcastable to ``[b, nq, sq, sk]``. ``band``: which keys
     each query sees (``CAUSAL``, ``Band(left, right)``). ``dropout_p``: on the attention
     probabilities, drawn from the current default generator (the caller forks megatron's
@@ -351,6 +372,8 @@ def flash_attention(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"flash_attention: dropout_p must be in [0, 1), got {dropout_p}")
     backend = backend_for(q)
+    if backend == "npu" and v.shape[-1] > q.shape[-1]:
+        backend = "portable"  # npu_fusion_attention takes Dq = Dk >= Dv only (SDPA on the device)
     if cu_seqlens_q is not None:
         if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
             raise ValueError(f"flash_attention: packed (thd) input must be [t, n, d], got q {tuple(q.shape)}")

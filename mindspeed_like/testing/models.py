@@ -65,11 +65,31 @@ def gpt_config(**overrides: Any):
     if values.get("bf16"):
         values.setdefault("params_dtype", __import__("torch").bfloat16)
         values.setdefault("pipeline_dtype", __import__("torch").bfloat16)
+    if values.get("multi_latent_attention"):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        for name, value in MLA_DEFAULTS.items():
+            values.setdefault(name, value)
+        return MLATransformerConfig(**values)
     return TransformerConfig(**values)
 
 
-def tiny_gpt(*, wrap_float16: bool = True, **overrides: Any):
-    """A megatron-core GPTModel from ``get_gpt_layer_local_spec()`` with tiny sizes.
+# Multi-latent attention sizes for a tiny GPT (``multi_latent_attention=True``): LoRA ranks on both
+# projections, a rope part of the q/k head dim, and a V head dim different from q/k's.
+MLA_DEFAULTS: dict[str, Any] = dict(
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_head_dim=16,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=12,
+    rope_type="rope",
+)
+
+
+def tiny_gpt(*, wrap_float16: bool = True, transformer_impl: str = "local", **overrides: Any):
+    """A megatron-core GPTModel from ``get_gpt_layer_local_spec()`` with tiny sizes
+    (``transformer_impl="transformer_engine"``: from ``get_gpt_layer_with_transformer_engine_spec()``,
+    which needs TransformerEngine or the te-backend).
 
     Overrides go to :func:`gpt_config` (TransformerConfig fields) or to GPTModel
     (``vocab_size``, ``max_sequence_length`` alias ``seq_length``, ``position_embedding_type``,
@@ -93,10 +113,22 @@ def tiny_gpt(*, wrap_float16: bool = True, **overrides: Any):
         if key in MODEL_DEFAULTS:
             model_args[key] = overrides.pop(key)
     config = gpt_config(**overrides)
-    spec_args = dict(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm)
-    if "normalization" in inspect.signature(get_gpt_layer_local_spec).parameters:  # not in every version
-        spec_args["normalization"] = config.normalization
-    spec = get_gpt_layer_local_spec(**spec_args)
+    spec_args = dict(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
+    )
+    if transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(**spec_args)
+    elif transformer_impl == "local":
+        if "normalization" in inspect.signature(get_gpt_layer_local_spec).parameters:  # not in every version
+            spec_args["normalization"] = config.normalization
+        spec = get_gpt_layer_local_spec(**spec_args)
+    else:
+        raise ValueError(f"transformer_impl {transformer_impl!r}: choose 'local' or 'transformer_engine'")
     model = GPTModel(config=config, transformer_layer_spec=spec, **model_args)
     _gated_fc1_layout_of_tp1(model, config)
     if config.bf16 and wrap_float16:

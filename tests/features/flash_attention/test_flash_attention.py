@@ -112,6 +112,49 @@ def test_kernel_matches_float64(backend, dtype, s, case):
         assert_close_to_reference(g, rg, dtype, what=f"d{name}", floor=1.0)
 
 
+V_HEAD_DIM_CASES = ("causal", "full", "gqa_causal", "mask_and_causal", "causal_sk_longer")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", V_HEAD_DIM_CASES)
+def test_kernel_with_a_smaller_value_head_dim_matches_float64(backend, dtype, case):
+    """Multi-latent attention: V's head dim (12) differs from q/k's (16); V is not padded (the CPU
+    flash kernel refuses it, so the blocked kernel runs; npu: BNSD names each head dim)."""
+    spec = dict(KERNEL_CASES[case])
+    s = 33
+    nk, sk = spec.pop("nk", 4), s + spec.pop("extra_k", 0)
+    (q, k, _), (rq, rk, _) = _qkv(s, sk, 2, 4, nk, 16, dtype, ("dv", case, str(dtype)))
+    v64 = torch.randn(sk, 2, nk, 12, generator=_gen("dv-v", case))
+    v, rv = (v64.to(t).detach().clone().requires_grad_(True) for t in (dtype, torch.float64))
+    if spec.get("mask") == "random":
+        spec["mask"] = torch.rand(2, 1, s, sk, generator=_gen("dv-mask", case)) < 0.4
+    grad = torch.randn(s, 2, 4 * 12, generator=_gen("dv-grad", case))
+    out, grads, calls = _fwd_bwd(backend, [q, k, v], grad, scale=0.25, **spec)
+    ref, ref_grads, _ = _fwd_bwd("reference", [rq, rk, rv], grad, scale=0.25, **spec)
+    assert calls == (1 if backend == "npu" else 0)
+    assert out.shape == ref.shape == (s, 2, 48)
+    assert_close_to_reference(out, ref, dtype, what="out")
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert_close_to_reference(g, rg, dtype, what=f"d{name}", floor=1.0)
+
+
+def test_portable_cpu_value_head_dim_saves_no_score_matrix():
+    """The blocked kernel runs for d_v != d_qk on CPU: nothing of size s x s is saved for backward."""
+    s = 256
+    q, k = (torch.randn(1, 2, s, 16, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 2, s, 8, requires_grad=True)
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with force_backend("portable"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        flash_attention(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), scale=0.25, band=CAUSAL)
+    assert sizes and max(sizes) < s * s, sizes
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_kernel_packed_matches_per_sequence(backend, dtype):
