@@ -45,9 +45,9 @@ def launcher() -> list[str]:
     return ["-m", "mindspeed_like.run", PRETRAIN_GPT]
 
 
-def torchrun(nproc: int, script_args: list[str], extra: list[str], env_extra: dict | None = None) -> list[str]:
-    """Train the TINY model with ``extra`` flags in ``nproc`` processes; returns the
-    "features on" line of rank 0, then every iteration line. Fails with the output's tail."""
+def torchrun_output(nproc: int, script_args: list[str], extra: list[str], env_extra: dict | None = None) -> str:
+    """Train the TINY model with ``extra`` flags in ``nproc`` processes; returns everything the
+    processes printed (stdout, then stderr). Fails with the output's tail."""
     env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_LIKE_ARGS"}
     bin_dir = os.path.dirname(sys.executable)  # megatron compiles helpers with the python3 on PATH
     env.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), OMP_NUM_THREADS=str(max(1, 2 // nproc)))
@@ -66,6 +66,17 @@ def torchrun(nproc: int, script_args: list[str], extra: list[str], env_extra: di
             f"core_v0.18+), this is {sys.version.split()[0]}:\n{output[-2000:]}"
         )
     assert result.returncode == 0, output[-6000:]
+    return output
+
+
+def torchrun(nproc: int, script_args: list[str], extra: list[str], env_extra: dict | None = None) -> list[str]:
+    """Train the TINY model with ``extra`` flags in ``nproc`` processes; returns the
+    "features on" line of rank 0, then every iteration line. Fails with the output's tail."""
+    return lines_of(torchrun_output(nproc, script_args, extra, env_extra))
+
+
+def lines_of(output: str) -> list[str]:
+    """The "features on" line of rank 0 (exactly one), then every iteration line, of a run's output."""
     features = [line for line in output.splitlines() if "> mindspeed_like features on:" in line]
     assert len(features) == 1, "rank 0 prints the features once"
     return [features[0], *[line for line in output.splitlines() if ITERATION.search(line)]]
@@ -74,6 +85,28 @@ def torchrun(nproc: int, script_args: list[str], extra: list[str], env_extra: di
 def losses(lines: list[str], iterations: int = 10) -> list[float]:
     """The ``lm loss`` of each iteration line (all finite, ``iterations`` of them)."""
     values = [float(ITERATION.search(line).group(4)) for line in lines[1:]]
+    assert len(values) == iterations, lines
+    assert all(math.isfinite(x) for x in values)
+    return values
+
+
+PRINTED = re.compile(r"\| (lm loss|grad norm): ([^ |]+)")
+
+
+def printed(lines: list[str]) -> dict[int, dict[str, str]]:
+    """Each iteration line's ``lm loss`` and ``grad norm`` exactly as Megatron printed them (strings:
+    a resumed run is compared with a straight one digit for digit), by iteration number."""
+    values = {}
+    for line in lines[1:]:
+        iteration = int(ITERATION.search(line).group(1))
+        assert iteration not in values, f"iteration {iteration} printed twice: {lines}"
+        values[iteration] = dict(PRINTED.findall(line))
+    return values
+
+
+def grad_norms(lines: list[str], iterations: int = 10) -> list[float]:
+    """The ``grad norm`` of each iteration line (all finite, ``iterations`` of them)."""
+    values = [float(entry["grad norm"]) for entry in printed(lines).values()]
     assert len(values) == iterations, lines
     assert all(math.isfinite(x) for x in values)
     return values
