@@ -17,6 +17,7 @@ from mindspeed_like.compare.presets import PRESETS
 from mindspeed_like.toolkit.errors import ConfigError
 
 DEFAULT_LEVEL = 2
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
 
 class CompareFailed(RuntimeError):
@@ -37,6 +38,13 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-parallel-size", type=int, default=1)
     group.add_argument("--expert-model-parallel-size", type=int, default=1, help="moe preset: experts over DP ranks")
     group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument(
+        "--transformer-impl",
+        choices=TRANSFORMER_IMPLS,
+        default="transformer_engine",
+        help="the layer spec both arms build: megatron's TE spec (Megatron-LM's default; without TransformerEngine "
+        "on the te-backend, which megatron's arm runs with no acceleration on) or its local spec",
+    )
     group.add_argument("--out", default="compare-out", help="directory for compare.json and compare.png")
     group.add_argument("--timeout", type=float, default=3600, help="seconds per arm before its processes are killed")
     group.add_argument("--quiet", action="store_true", help="no progress line per step")
@@ -105,7 +113,16 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
     check_arguments(args)
     flags = feature_flags(flag_values)
     config = runtime.resolve_config(code=flags, argv=[])  # errors here, not in the children
-    runtime.check_relations(runtime.context_for(config))
+    ctx = runtime.context_for(config)
+    runtime.check_relations(ctx)
+    if args.transformer_impl == "transformer_engine" and "te-backend" not in ctx.enabled_names:
+        from mindspeed_like.toolkit import transformer_engine
+
+        if not transformer_engine.installed():
+            raise ConfigError(
+                "compare: --transformer-impl transformer_engine needs TransformerEngine or the te-backend, which "
+                "--no-te-backend switched off; drop --no-te-backend or use --transformer-impl local"
+            )
     device = config["device"]
     world = args.tensor_model_parallel_size * args.data_parallel_size
     global_batch = args.micro_batch_size * args.data_parallel_size
@@ -128,6 +145,7 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
         tp=args.tensor_model_parallel_size,
         sp=args.sequence_parallel,
         ep=args.expert_model_parallel_size,
+        transformer_impl=args.transformer_impl,
         distributed_optimizer=args.use_distributed_optimizer,
         device=device,
         data=data,

@@ -64,6 +64,7 @@ def build(args: argparse.Namespace, flags: dict[str, Any], arms: dict[str, dict[
             "seq_length": args.seq_length,
             "micro_batch_size": args.micro_batch_size,
             "precision": "fp32" if args.fp32 else "bf16",
+            "transformer_impl": args.transformer_impl,
         },
         "parallel": {
             "tensor_model_parallel_size": args.tensor_model_parallel_size,

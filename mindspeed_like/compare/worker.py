@@ -51,6 +51,8 @@ def _build_model(spec: dict[str, Any], grouped_gemm_on: bool):
     args.update(bf16=spec["bf16"], sequence_parallel=spec["sp"])
     seed = spec["seed"]
     init_parallel(tp=spec["tp"], ep=spec["ep"], seed=seed)
+    if spec.get("transformer_impl", "local") == "transformer_engine":
+        return _te_spec_model(spec, args)
     if not preset.moe or not grouped_gemm_on:
         return tiny_gpt(**args)
     reference = tiny_gpt(wrap_float16=False, **dict(args, moe_grouped_gemm=False))
@@ -63,6 +65,27 @@ def _build_model(spec: dict[str, Any], grouped_gemm_on: bool):
     else:  # 0.17+: SequentialMLP either way, the same parameters from the same seed
         model.load_state_dict(reference.state_dict())
     del reference
+    if spec["bf16"]:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(model.config, model)
+    return model
+
+
+def _te_spec_model(spec: dict[str, Any], args: dict[str, Any]):
+    """The TE-spec GPT (``get_gpt_layer_with_transformer_engine_spec``), given the weights of the
+    local-spec model of the same seed by distributed-checkpoint key: both arms, and both
+    ``--transformer-impl`` choices, start from the same function (TE's grouped experts take
+    SequentialMLP's weights as ``weight0..N-1``)."""
+    from mindspeed_like.testing import tiny_gpt
+    from mindspeed_like.testing.checkpoint_keys import copy_weights
+    from mindspeed_like.testing.parallel import init_parallel
+
+    local = tiny_gpt(wrap_float16=False, **dict(args, moe_grouped_gemm=False))
+    init_parallel(tp=spec["tp"], ep=spec["ep"], seed=spec["seed"])
+    model = tiny_gpt(wrap_float16=False, transformer_impl="transformer_engine", **args)
+    copy_weights(local, model)
+    del local
     if spec["bf16"]:
         from megatron.core.transformer.module import Float16Module
 

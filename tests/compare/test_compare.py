@@ -102,7 +102,9 @@ def test_feature_that_falls_back_is_reported_as_not_run(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["moe", "gpt"])
 def test_other_presets_train(tmp_path, preset):
-    result = _compare(tmp_path, "--preset", preset)
+    # local spec: megatron's GroupedMLP is what grouped-gemm patches (TE's grouped linears use its kernel
+    # inside the te-backend, without the feature's patch)
+    result = _compare(tmp_path, "--preset", preset, "--transformer-impl", "local")
     assert result["model"]["preset"] == preset
     assert result["with_features"]["losses"][-1] < result["with_features"]["losses"][0] + 0.5
     if preset == "moe":
@@ -117,6 +119,7 @@ def test_other_presets_train(tmp_path, preset):
         (["--steps", "0"], "--steps must be positive"),
         (["--expert-model-parallel-size", "2"], "is for --preset moe"),
         (["--use-flash-atn"], "unrecognized arguments: --use-flash-atn"),
+        (["--no-te-backend"], "--transformer-impl transformer_engine needs TransformerEngine or the te-backend"),
     ],
 )
 def test_bad_arguments_are_clear_errors(tmp_path, capsys, args, message):
@@ -127,6 +130,18 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys, args, message):
     assert code == 2
     assert message in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "compare.json")
+
+
+def test_both_transformer_impls_train_the_same_function(tmp_path, exact_run):
+    """``--transformer-impl`` (default: Megatron-LM's, transformer_engine): the TE-spec model gets the
+    local-spec model's weights by checkpoint key, so megatron's arm trains the same function on
+    either spec (fp32: within 1e-5, sums in other orders); the TE-spec model reaches the features."""
+    te, _, _ = exact_run
+    local = _compare(tmp_path, "--fp32", "--recompute-activation-function", "--transformer-impl", "local")
+    assert te["model"]["transformer_impl"] == "transformer_engine" and local["model"]["transformer_impl"] == "local"
+    for a, b in zip(te["megatron"]["losses"], local["megatron"]["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (te["megatron"]["losses"], local["megatron"]["losses"])
+    assert "recompute-activation-function" in te["features"]["ran"]
 
 
 def test_png_is_drawn_when_matplotlib_is_installed(exact_run):
