@@ -85,6 +85,13 @@ class Source:
     def is_package(self, module: str) -> bool:
         return self.read(module.replace(".", "/") + "/__init__.py") is not None
 
+    def is_namespace_package(self, module: str) -> bool:
+        """A folder of modules without ``__init__.py`` (megatron's ``models/gpt/heterogeneous``)."""
+        base = module.replace(".", "/") + "/"
+        if self._zip is not None:
+            return any(name.startswith(base) for name in self._names)
+        return os.path.isdir(os.path.join(self._root, base))
+
     def module_text(self, module: str) -> str | None:
         base = module.replace(".", "/")
         text = self.read(base + ".py")
@@ -192,7 +199,7 @@ class Resolver:
                 module = candidate
                 if not self.source.is_package(candidate):
                     break
-            elif module is not None:
+            elif module is not None and not self.source.is_namespace_package(candidate):
                 break
         if module is None:
             return None, parts
