@@ -7,6 +7,14 @@ offers. On today's megatron-core without apex/TE (every
 CPU host) each format failed before the CPU adapter's fixes: legacy on load (KeyError 'step'),
 dp_reshardable and fully_reshardable on load (``assert len(steps) == 1``),
 fully_sharded_model_space at save ("ShardedTensor.flattened_range is not supported").
+
+Issue 28: the same with megatron's precision-aware optimizer (``use_precision_aware_optimizer``,
+bf16 main grads, int16 master remainders; bf16 moments in every format and both load
+strictnesses below, fp8 moments in every format), which without TE runs our
+``PrecisionAwareAdam``; the optimizer's state (main params or remainders, moments in their storage
+dtype, block scales, steps) must equal the straight run's too. Before ``fixes/distopt_padding_flag``
+the bucket-space format (dp_reshardable, Megatron-LM's default) died on load on megatron-core
+0.15/0.16 (``set_scaled_state(param, "padding", False)``: KeyError 'padding').
 """
 
 from __future__ import annotations
@@ -62,30 +70,58 @@ def _marks(fmt: str, fast: bool) -> list:
     return marks
 
 
-# The default lane runs one plain-fp32 format and one reuse-fp32-param format (megatron's
-# default format); `make test-all` runs every format both ways.
+# `--dist-ckpt-strictness` (Megatron-LM hands it to `dist_checkpointing.load(strict=...)`; the
+# legacy torch format never reads it). What megatron's load does with each value:
+# assume_ok_unexpected (the default) checks nothing against the checkpoint and trusts the
+# strategy; every other value first reads the checkpoint's metadata and drops the requested keys
+# it lacks ("unexpected"), the *_all values also compare the keys all ranks request with the
+# checkpoint's ("missing"). log_* only warn, ignore_all hides both, return_* only change load's
+# return value, raise_unexpected is a subset of raise_all: raise_all is the one that fails on any
+# mismatch between what was saved and what the load asks for, so it is the strict mode tested.
+DEFAULT_STRICT = "assume_ok_unexpected"
+STRICT_MODES = (DEFAULT_STRICT, "raise_all")
+
+# Megatron-LM's default format for the DistributedOptimizer (`--ckpt-format torch_dist`):
+# dp_reshardable from 0.15 (fully_reshardable only with --dist-ckpt-optim-fully-reshardable),
+# fully_sharded_model_space before (--ckpt-fully-parallel-save, on by default).
+MEGATRON_LM_DEFAULT = "dp_reshardable" if NEW_FORMATS else "fully_sharded_model_space"
+
+
+def _id(fmt: str, setup: str, strict: str) -> str:
+    return f"{fmt}-{setup}" + ("" if strict == DEFAULT_STRICT else f"-{strict}")
+
+
+# The default lane runs one plain-fp32 format, one reuse-fp32-param format (megatron-core's default
+# format) and one precision-aware format (bf16 moments and main grads, Megatron-LM's default
+# format); `make test-all` runs every format every way: the precision-aware optimizer with bf16
+# moments also with the strict load, and with fp8 moments.
+FAST = {
+    ("legacy", "plain", DEFAULT_STRICT),
+    ("fully_sharded_model_space", "reuse", DEFAULT_STRICT),
+    (MEGATRON_LM_DEFAULT, "pa-bf16", DEFAULT_STRICT),
+}
 CASES = [
-    pytest.param(fmt, reuse, id=f"{fmt}-{'reuse' if reuse else 'plain'}", marks=_marks(fmt, fast))
-    for reuse in (False, True)
+    pytest.param(fmt, setup, strict, id=_id(fmt, setup, strict), marks=_marks(fmt, (fmt, setup, strict) in FAST))
+    for setup in ("plain", "reuse", "pa-bf16", "pa-fp8")
     for fmt in FORMATS
-    for fast in [(fmt, reuse) in {("legacy", False), ("fully_sharded_model_space", True)}]
+    for strict in (STRICT_MODES if setup == "pa-bf16" and fmt != "legacy" else (DEFAULT_STRICT,))
 ]
 
-_straight: dict[bool, list] = {}
+_straight: dict[str, list] = {}
 
 
-def _reference(reuse: bool) -> list:
-    if reuse not in _straight:
-        _straight[reuse] = run_distributed(straight, 2, FIRST + MORE, reuse, timeout=TIMEOUT)
-    return _straight[reuse]
+def _reference(setup: str) -> list:
+    if setup not in _straight:
+        _straight[setup] = run_distributed(straight, 2, FIRST + MORE, setup, timeout=TIMEOUT)
+    return _straight[setup]
 
 
-@pytest.mark.parametrize("fmt, reuse", CASES)
-def test_train_save_resume_equals_straight_bitwise(fmt, reuse, tmp_path):
+@pytest.mark.parametrize("fmt, setup, strict", CASES)
+def test_train_save_resume_equals_straight_bitwise(fmt, setup, strict, tmp_path):
     directory = str(tmp_path / fmt)
-    saved = run_distributed(train_and_save, 2, FIRST, fmt, directory, reuse, timeout=TIMEOUT)
-    resumed = run_distributed(load_and_train, 2, FIRST, MORE, fmt, directory, reuse, timeout=TIMEOUT)
-    reference = _reference(reuse)
+    saved = run_distributed(train_and_save, 2, FIRST, fmt, directory, setup, timeout=TIMEOUT)
+    resumed = run_distributed(load_and_train, 2, FIRST, MORE, fmt, directory, setup, strict, timeout=TIMEOUT)
+    reference = _reference(setup)
 
     for rank in range(2):
         assert saved[rank]["losses"] == reference[rank]["losses"][:FIRST]
@@ -95,3 +131,8 @@ def test_train_save_resume_equals_straight_bitwise(fmt, reuse, tmp_path):
         )
         for name, value in reference[rank]["weights"].items():
             assert (resumed[rank]["weights"][name] == value).all(), f"rank {rank}: weight {name} differs"
+        # the optimizer too: main params (or remainders), moments in their storage dtype, block
+        # scales, steps
+        assert resumed[rank]["optimizer"].keys() == reference[rank]["optimizer"].keys()
+        for name, value in reference[rank]["optimizer"].items():
+            assert np.array_equal(resumed[rank]["optimizer"][name], value), f"rank {rank}: optimizer {name} differs"
