@@ -2,7 +2,11 @@
 
 Megatron-LM's defaults assume CUDA extensions (TransformerEngine layers, NCCL, apex/TE fusions);
 where the extension is absent the default is switched to the portable choice before
-``validate_args`` derives anything from it, each change logged. Runs as the feature's hook of
+``validate_args`` derives anything from it, each change logged. TransformerEngine's layers are
+the exception while the te-backend is on (wherever TE is not installed, unless --no-te-backend):
+megatron's TE wrapper classes are then ours, so ``--transformer-impl transformer_engine`` (the
+default) stays and builds the TE-spec model; only with the backend off is it switched to
+``local``. Runs as the feature's hook of
 the one ``validate_args`` wrap (``mindspeed_like.integrations.megatron_lm``).
 """
 
@@ -15,6 +19,8 @@ import os
 from collections.abc import Iterator
 
 import torch
+
+from mindspeed_like.toolkit import transformer_engine
 
 logger = logging.getLogger("mindspeed_like")
 
@@ -39,13 +45,17 @@ def host_defaults(args) -> list[str]:
             changes.append(f"args.{name}: {getattr(args, name)!r} -> {value!r} ({why})")
             setattr(args, name, value)
 
-    have_te = _installed("transformer_engine")
-    if getattr(args, "transformer_impl", None) == "transformer_engine" and not have_te:
-        change("transformer_impl", "local", "TransformerEngine is not installed")
+    have_te = transformer_engine.installed()
+    if getattr(args, "transformer_impl", None) == "transformer_engine" and not te_layers_available():
+        why = "TransformerEngine is not installed and the te-backend is off (--no-te-backend)"
+        change("transformer_impl", "local", why)
     if getattr(args, "distributed_backend", None) == "nccl" and not torch.distributed.is_nccl_available():
         change("distributed_backend", "gloo", "this torch has no NCCL")
     if not have_te:
-        change("apply_rope_fusion", False, "the fused RoPE kernel needs TransformerEngine")
+        # megatron's fused RoPE is TE's fused_apply_rotary_pos_emb, which the te-backend does not provide
+        # (it is not a layer); our kernel is --use-fused-rotary-pos-emb, on either spec
+        why = "the fused RoPE kernel needs TransformerEngine (ours: --use-fused-rotary-pos-emb)"
+        change("apply_rope_fusion", False, why)
     if not _installed("fused_weight_gradient_mlp_cuda"):
         change("gradient_accumulation_fusion", False, "needs apex's fused_weight_gradient_mlp_cuda")
     if not _installed("scaled_masked_softmax_cuda"):
@@ -65,6 +75,14 @@ def host_defaults(args) -> list[str]:
     if changes and getattr(args, "rank", 0) == 0:
         logger.warning("mindspeed_like cpu-training-loop adjusted Megatron-LM arguments:\n  %s", "\n  ".join(changes))
     return changes
+
+
+def te_layers_available() -> bool:
+    """Whether megatron can build its TE layers here: a real TransformerEngine, or the te-backend's
+    classes bound into megatron's extension module (the feature is on; its PROVIDE patches apply
+    when that module is imported). Asked of megatron itself, so ``--no-te-backend`` (megatron's
+    ``MagicMock`` stand-ins) answers False."""
+    return transformer_engine.installed() or transformer_engine.megatron_te_layers_available()
 
 
 @contextlib.contextmanager
