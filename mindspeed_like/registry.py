@@ -22,7 +22,7 @@ from mindspeed_like.toolkit.declaration import Feature
 from mindspeed_like.toolkit.errors import ConfigError
 
 BUILTIN_PACKAGES = ("adapters", "fixes", "integrations", "features")
-BUILTIN_MODULES = ("te_backend",)
+BUILTIN_MODULES = ("te_backend", "te_shim")
 
 _lock = threading.RLock()
 _registered: dict[str, Feature] = {}

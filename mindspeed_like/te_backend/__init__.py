@@ -36,6 +36,7 @@ from typing import Any
 
 from mindspeed_like.engine import Deferred, Kind, Patch
 from mindspeed_like.te_backend import megatron_names
+from mindspeed_like.te_backend.fallbacks import TransformerConfigFallbacks
 from mindspeed_like.te_backend.megatron_names import EXTENSION, SPEC_PROVIDER
 from mindspeed_like.toolkit import transformer_engine
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
@@ -100,6 +101,14 @@ def patches(ctx: Context) -> list[Patch]:
             for name in names
             if name in provided
         ]
+    result.append(
+        Patch(
+            "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__",
+            Kind.WRAP,
+            TransformerConfigFallbacks(ctx.fallback(NAME, instead="megatron's unfused path")),
+            why="TE-only fusions clients set in code (moe_permute_fusion) switched off, said once (fallbacks.py)",
+        )
+    )
     spec_provider_names = megatron_names.names_of(SPEC_PROVIDER)
     result += [
         Patch(
