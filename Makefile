@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all test-compile lint megatron-lm-smoke megatron-lm-smoke-versions test-versions clean
+.PHONY: install demo test test-all test-compile lint megatron-lm-smoke megatron-lm-smoke-versions megatron-bridge-smoke test-versions clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -104,6 +104,17 @@ megatron-lm-smoke-versions: $(STAMP) $(foreach t,$(filter-out core_v$(PRIMARY_VE
 		PATH="$(CURDIR)/$$venv/bin:$$PATH" MEGATRON_LM_PATH="$(CURDIR)/$$dir" $$venv/bin/python -m pytest -q -m '' \
 			tests/integration/test_megatron_lm_integration.py tests/features/*/test_*_megatron_lm.py; \
 	done
+
+# Megatron-Bridge (NVIDIA's HF <-> Megatron converter) as a client, without TransformerEngine: its own
+# `import transformer_engine.pytorch` gets the te-client-module; tiny random Qwen3 / Qwen3-MoE convert,
+# match HF's logits, train and export bitwise (tests/te_backend/test_megatron_bridge.py). 0.3.1 is the
+# last release for Python 3.11 and megatron-core 0.15-0.16; --no-deps: it declares TE, mamba-ssm and
+# more that it does not import for these models.
+MEGATRON_BRIDGE_VERSION ?= 0.3.1
+megatron-bridge-smoke: $(STAMP)
+	$(PY) -m pip install -q --no-deps megatron-bridge==$(MEGATRON_BRIDGE_VERSION)
+	$(PY) -m pip install -q "transformers<5" omegaconf "hydra-core<=1.3.2,>1.3" accelerate rich six regex pyyaml tqdm
+	$(PY) -m pytest -q -s tests/te_backend/test_megatron_bridge.py
 
 clean:
 	rm -rf $(VENV) .venv-mc* build *.egg-info .pytest_cache
