@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import threading
 import warnings
@@ -137,12 +138,27 @@ def _step_aside(ctx: Context, conflict: LevelConflict) -> None:
     if not levels.set_by_level(feature, ctx.config.sources) or feature.name in _stepped_aside:
         raise conflict
     _stepped_aside[feature.name] = conflict.given
+    if _process_rank() != 0:  # every rank steps aside; the log line is said once per job, as Megatron's
+        return
     logger.warning(
         "%s (from --optimization-level %s) stepped aside: %s was given",
         feature.name,
         ctx.config["optimization_level"],
         conflict.given,
     )
+
+
+def _process_rank() -> int:
+    """This process's global rank: torch.distributed's once initialized, else the launcher's RANK
+    (Megatron-LM validates its arguments before it initializes torch.distributed)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def resolve_conflict(conflict: LevelConflict) -> Context:

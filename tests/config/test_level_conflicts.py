@@ -88,6 +88,16 @@ def test_a_level_member_in_a_declared_conflict_steps_aside(features, caplog):
     assert not [r for r in caplog.records if "stepped aside" in r.getMessage()]
 
 
+def test_only_rank_0_says_it_every_rank_steps_aside(features, caplog, monkeypatch):
+    """A torchrun job prints the line once (Megatron-LM validates before torch.distributed exists:
+    the launcher's RANK decides)."""
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level(logging.WARNING, logger="mindspeed_like"):
+        mindspeed_like.configure(device="cpu", optimization_level=1, use_asked_for=True)
+    assert "level-member" not in runtime.current_context().enabled_names
+    assert not [r for r in caplog.records if "stepped aside" in r.getMessage()]
+
+
 def test_two_explicit_flags_in_conflict_stay_an_error(features):
     with pytest.raises(ConfigError, match="'asked-for' and 'level-member' cannot be used together"):
         mindspeed_like.configure(device="cpu", optimization_level=1, use_asked_for=True, use_level_member=True)
