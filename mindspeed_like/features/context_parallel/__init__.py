@@ -2,7 +2,8 @@
 local-spec attention over a sequence split across ranks, without TransformerEngine. Algorithms
 (MindSpeed's spellings, ``--context-parallel-algo``): ``megatron_cp_algo`` (ring, default),
 ``ulysses_cp_algo``, ``hybrid_cp_algo`` (``--ulysses-degree-in-cp N``), ``kvallgather_cp_algo``.
-Targets and coverage: ``attention.py``."""
+Targets and coverage: ``attention.py``; hybrid's process groups (megatron's hierarchical CP groups,
+sized from the degree at ``initialize_model_parallel``): ``groups.py``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ from mindspeed_like.features.context_parallel.attention import (
     ContextParallelForward,
     ContextParallelUnsupported,
     construct,
+)
+from mindspeed_like.features.context_parallel.groups import (
+    HYBRID,
+    INITIALIZE_MODEL_PARALLEL,
+    HierarchicalGroups,
+    check_initialized,
+    check_megatron_args,
 )
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 from mindspeed_like.toolkit.errors import ConfigError
@@ -21,7 +29,7 @@ CHOICES = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo", "kvallgather
 
 
 def patches(ctx: Context) -> list[Patch]:
-    return [
+    result = [
         Patch(
             f"{DOT_PRODUCT_ATTENTION}.DotProductAttention.__init__",
             Kind.WRAP,
@@ -37,19 +45,32 @@ def patches(ctx: Context) -> list[Patch]:
             after=("flash-attention",),
         ),
     ]
+    if ctx["context_parallel_algo"] == HYBRID:
+        result.append(
+            Patch(
+                INITIALIZE_MODEL_PARALLEL,
+                Kind.WRAP,
+                HierarchicalGroups(ctx["ulysses_degree_in_cp"]),
+                why="hybrid_cp_algo's Ulysses/ring groups are megatron's hierarchical CP groups, sized "
+                "[N, CP/N] from --ulysses-degree-in-cp (megatron builds them only when given the sizes)",
+            )
+        )
+    return result
 
 
 def validate(ctx: Context) -> None:
     algo, degree = ctx["context_parallel_algo"], ctx["ulysses_degree_in_cp"]
     if algo not in CHOICES:  # argparse's choices catch the command line; configure() comes here
         raise ConfigError(f"--context-parallel-algo {algo!r} is not one of {', '.join(CHOICES)}")
-    if algo == "hybrid_cp_algo" and (degree is None or degree < 1):
+    if algo == HYBRID and (degree is None or degree < 1):
         raise ConfigError(
             "--context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp N (the Ulysses group size, a "
             f"divisor of --context-parallel-size), got {degree}"
         )
-    if algo != "hybrid_cp_algo" and degree is not None:
+    if algo != HYBRID and degree is not None:
         raise ConfigError("--ulysses-degree-in-cp applies only to --context-parallel-algo hybrid_cp_algo")
+    if algo == HYBRID:
+        check_initialized(degree)  # configure() after megatron's parallel state exists
 
 
 FEATURE = Feature(
@@ -70,8 +91,9 @@ FEATURE = Feature(
             "ulysses_degree_in_cp",
             int,
             None,
-            "hybrid_cp_algo: the Ulysses group size inside the CP group (megatron's hierarchical CP groups of "
-            "sizes [N, CP/N] must exist: --hierarchical-context-parallel-sizes N CP/N)",
+            "hybrid_cp_algo: the Ulysses group size inside each context-parallel group (a divisor of "
+            "--context-parallel-size; N=1 is ring alone, N=CP Ulysses alone); megatron's hierarchical CP groups "
+            "[N, CP/N] are built from it (no --hierarchical-context-parallel-sizes needed)",
         ),
         Flag(
             "no_portable_context_parallel",
@@ -83,6 +105,7 @@ FEATURE = Feature(
     ),
     enabled=lambda ctx: not ctx["no_portable_context_parallel"],
     validate=validate,
+    validate_args_hook=check_megatron_args,
     backend="portable",
     switched_by="megatron's --context-parallel-size > 1 (off: --no-portable-context-parallel)",
 )

@@ -22,8 +22,12 @@ seed drawn from megatron's RNG tracker.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import wrapt
+
+from mindspeed_like.features.context_parallel.groups import current_groups
 from mindspeed_like.kernels.context_parallel import (
     AttentionDropout,
     CPGroup,
@@ -32,7 +36,7 @@ from mindspeed_like.kernels.context_parallel import (
     ring_attention,
     ulysses_attention,
 )
-from mindspeed_like.toolkit.binding import Call
+from mindspeed_like.toolkit.binding import Call, signature_of
 from mindspeed_like.toolkit.errors import FeatureUnsupported
 from mindspeed_like.toolkit.overrides import with_fields
 
@@ -51,12 +55,36 @@ def cp_size_of(config) -> int:
     return int(getattr(config, "context_parallel_size", 1) or 1)
 
 
+@functools.lru_cache(maxsize=64)
+def _signature_without_self(function):
+    """A stand-in callable with ``function``'s signature minus its first parameter (never called)."""
+    signature = signature_of(function)
+
+    def stand_in(*args, **kwargs):  # pragma: no cover - only its signature is read
+        raise AssertionError("signature stand-in")
+
+    stand_in.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return stand_in
+
+
+def bind(wrapped, args: tuple, kwargs: dict) -> Call:
+    """``Call(wrapped, args, kwargs)``, also for a method called through its class
+    (``DotProductAttention.__init__(self, ...)`` / ``.forward(self, ...)``, as subclasses do, e.g.
+    te_backend's TEDotProductAttention): wrapt then hands the wrapper a partial holding the instance,
+    whose signature still starts with ``self`` (binding ``args`` to it would shift them by one)."""
+    if isinstance(wrapped, wrapt.PartialCallableObjectProxy):
+        call = Call(_signature_without_self(wrapped.__wrapped__), args, kwargs)
+        call.wrapped = wrapped  # calls go through the partial (it passes the instance)
+        return call
+    return Call(wrapped, args, kwargs)
+
+
 def construct(wrapped, instance, args, kwargs):
     """``DotProductAttention.__init__`` past its CP assertion, the real config kept. A call megatron's
     signature does not take goes to megatron as it is, so its own TypeError names the argument
     (not this wrapper)."""
     try:
-        call = Call(wrapped, args, kwargs)
+        call = bind(wrapped, args, kwargs)
     except TypeError:
         return wrapped(*args, **kwargs)
     config = call["config"]
@@ -80,19 +108,20 @@ def _cp_group(module) -> CPGroup:
 
 
 def _hierarchical_groups(cp: CPGroup, degree: int) -> tuple[CPGroup, CPGroup]:
-    """megatron's hierarchical CP groups [Ulysses (consecutive ranks), ring (strided)]."""
+    """megatron's hierarchical CP groups [Ulysses (consecutive ranks), ring (strided)], built at
+    ``initialize_model_parallel`` from the degree (groups.py)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False) or []
+    groups = current_groups(parallel_state)
     sizes = [dist.get_world_size(g) for g in groups]
     if sizes != [degree, cp.size // degree]:
         raise ContextParallelUnsupported(
             f"hybrid_cp_algo with --ulysses-degree-in-cp {degree} at CP={cp.size} needs megatron's hierarchical "
-            f"context-parallel groups of sizes [{degree}, {cp.size // degree}] (found {sizes or 'none'}): initialize "
-            f"with initialize_model_parallel(..., hierarchical_context_parallel_sizes=[{degree}, "
-            f"{cp.size // degree}]) (Megatron-LM: --hierarchical-context-parallel-sizes {degree} "
-            f"{cp.size // degree}; megatron builds them with einops)"
+            f"context-parallel groups of sizes [{degree}, {cp.size // degree}] (found {sizes or 'none'}): they are "
+            "built by initialize_model_parallel when mindspeed_like is configured with hybrid_cp_algo before it "
+            "runs (import mindspeed_like.megatron_adaptor / configure() first), or pass "
+            f"initialize_model_parallel(..., hierarchical_context_parallel_sizes=[{degree}, {cp.size // degree}])"
         )
     return tuple(CPGroup(g, tuple(dist.get_process_group_ranks(g))) for g in groups)
 
@@ -144,7 +173,7 @@ class ContextParallelForward:
             return wrapped(*args, **kwargs)
         from megatron.core.transformer.enums import AttnMaskType
 
-        call = Call(wrapped, args, kwargs)
+        call = bind(wrapped, args, kwargs)
         mask_type = call.get("attn_mask_type") or instance.attn_mask_type
         causal = mask_type == AttnMaskType.causal
         reason = _refusal(instance, call, causal)
