@@ -325,7 +325,13 @@ class PatchEngine:
                 if module_name != module.__name__:
                     continue
                 del self._pending[(feature, target)]
-                self._install_in_order(feature, patch, module, attrs)
+                try:
+                    self._install_in_order(feature, patch, module, attrs)
+                except BaseException:
+                    # the importer sees the error; the book-keeping must not keep a patch that is
+                    # neither applied nor pending (report() and remove() walk _order)
+                    self._order = [k for k in self._order if k != (feature, target)]
+                    raise
 
     def _install_in_order(self, feature: str, patch: Patch, module: types.ModuleType, attrs: list[str]) -> None:
         """Install ``patch`` at its declared place in the target's stack: the entries that must

@@ -128,8 +128,8 @@ def patches(ctx: Context) -> list[Patch]:
 def refuse_te_only_arguments(args) -> Iterator[None]:
     """validate_args hook: a TE-only option on Megatron-LM's command line is an error now, naming
     it and the alternative, not an ImportError in the middle of model construction; so is an
-    ``--attention-backend`` the TE-spec model cannot honour (``attention.check_attention_backend``)."""
-    from mindspeed_like.te_backend.attention import check_attention_backend
+    ``--attention-backend`` the TE-spec model cannot honour (``attention_backend.check_attention_backend``)."""
+    from mindspeed_like.te_backend.attention_backend import check_attention_backend
     from mindspeed_like.te_backend.refusals import check_config
 
     check_config(args)

@@ -16,7 +16,7 @@ import torch
 
 import mindspeed_like
 from mindspeed_like.adapters.cpu_training.arguments import host_defaults, te_layers_available
-from mindspeed_like.te_backend import attention as te_attention
+from mindspeed_like.te_backend import attention_backend as te_attention
 from mindspeed_like.te_backend.refusals import TransformerEngineFeatureUnsupported
 from mindspeed_like.testing import destroy_parallel, init_parallel
 from mindspeed_like.toolkit.errors import LevelConflict
