@@ -125,9 +125,13 @@ def _optimizer_state(optimizer) -> dict:
     storage dtype, int16 remainders, torch's step), each group's step, and the block scales of
     PrecisionAwareAdam's fp16/fp8 states."""
     inner = optimizer.optimizer
+    # PrecisionAwareAdam (like TE's FusedAdam) counts steps per group; torch's Adam per param
+    # (its state's `step`, compared below). megatron's load also writes a `step` into torch's
+    # param_groups, which torch's Adam never reads and a straight run never has: not compared.
+    group_steps = hasattr(inner, "_buckets")
     out = {}
     for g, group in enumerate(inner.param_groups):
-        if "step" in group:
+        if group_steps:
             out[f"group{g}.step"] = group["step"]
         for i, param in enumerate(group["params"]):
             out[f"group{g}.{i}.param"] = _bits(param)
