@@ -20,10 +20,12 @@ def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     first = ranks[0]
     slowest = max(ranks, key=lambda r: r["step_time"]["median_s"])
     fell_back: dict[str, list[str]] = {}
+    served: dict[str, str] = {}
     calls: dict[str, int] = {}
     for rank in ranks:
         for feature, count in rank["calls"].items():
             calls[feature] = calls.get(feature, 0) + count
+        served.update(rank.get("served", {}))
         for feature, reasons in rank["fell_back"].items():
             fell_back.setdefault(feature, [])
             fell_back[feature] += [r for r in reasons if r not in fell_back[feature]]
@@ -32,6 +34,7 @@ def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "processes": len(ranks),
         "features_on": first["features_on"],
         "fell_back": fell_back,
+        "served": served,
         "calls": calls,
         "losses": first["losses"],
         "step_times_s": slowest["step_times_s"],
@@ -54,7 +57,12 @@ def build(args: argparse.Namespace, flags: dict[str, Any], arms: dict[str, dict[
     accelerations = [name for name in features["features_on"] if name not in baseline_features]
     calls = features["calls"]
     ran = [name for name in accelerations if calls.get(name) and name not in features["fell_back"]]
-    idle = [name for name in accelerations if not calls.get(name) and name not in features["fell_back"]]
+    served = features.get("served", {})
+    idle = [
+        name
+        for name in accelerations
+        if not calls.get(name) and name not in features["fell_back"] and name not in served
+    ]
     return {
         "model": {
             "preset": args.preset,
@@ -81,6 +89,7 @@ def build(args: argparse.Namespace, flags: dict[str, Any], arms: dict[str, dict[
             "ran": ran,
             "idle": idle,
             "fell_back": features["fell_back"],
+            "served_by": served,
             "calls": calls,
         },
         "megatron": megatron,
@@ -166,6 +175,8 @@ def table(result: dict[str, Any]) -> str:
     )
     if features["idle"]:
         lines.append("on but never reached (nothing in this model calls them): " + ", ".join(features["idle"]))
+    for name, by in features.get("served_by", {}).items():
+        lines.append(f"computed by {by} instead (the same kind of kernel, where {name}'s own is not called): {name}")
     for name, reasons in features["fell_back"].items():
         lines.append(f"did NOT run (fell back to megatron's path): {name}: {'; '.join(reasons)}")
     return "\n".join(lines)

@@ -100,7 +100,7 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
     from mindspeed_like.run_arguments import quiet_expected_warnings
     from mindspeed_like.runtime import ENGINE
     from mindspeed_like.testing import destroy_parallel, train_steps
-    from mindspeed_like.toolkit.fallback import fell_back
+    from mindspeed_like.toolkit.fallback import fell_back, served
 
     quiet_expected_warnings()
     features_on = _configure(spec)
@@ -155,6 +155,7 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
         "device": device,
         "features_on": features_on,
         "fell_back": fell_back(),
+        "served": served(),
         "calls": dict(ENGINE.calls or {}),
         "losses": losses,
         "step_times_s": times,

@@ -16,6 +16,7 @@ from mindspeed_like.toolkit.errors import FeatureUnsupported
 
 _logged: dict[str, set[str]] = {}
 _fell_back: dict[str, list[str]] = {}  # feature -> reasons it handed a call back, in order
+_served: dict[str, str] = {}  # feature -> what computed its calls instead (another feature's kernel)
 _lock = threading.Lock()
 
 
@@ -24,6 +25,7 @@ def forget_logged() -> None:
     with _lock:
         _logged.clear()
         _fell_back.clear()
+        _served.clear()
 
 
 def fell_back() -> dict[str, list[str]]:
@@ -32,6 +34,14 @@ def fell_back() -> dict[str, list[str]]:
     reports as "did not run"."""
     with _lock:
         return {feature: list(reasons) for feature, reasons in _fell_back.items()}
+
+
+def served() -> dict[str, str]:
+    """The features whose calls another feature's kernel computed in this process (since the last
+    ``forget_logged()``), each with what did: e.g. flash-attention at context_parallel_size > 1,
+    where the context-parallel kernel computes attention (flash-style). Not a fallback to megatron."""
+    with _lock:
+        return dict(_served)
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,17 @@ class Fallback:
             if reason not in reasons:
                 reasons.append(reason)
         self.once(reason, f"{self.feature}: {self.instead} ({reason})")
+
+    def served_by(self, by: str, message: str, say: bool = True) -> None:
+        """This feature's call is computed by ``by`` (another feature's kernel that does the same job
+        there): recorded for reports, ``message`` logged once (``say=False``: marked as said, e.g. on
+        ranks other than 0). Never an error, also under strict: the call does get the kind of kernel
+        the user asked for."""
+        with _lock:
+            _served.setdefault(self.feature, by)
+            if not say:
+                _logged.setdefault(self.feature, set()).add(f"served by {by}")
+        self.once(f"served by {by}", message)
 
     def once(self, key: str, message: str, level: int = logging.WARNING) -> None:
         """Log ``message`` the first time ``key`` is seen for this feature (never an error)."""

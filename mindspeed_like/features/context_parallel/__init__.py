@@ -7,11 +7,15 @@ sized from the degree at ``initialize_model_parallel``): ``groups.py``."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.features.context_parallel.attention import (
     ContextParallelForward,
     ContextParallelUnsupported,
     construct,
+    flash_at_cp_message,
 )
 from mindspeed_like.features.context_parallel.groups import (
     HYBRID,
@@ -22,9 +26,11 @@ from mindspeed_like.features.context_parallel.groups import (
 )
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 from mindspeed_like.toolkit.errors import ConfigError
+from mindspeed_like.toolkit.fallback import Fallback
 from mindspeed_like.toolkit.targets import DOT_PRODUCT_ATTENTION
 
 NAME = "context-parallel"
+FLASH = "flash-attention"
 CHOICES = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo", "kvallgather_cp_algo")
 
 
@@ -40,7 +46,11 @@ def patches(ctx: Context) -> list[Patch]:
         Patch(
             f"{DOT_PRODUCT_ATTENTION}.DotProductAttention.forward",
             Kind.WRAP,
-            ContextParallelForward(ctx["context_parallel_algo"], ctx["ulysses_degree_in_cp"]),
+            ContextParallelForward(
+                ctx["context_parallel_algo"],
+                ctx["ulysses_degree_in_cp"],
+                ctx.fallback(FLASH) if FLASH in ctx.enabled_names else None,
+            ),
             why="attention over the CP ranks' zigzag chunks (CP == 1: megatron's or flash-attention's call)",
             after=("flash-attention",),
         ),
@@ -56,6 +66,21 @@ def patches(ctx: Context) -> list[Patch]:
             )
         )
     return result
+
+
+@contextlib.contextmanager
+def megatron_args_hook(args) -> Iterator[None]:
+    """validate_args hook (Megatron-LM): hybrid's groups (``groups.check_megatron_args``), and at
+    start-up, once (rank 0), that ``--use-flash-attn`` at ``--context-parallel-size`` > 1 is computed
+    by the context-parallel kernel (its flash kernel is not called there: nothing would say so)."""
+    with check_megatron_args(args):
+        cp_size = int(getattr(args, "context_parallel_size", 1) or 1)
+        if cp_size > 1 and getattr(args, "use_flash_attn", False):
+            algorithm = getattr(args, "context_parallel_algo", CHOICES[0])
+            Fallback(FLASH, strict=False).served_by(
+                NAME, flash_at_cp_message(cp_size, algorithm), say=getattr(args, "rank", 0) == 0
+            )
+        yield
 
 
 def validate(ctx: Context) -> None:
@@ -105,7 +130,7 @@ FEATURE = Feature(
     ),
     enabled=lambda ctx: not ctx["no_portable_context_parallel"],
     validate=validate,
-    validate_args_hook=check_megatron_args,
+    validate_args_hook=megatron_args_hook,
     backend="portable",
     switched_by="megatron's --context-parallel-size > 1 (off: --no-portable-context-parallel)",
 )

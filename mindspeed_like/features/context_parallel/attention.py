@@ -38,6 +38,7 @@ from mindspeed_like.kernels.context_parallel import (
 )
 from mindspeed_like.toolkit.binding import Call, signature_of
 from mindspeed_like.toolkit.errors import FeatureUnsupported
+from mindspeed_like.toolkit.fallback import Fallback
 from mindspeed_like.toolkit.overrides import with_fields
 
 ALGORITHMS = {
@@ -161,16 +162,32 @@ def _dropout(module, q) -> AttentionDropout | None:
     return AttentionDropout(p, seed)
 
 
+NAME = "context-parallel"
+
+
+def flash_at_cp_message(cp_size: int, algorithm: str) -> str:
+    """What ``--use-flash-attn`` does at CP > 1, for the log and Megatron-LM's start-up lines."""
+    return (
+        f"flash-attention: at context_parallel_size {cp_size} the context-parallel kernel ({algorithm}) computes "
+        "attention, flash-style (blockwise with an online softmax: no s x s score matrix is kept); "
+        "--use-flash-attn's own kernel and its knobs (--sparse-mode, --pre-tockens/--next-tockens) act at CP=1"
+    )
+
+
 @dataclass(frozen=True)
 class ContextParallelForward:
     """Wrapper of ``DotProductAttention.forward``."""
 
     algorithm: str
     ulysses_degree: int | None = None
+    flash_attention: Fallback | None = None  # flash-attention is on: its calls are ours at CP > 1, said once
 
     def __call__(self, wrapped, instance, args, kwargs):
-        if cp_size_of(instance.config) <= 1:
+        cp_size = cp_size_of(instance.config)
+        if cp_size <= 1:
             return wrapped(*args, **kwargs)
+        if self.flash_attention is not None:
+            self.flash_attention.served_by(NAME, flash_at_cp_message(cp_size, self.algorithm))
         from megatron.core.transformer.enums import AttnMaskType
 
         call = bind(wrapped, args, kwargs)

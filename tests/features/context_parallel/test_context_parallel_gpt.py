@@ -43,6 +43,7 @@ def cp_worker(
     **flags,
 ) -> dict:
     from mindspeed_like.features.context_parallel import attention
+    from mindspeed_like.toolkit.fallback import served
 
     calls: list = []
     restore = _count_calls(attention, algo, calls)
@@ -54,6 +55,7 @@ def cp_worker(
         model = tiny_gpt(context_parallel_size=cp, sequence_parallel=tp > 1, num_query_groups=2, **(model_args or {}))
         out[cp] = train_steps(model, STEPS, seed=SEED, micro_batch_size=cp_size if cp > 1 else 1, **(train_args or {}))
         out[f"calls_cp{cp}"] = len(calls)
+        out[f"served_cp{cp}"] = served()
         destroy_parallel()
     restore()
     out["local_shape"] = tuple(calls[0])
@@ -98,6 +100,37 @@ def test_cp2_with_fused_rope_and_flash_attention():
     )
     for rank in ranks:
         assert_losses_close(rank[2], rank[1], 2e-5, "CP=2 ring + fused RoPE + flash vs CP=1")
+        # flash-attention's kernel runs at CP=1; at CP=2 the ring kernel computes attention, and says so
+        assert rank["served_cp1"] == {} and rank["served_cp2"] == {"flash-attention": "context-parallel"}
+
+
+def test_megatron_lm_start_up_says_flash_attention_is_computed_by_the_cp_kernel(caplog):
+    """Megatron-LM's ``--use-flash-attn --context-parallel-size 2``: one line at argument time (rank 0;
+    other ranks only mark it said), the same line not repeated at the first forward."""
+    import logging
+    from types import SimpleNamespace
+
+    from mindspeed_like.features.context_parallel import megatron_args_hook
+    from mindspeed_like.toolkit.fallback import forget_logged, served
+
+    forget_logged()
+    args = SimpleNamespace(
+        context_parallel_size=2, use_flash_attn=True, context_parallel_algo="megatron_cp_algo", rank=1
+    )
+    with caplog.at_level(logging.WARNING, logger="mindspeed_like"), megatron_args_hook(args):
+        pass
+    assert served() == {"flash-attention": "context-parallel"} and "computes attention" not in caplog.text
+    forget_logged()
+    args.rank = 0
+    with caplog.at_level(logging.WARNING, logger="mindspeed_like"), megatron_args_hook(args):
+        pass
+    lines = [r.getMessage() for r in caplog.records if "computes attention" in r.getMessage()]
+    assert len(lines) == 1 and "context_parallel_size 2" in lines[0] and "megatron_cp_algo" in lines[0]
+    forget_logged()
+    args.use_flash_attn = False
+    with megatron_args_hook(args):
+        pass
+    assert served() == {}
 
 
 @pytest.mark.slow
