@@ -53,7 +53,7 @@ TEST_VERSIONS ?= 0.13.1 0.19.2
 # The subset: the declared targets and the audit, every feature's parity tests on the real model,
 # the CPU adapter, the fixes, the specs and the integration tests (not the kernel-only tests,
 # which do not touch megatron-core), and the DistributedOptimizer resume in each version's formats.
-VERSION_TESTS ?= tests/features tests/adapters tests/fixes tests/integration tests/config tests/engine \
+VERSION_TESTS ?= tests/features tests/adapters tests/fixes tests/integration tests/config tests/engine tests/te_backend tests/te_shim \
 	tests/reliability/test_distopt_checkpoint_resume.py
 VERSION_PYTEST_ARGS ?= -q -p no:cacheprovider
 
