@@ -75,9 +75,9 @@ def names_of(module: str) -> frozenset[str]:
     return bound_in(os.path.join(root, *module.split(".")[2:]) + ".py")
 
 
-@functools.cache
-def _importers(root: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    found = []
+def modules_mentioning(root: str, needle: str) -> Iterator[tuple[str, str]]:
+    """(module name, source text) of every megatron-core file below ``root`` whose text contains
+    ``needle`` (a cheap text filter before any AST is parsed)."""
     for directory, _, files in os.walk(root):
         for file in files:
             if not file.endswith(".py"):
@@ -85,22 +85,27 @@ def _importers(root: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
             path = os.path.join(directory, file)
             with open(path, encoding="utf-8", errors="replace") as handle:
                 text = handle.read()
-            if EXTENSION not in text:
-                continue
-            module = _module_name(root, path)
-            if module in SOURCES:
-                continue
-            names = sorted(
-                {
-                    alias.name
-                    for node in _top_level(ast.parse(text).body)
-                    if isinstance(node, ast.ImportFrom) and node.module in SOURCES and node.level == 0
-                    for alias in node.names
-                    if alias.asname is None
-                }
-            )
-            if names:
-                found.append((module, tuple(names)))
+            if needle in text:
+                yield _module_name(root, path), text
+
+
+@functools.cache
+def _importers(root: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    found = []
+    for module, text in modules_mentioning(root, EXTENSION):
+        if module in SOURCES:
+            continue
+        names = sorted(
+            {
+                alias.name
+                for node in _top_level(ast.parse(text).body)
+                if isinstance(node, ast.ImportFrom) and node.module in SOURCES and node.level == 0
+                for alias in node.names
+                if alias.asname is None
+            }
+        )
+        if names:
+            found.append((module, tuple(names)))
     return tuple(sorted(found))
 
 

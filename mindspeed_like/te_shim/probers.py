@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import ast
 import functools
-import os
 
-from mindspeed_like.te_backend.megatron_names import _megatron_core_dir, _module_name, _top_level
+from mindspeed_like.te_backend.megatron_names import _megatron_core_dir, _top_level, modules_mentioning
 
 TE = "transformer_engine"
 
@@ -29,21 +28,13 @@ def _imports_te(node: ast.stmt) -> bool:
 @functools.cache
 def _probers(root: str) -> tuple[str, ...]:
     found = []
-    for directory, _, files in os.walk(root):
-        for file in files:
-            if not file.endswith(".py"):
-                continue
-            path = os.path.join(directory, file)
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                text = handle.read()
-            if TE not in text:
-                continue
-            try:
-                tree = ast.parse(text)
-            except SyntaxError:
-                continue
-            if any(_imports_te(node) for node in _top_level(tree.body)):
-                found.append(_module_name(root, path))
+    for module, text in modules_mentioning(root, TE):
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        if any(_imports_te(node) for node in _top_level(tree.body)):
+            found.append(module)
     return tuple(sorted(found))
 
 
