@@ -64,6 +64,12 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> int:
             if match is None and name in source and source[name].data.shape == target.data.shape:
                 match = source[name]
             if match is None:
+                gathered = _gathered_over_tp(target, source.values())
+                if gathered is not None:
+                    target.data.copy_(gathered)
+                    copied += 1
+                    continue
+            if match is None:
                 unmatched.append(f"{name} (key {target.key}, offset {tuple(target.global_offset)})")
                 continue
             target.data.copy_(match.data)
@@ -71,3 +77,30 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> int:
     if unmatched:
         raise KeyError(f"no weight in the source model for: {', '.join(unmatched)}")
     return copied
+
+
+def _gathered_over_tp(target, source) -> torch.Tensor | None:
+    """``target``'s whole tensor from the source's tensor-parallel shards of the same key: a weight
+    one spec shards over TP and the other replicates (MLA's down projections: the local spec's
+    ColumnParallelLinear, the TE spec's duplicated TELinear), all-gathered over the TP group and
+    concatenated along the one axis where the shapes differ. Collective: every TP rank calls it."""
+    candidates = [
+        t
+        for t in source
+        if t.key == target.key
+        and tuple(t.global_shape) == tuple(target.global_shape)
+        and tuple(t.global_offset[: t.prepend_axis_num]) == tuple(target.global_offset[: target.prepend_axis_num])
+    ]
+    if len(candidates) != 1 or not torch.distributed.is_initialized():
+        return None
+    shard = candidates[0].data
+    axes = [i for i, (a, b) in enumerate(zip(shard.shape, target.data.shape)) if a != b]
+    if len(axes) != 1:
+        return None
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    pieces = [torch.empty_like(shard) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(pieces, shard.contiguous(), group=group)
+    whole = torch.cat(pieces, dim=axes[0])
+    return whole if whole.shape == target.data.shape else None

@@ -68,6 +68,7 @@ def train_steps(
     grad_reduce_in_fp32: bool = True,
     device: torch.device | str | None = None,
     forward_context: Callable[[int], contextlib.AbstractContextManager] | None = None,
+    finalize_grads: bool = False,
 ) -> list[float]:
     """Train ``model`` for ``steps`` steps; return the loss of each step (before its update).
 
@@ -93,6 +94,13 @@ def train_steps(
     as Megatron-LM's ``--main-grads-dtype bf16``). ``device``: where the batches go (default:
     the CPU, where the tests run). ``forward_context(step)``: a context manager entered around
     that step's forward and loss (e.g. a saved-for-backward meter), exited before its backward.
+    ``finalize_grads=True`` ends each backward with megatron's ``finalize_model_grads`` (what
+    megatron's schedules call through ``config.finalize_model_grads_func``) instead of DDP's
+    ``finish_grad_sync`` alone: it also all-reduces over TP the gradients of parameters marked
+    ``sequence_parallel`` (norms, and the duplicated linears that read sequence shards, e.g. MLA's
+    TE-spec down projections). Without it such a gradient holds only this rank's sequence shard's
+    part; two specs with the same SP-marked parameters agree anyway, a spec with more of them
+    does not (opt-in so existing parity baselines keep their numbers).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -147,7 +155,11 @@ def train_steps(
             per_token = model(tokens, position_ids, None, labels=labels)
             loss = per_token.float().mean()
         (loss * opt.get_loss_scale()).backward()
-        if ddp:
+        if ddp and finalize_grads:
+            from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+            finalize_model_grads([model])
+        elif ddp:
             model.finish_grad_sync()
         opt.step()
         reported = loss.detach().clone()
