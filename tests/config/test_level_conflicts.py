@@ -91,11 +91,21 @@ def test_a_level_member_in_a_declared_conflict_steps_aside(features, caplog):
 def test_only_rank_0_says_it_every_rank_steps_aside(features, caplog, monkeypatch):
     """A torchrun job prints the line once (Megatron-LM validates before torch.distributed exists:
     the launcher's RANK decides)."""
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(runtime, "_process_rank", lambda: 1)
     with caplog.at_level(logging.WARNING, logger="mindspeed_like"):
         mindspeed_like.configure(device="cpu", optimization_level=1, use_asked_for=True)
     assert "level-member" not in runtime.current_context().enabled_names
     assert not [r for r in caplog.records if "stepped aside" in r.getMessage()]
+
+
+def test_process_rank_before_torch_distributed_is_the_launchers(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("RANK", "3")
+    assert runtime._process_rank() == 3
+    monkeypatch.delenv("RANK")
+    assert runtime._process_rank() == 0
 
 
 def test_two_explicit_flags_in_conflict_stay_an_error(features):

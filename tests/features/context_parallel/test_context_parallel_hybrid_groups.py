@@ -97,9 +97,21 @@ def test_validate_args_hook_refuses_a_bad_degree_before_validation():
 
 
 def test_declaration_wires_the_wrapper_the_hook_and_the_help():
+    from types import SimpleNamespace
+
     from megatron.core import parallel_state
 
-    assert FEATURE.validate_args_hook is groups.check_megatron_args
+    from mindspeed_like.features.context_parallel import megatron_args_hook
+
+    assert FEATURE.validate_args_hook is megatron_args_hook  # groups.check_megatron_args inside it
+    args = SimpleNamespace(
+        context_parallel_algo=HYBRID,
+        context_parallel_size=4,
+        ulysses_degree_in_cp=2,
+        hierarchical_context_parallel_sizes=None,
+    )
+    with megatron_args_hook(args):
+        assert args.hierarchical_context_parallel_sizes == [2, 2]
     help_text = {f.name: f.help for f in FEATURE.flags}["ulysses_degree_in_cp"]
     assert "built from it" in help_text and "needed" in help_text
     original = parallel_state.initialize_model_parallel
