@@ -405,7 +405,9 @@ class PatchEngine:
         # there (a placeholder swapped here, or ours found in place after another PROVIDE's swap);
         # undo swaps back only where this patch swapped (restores)
         found_ours = current is installed
-        entry = _Active(feature, patch, owner, attr, current, installed, bound, placeholder or found_ours, not found_ours)
+        entry = _Active(
+            feature, patch, owner, attr, current, installed, bound, placeholder or found_ours, not found_ours
+        )
         if placeholder:
             self._swap_aliases(current, installed, skip=(owner.__name__, attr))
         self._active.setdefault(patch.target, []).append(entry)
