@@ -45,9 +45,12 @@ def launcher() -> list[str]:
     return ["-m", "mindspeed_like.run", PRETRAIN_GPT]
 
 
-def torchrun_output(nproc: int, script_args: list[str], extra: list[str], env_extra: dict | None = None) -> str:
+def torchrun_output(
+    nproc: int, script_args: list[str], extra: list[str], env_extra: dict | None = None, expect_failure: bool = False
+) -> str:
     """Train the TINY model with ``extra`` flags in ``nproc`` processes; returns everything the
-    processes printed (stdout, then stderr). Fails with the output's tail."""
+    processes printed (stdout, then stderr). Fails with the output's tail, unless ``expect_failure``
+    (then it fails if the run succeeded: a refusal under test)."""
     env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_LIKE_ARGS"}
     bin_dir = os.path.dirname(sys.executable)  # megatron compiles helpers with the python3 on PATH
     env.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), OMP_NUM_THREADS=str(max(1, 2 // nproc)))
@@ -65,7 +68,7 @@ def torchrun_output(nproc: int, script_args: list[str], extra: list[str], env_ex
             f"this Megatron-LM checkout needs Python >= 3.12 (megatron.training imports typing.override; "
             f"core_v0.18+), this is {sys.version.split()[0]}:\n{output[-2000:]}"
         )
-    assert result.returncode == 0, output[-6000:]
+    assert (result.returncode != 0) == expect_failure, output[-6000:]
     return output
 
 

@@ -25,13 +25,10 @@ import functools
 import glob
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
 from mindspeed_like.testing import megatron_lm
-from mindspeed_like.testing.parallel import free_port
 
 pytestmark = pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
 
@@ -66,18 +63,9 @@ RUNS = {
 def run(nproc: int, extra: list[str], iters: int, expect_failure: bool = False) -> str:
     """Megatron-LM's pretrain_gpt.py (the TINY model, ``python -m mindspeed_like.run``) under
     torchrun; everything it printed. Fails with the output's tail unless ``expect_failure``."""
-    env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_LIKE_ARGS"}
-    env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), OMP_NUM_THREADS="1")
-    env.setdefault("TORCHDYNAMO_DISABLE", "1")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        *megatron_lm.launcher(), *megatron_lm.TINY, *extra, "--train-iters", str(iters),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, check=False)
-    output = result.stdout + result.stderr
-    assert (result.returncode != 0) == expect_failure, output[-6000:]
-    return output
+    return megatron_lm.torchrun_output(
+        nproc, megatron_lm.launcher(), [*extra, "--train-iters", str(iters)], expect_failure=expect_failure
+    )
 
 
 def iterations(output: str) -> dict[int, tuple[str, str]]:
