@@ -6,17 +6,7 @@ import os
 
 import pytest
 
-import mindspeed_like
-from mindspeed_like import runtime
 from mindspeed_like.fixes import checkpoint_writer_psutil, dataset_helpers_build
-
-
-@pytest.fixture
-def adaptor():
-    mindspeed_like.reset()
-    runtime.apply()
-    yield
-    mindspeed_like.reset()
 
 
 def test_checkpoint_writer_without_psutil_fails_instead_of_hanging(adaptor, monkeypatch, tmp_path):

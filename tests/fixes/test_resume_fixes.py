@@ -26,7 +26,6 @@ import torch
 import wrapt
 from packaging.specifiers import SpecifierSet
 
-import mindspeed_like
 from mindspeed_like import runtime
 from mindspeed_like.fixes import decoupled_lr_resume, distopt_padding_flag, training_log_first_iteration
 from mindspeed_like.megatron_version import megatron_core_version
@@ -38,14 +37,6 @@ VERSION = megatron_core_version()
 def claimed(fix) -> bool:
     """Whether ``fix`` declares itself for the installed megatron-core."""
     return SpecifierSet(fix.VERSIONS).contains(VERSION, prereleases=True)
-
-
-@pytest.fixture
-def adaptor():
-    mindspeed_like.reset()
-    runtime.apply()
-    yield
-    mindspeed_like.reset()
 
 
 def applied(feature: str, target: str) -> bool:
