@@ -113,16 +113,24 @@ def _close(a, b, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_swiglu_equals_eager(dtype, monkeypatch):
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
-    x, bias = torch.randn(3, 5, 64).to(dtype), torch.randn(64).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    x, bias = torch.randn(3, 5, 64, generator=g).to(dtype), torch.randn(64, generator=g).to(dtype)
     (out, (dx,)), (ref, (ref_dx,)) = _compiled_and_eager(swiglu_kernel.swiglu, x)
     _close(out, ref, dtype)
     _close(dx, ref_dx, dtype)
     (out, (dx, db)), (ref, (ref_dx, ref_db)) = _compiled_and_eager(swiglu_kernel.swiglu, x, bias)
     _close(out, ref, dtype)
     _close(dx, ref_dx, dtype)
-    # the bias gradient sums the rows of dx in both (so bf16 differs only where dx does)
-    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
-    torch.testing.assert_close(db.float(), ref_db.float(), **tol)
+    # The bias gradient sums dx's 15 rows. In bf16 each summand may differ by one bf16 ulp (2^-8
+    # relative) between the two and the running sum rounds at every add in eager, so the bound
+    # scales with the sum of |dx| per column, not with |db| (which can cancel towards zero).
+    if dtype == torch.float32:
+        torch.testing.assert_close(db, ref_db, rtol=1e-5, atol=1e-4)
+    else:
+        magnitude = ref_dx.float().abs().reshape(-1, ref_dx.shape[-1]).sum(0)
+        bound = 2**-7 * magnitude + 2**-8 * ref_db.float().abs()
+        excess = (db.float() - ref_db.float()).abs() - bound
+        assert excess.max() <= 0, f"bias grad off by more than the bf16 bound at {excess.argmax()}"
 
 
 @pytest.mark.compile
