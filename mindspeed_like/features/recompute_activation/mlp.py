@@ -193,7 +193,11 @@ class MLPForward:
         activation = _megatron_activation(wrapped, instance, instance.config)
         intermediate = checkpoint.checkpoint(activation, fc1_output, fc1_bias, per_token_scale)
         output, output_bias = instance.linear_fc2(intermediate)
-        if intermediate.untyped_storage().data_ptr() == fc1_output.untyped_storage().data_ptr():
+        if intermediate.numel() == 0:
+            # an expert that received no tokens: nothing to free (empty tensors all report data
+            # pointer 0, so the storage test below would misread this as shared storage)
+            output.register_hook(checkpoint._recompute)
+        elif intermediate.untyped_storage().data_ptr() == fc1_output.untyped_storage().data_ptr():
             # the activation returned (a view of) its input: freeing it would free fc1's output,
             # which the recompute needs. Nothing to save; still recompute so backward can run.
             self.recompute.fall_back("the activation output shares storage with fc1's output")

@@ -143,6 +143,21 @@ def test_activation_aliasing_its_input_is_not_freed(adapter, caplog):
     assert "shares storage" in caplog.text
 
 
+def test_an_expert_with_no_tokens_is_not_a_fallback(adapter, caplog):
+    """A routed expert that got no tokens sees 0-row tensors, whose storages all report data
+    pointer 0: that is not an activation sharing fc1's storage, and must not be logged as one."""
+    _configure(True)
+    init_parallel(seed=1234)
+    mlp = tiny_gpt(wrap_float16=False).decoder.layers[0].mlp
+    x = torch.zeros(0, BATCH, HIDDEN, requires_grad=True)
+    with caplog.at_level("WARNING"):
+        out, _ = mlp(x)
+        out.sum().backward()
+    assert out.shape == (0, BATCH, HIDDEN) and x.grad.shape == x.shape
+    assert all(p.grad is not None and not p.grad.any() for p in mlp.parameters())
+    assert "fell back" not in caplog.text and "shares storage" not in caplog.text
+
+
 def _gpt_grads(on: bool, flags: dict | None = None, *, meter: bool = True, **model_kwargs):
     """One fwd+bwd of the whole GPTModel (no DDP): loss, every parameter's gradient, and the
     bytes held for backward (None with ``meter=False``: no saved-tensor hooks)."""
