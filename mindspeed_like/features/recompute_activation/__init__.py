@@ -1,6 +1,6 @@
 """recompute-activation-function (``--recompute-activation-function``, ``--recompute-activation-
 function-num-layers N``): the MLP activation output is freed after fc2 and recomputed in backward
-(dense MLPs, SequentialMLP and GroupedMLP experts). Targets and fallbacks: ``mlp.py``."""
+(dense MLPs, SequentialMLP, GroupedMLP and TEGroupedMLP experts). Targets and fallbacks: ``mlp.py``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from mindspeed_like.features.recompute_activation.mlp import (
     MLPForward,
     Recompute,
     RecomputeActivationUnsupported,
+    UncoveredGroupedExperts,
 )
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 from mindspeed_like.toolkit.errors import ConfigError
@@ -43,6 +44,20 @@ def patches(ctx: Context) -> list[Patch]:
             GroupedMLPForward(recompute),
             versions="<0.17",  # GroupedMLP was deleted in 0.17; its experts are SequentialMLP's MLPs there
             why="grouped experts: switch on megatron's own moe_act recompute for the call",
+        ),
+        Patch(
+            f"{MOE_EXPERTS}.TEGroupedMLP.forward",
+            Kind.WRAP,
+            GroupedMLPForward(recompute),
+            versions="<0.17",
+            why="TE-spec grouped experts: the same moe_act switch as GroupedMLP",
+        ),
+        Patch(
+            f"{MOE_EXPERTS}.TEGroupedMLP.forward",
+            Kind.WRAP,
+            UncoveredGroupedExperts(recompute),
+            versions=">=0.17",
+            why="TE-spec grouped experts on 0.17+: said once that they keep their activation output",
         ),
         Patch(
             f"{TRANSFORMER_LAYER}.TransformerLayer.__init__",

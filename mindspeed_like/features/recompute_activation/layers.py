@@ -20,8 +20,9 @@ def layer_init(wrapped, instance, args, kwargs):
     from megatron.core.transformer import mlp as mlp_module
     from megatron.core.transformer.moe import experts
 
-    # GroupedMLP: megatron-core < 0.17 only (deleted in 0.17)
-    kinds = tuple(k for k in (mlp_module.MLP, getattr(experts, "GroupedMLP", None)) if k is not None)
+    # GroupedMLP: megatron-core < 0.17 only (deleted in 0.17); TEGroupedMLP: TE specs
+    grouped = (getattr(experts, "GroupedMLP", None), getattr(experts, "TEGroupedMLP", None))
+    kinds = tuple(k for k in (mlp_module.MLP, *grouped) if k is not None)
     number = Call(wrapped, args, kwargs)["layer_number"]
     mlp = getattr(instance, "mlp", None)
     if isinstance(mlp, torch.nn.Module):

@@ -47,7 +47,8 @@ under ``strict``): fp8/fp4 (TransformerEngine keeps its own quantized copy of fc
 megatron's CPU activation offloading, a per-token scale together with an fc2 bias (megatron
 adds that bias in place, differently by version), and a layer selection asked for an MLP
 whose layer number is unknown (built outside a TransformerLayer or before the feature was
-switched on). ``TEGroupedMLP`` (TransformerEngine) is not covered.
+switched on). ``TEGroupedMLP`` (TE specs, built on the te-backend without TransformerEngine): like
+GroupedMLP before 0.17; from 0.17 a fallback (``UncoveredGroupedExperts``).
 """
 
 from __future__ import annotations
@@ -209,7 +210,9 @@ class MLPForward:
 
 @dataclass(frozen=True)
 class GroupedMLPForward:
-    """Wrapper of ``GroupedMLP.forward``: megatron's own moe_act recompute, switched on for the call."""
+    """Wrapper of ``GroupedMLP.forward`` and ``TEGroupedMLP.forward`` (< 0.17): megatron's own
+    moe_act recompute, switched on for the call (both classes read ``activation_recompute`` in
+    forward the same way)."""
 
     recompute: Recompute
 
@@ -229,3 +232,22 @@ class GroupedMLPForward:
             return wrapped(*args, **kwargs)
         finally:
             instance.activation_recompute = False
+
+
+@dataclass(frozen=True)
+class UncoveredGroupedExperts:
+    """Wrapper of ``TEGroupedMLP.forward`` on megatron-core 0.17+: says once that these experts keep
+    their activation output. megatron's moe_act recompute there shares the recomputed storage
+    through a C++ extension that g++ compiles at the first backward (see checkpoint.py), and its
+    forward builds the checkpoint itself, so our copying subclass cannot be put in."""
+
+    recompute: Recompute
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        if instance is not None and not instance.activation_recompute and self.recompute.wanted(instance):
+            self.recompute.fall_back(
+                "TEGroupedMLP experts on megatron-core 0.17+ (megatron's own recompute of them compiles a C++ "
+                "extension at the first backward: --recompute-granularity selective --recompute-modules moe_act "
+                "asks megatron for it)"
+            )
+        return wrapped(*args, **kwargs)

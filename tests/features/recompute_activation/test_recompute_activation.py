@@ -442,3 +442,35 @@ def test_meter_keeps_a_retired_storage_when_its_address_is_reused():
     meter._pack(second)  # the same storage again: still one
     assert meter.count == 2 and meter.bytes == 2 * 4096
     assert meter.current_bytes() == 2 * 4096
+
+
+def test_te_spec_grouped_experts(adapter, monkeypatch, caplog):
+    """TEGroupedMLP (the TE spec's grouped experts, on the te-backend): before 0.17 the feature
+    switches on megatron's moe_act recompute there too, bitwise equal to the baseline and holding
+    less; from 0.17 the experts keep their activation output and the feature says so once."""
+    from megatron.core import tensor_parallel
+
+    made: list = []
+    original = tensor_parallel.CheckpointWithoutOutput.checkpoint
+    monkeypatch.setattr(
+        tensor_parallel.CheckpointWithoutOutput, "checkpoint", lambda self, *a: made.append(1) or original(self, *a)
+    )
+    ctx = runtime.current_context()
+    covered = not ctx.megatron_at_least("0.17")
+    hook_safe = ctx.megatron_at_least("0.16")  # megatron's own class keeps grads under the meter's hooks
+    moe = dict(
+        transformer_impl="transformer_engine",
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_grouped_gemm=True,
+        meter=hook_safe or not covered,
+    )
+    base = _gpt_grads(False, **moe)
+    with caplog.at_level("WARNING"):
+        ours = _gpt_grads(True, **moe)
+    _assert_same_grads(base, ours)
+    if covered and hook_safe:
+        assert len(made) == 2 and ours[2] < base[2]
+    elif not covered:
+        assert len(made) == 0 and ours[2] == base[2]
+        assert "TEGroupedMLP experts on megatron-core 0.17+" in caplog.text
