@@ -4,9 +4,14 @@ saving only its input (torch_npu's ``npu_swiglu`` on NPU). Targets and coverage:
 from __future__ import annotations
 
 from mindspeed_like.engine import Kind, Patch
-from mindspeed_like.features.fused_swiglu.activation import bias_swiglu_impl, mlp_forward, weighted_bias_swiglu_impl
+from mindspeed_like.features.fused_swiglu.activation import (
+    bias_swiglu_impl,
+    grouped_experts_forward,
+    mlp_forward,
+    weighted_bias_swiglu_impl,
+)
 from mindspeed_like.toolkit.declaration import Feature, Flag, kernel_backend
-from mindspeed_like.toolkit.targets import FUSED_BIAS_SWIGLU, MLP
+from mindspeed_like.toolkit.targets import FUSED_BIAS_SWIGLU, MLP, MOE_EXPERTS
 
 PATCHES = [
     Patch(
@@ -26,6 +31,12 @@ PATCHES = [
         Kind.WRAP,
         mlp_forward,
         why="inline GLU closure (bias_activation_fusion=False) is routed to the fused branch",
+    ),
+    Patch(
+        f"{MOE_EXPERTS}.TEGroupedMLP.forward",
+        Kind.WRAP,
+        grouped_experts_forward,
+        why="TE-spec grouped experts: their inline GLU closure is routed to the weighted fused branch",
     ),
 ]
 

@@ -27,9 +27,17 @@ Targets, and why each is the right symbol:
   branch would behave differently: a per-token scale together with an fc1 bias (megatron's
   weighted fusion rejects a bias), clamp or linear offset set.
 
-Not covered: ``GroupedMLP`` (needs the grouped_gemm CUDA package) builds its own ``glu``
-closure; ``TEGroupedMLP``'s inline branch and ``SharedExpertMLP``'s stream-overlap branch
-need CUDA/TransformerEngine. Their fused branches go through the wrapped functions.
+- ``megatron.core.transformer.moe.experts.TEGroupedMLP.forward`` (WRAP): the TE spec's grouped
+  experts (built on the te-backend without TransformerEngine) also compute the GLU inline in a
+  closure (``bias_act_func``) unless ``bias_activation_fusion``; redirected the same way to
+  ``weighted_bias_swiglu_impl`` (probabilities multiplied in the promoted dtype and cast back, as
+  inline). Left alone while megatron's moe_act recompute is on for the call (its recompute runs
+  after this call returned and would read the original config: forward and recompute must
+  compute the same activation).
+
+Not covered: ``GroupedMLP`` (megatron-core < 0.17) builds its own ``glu`` closure;
+``SharedExpertMLP``'s stream-overlap branch needs CUDA streams. Their fused branches go through
+the wrapped functions.
 """
 
 from __future__ import annotations
@@ -85,5 +93,15 @@ def mlp_forward(wrapped, instance, args, kwargs):
         and getattr(instance.linear_fc1, "bias", None) is not None
     ):
         return wrapped(*args, **kwargs)
+    with config_fields(instance, bias_activation_fusion=True):
+        return wrapped(*args, **kwargs)
+
+
+def grouped_experts_forward(wrapped, instance, args, kwargs):
+    """Wrapper of ``TEGroupedMLP.forward``: its inline GLU is run through megatron's fused branch."""
+    if instance is None or not is_swiglu_inline(instance) or instance.activation_recompute:
+        return wrapped(*args, **kwargs)
+    if instance.config.add_bias_linear or getattr(instance.config, "moe_apply_probs_on_input", False):
+        return wrapped(*args, **kwargs)  # megatron's weighted fusion takes no bias; probs already applied
     with config_fields(instance, bias_activation_fusion=True):
         return wrapped(*args, **kwargs)

@@ -51,6 +51,7 @@ def patches(ctx: Context) -> list[Patch]:
             GroupedMLPForward(recompute),
             versions="<0.17",
             why="TE-spec grouped experts: the same moe_act switch as GroupedMLP",
+            after=("fused-swiglu",),  # outermost: fused-swiglu sees the switch and keeps megatron's GLU
         ),
         Patch(
             f"{MOE_EXPERTS}.TEGroupedMLP.forward",
@@ -58,6 +59,7 @@ def patches(ctx: Context) -> list[Patch]:
             UncoveredGroupedExperts(recompute),
             versions=">=0.17",
             why="TE-spec grouped experts on 0.17+: said once that they keep their activation output",
+            after=("fused-swiglu",),
         ),
         Patch(
             f"{TRANSFORMER_LAYER}.TransformerLayer.__init__",
