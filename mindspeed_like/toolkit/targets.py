@@ -22,6 +22,7 @@ MOE_TOKEN_DISPATCHER = f"{MOE}.token_dispatcher"
 GROUPED_GEMM_UTIL = f"{MOE}.grouped_gemm_util"
 
 # kernels megatron fuses
+TE_EXTENSION = f"{CORE}.extensions.transformer_engine"  # megatron's TE bindings (None without TE)
 FUSED_BIAS_SWIGLU = f"{CORE}.fusions.fused_bias_swiglu"
 ROPE_UTILS = f"{CORE}.models.common.embeddings.rope_utils"
 ROTARY_EMBEDDING = f"{CORE}.models.common.embeddings.rotary_pos_embedding"
