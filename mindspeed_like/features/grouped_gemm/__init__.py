@@ -19,6 +19,7 @@ from mindspeed_like.features.grouped_gemm.ops import (
     grouped_mlp_forward,
 )
 from mindspeed_like.features.grouped_gemm.sequential import SequentialExpertsForward
+from mindspeed_like.features.grouped_gemm.te_experts import TEGroupedExpertsServed
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag, kernel_backend
 from mindspeed_like.toolkit.errors import ConfigError
 from mindspeed_like.toolkit.targets import GROUPED_GEMM_UTIL, MOE_EXPERTS
@@ -61,6 +62,14 @@ def patches(ctx: Context) -> list[Patch]:
             ),
             versions=">=0.17",
             why="moe_grouped_gemm=True builds SequentialMLP on 0.17+: its experts' linears as one grouped GEMM each",
+        ),
+        Patch(
+            f"{MOE_EXPERTS}.TEGroupedMLP.forward",
+            Kind.WRAP,
+            TEGroupedExpertsServed(fall_back),
+            why="TE-spec grouped experts: their TE grouped linears are already one grouped GEMM each (te-backend, "
+            "this feature's kernel); the report says so instead of 'never reached'",
+            after=("fused-swiglu", "recompute-activation-function"),  # a pass-through: outermost
         ),
     ]
 
