@@ -187,6 +187,34 @@ def unpermute(
     return _Unpermute.apply(permuted_tokens, probs, sorted_indices, flat_idx, restore_shape)
 
 
+def permute_with_index(
+    tokens: torch.Tensor,
+    routing_map: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    num_out_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Dropless ``permute`` (portable) that also returns each row's flat index
+    ``expert * tokens + token``: what :func:`unpermute_with_index` needs to weight rows by probs
+    without the routing map (TransformerEngine's ``moe_permute``/``moe_unpermute`` API)."""
+    _check(tokens, routing_map, probs)
+    token_idx, flat_idx = _selection(routing_map, num_out_tokens, False)
+    permuted, permuted_probs = _Permute.apply(tokens, probs, token_idx, flat_idx)
+    return permuted, permuted_probs, token_idx, flat_idx
+
+
+def unpermute_with_index(
+    permuted_tokens: torch.Tensor,
+    token_idx: torch.Tensor,
+    flat_idx: torch.Tensor,
+    restore_shape: torch.Size | tuple[int, int],
+    probs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``unpermute`` from :func:`permute_with_index`'s indices (portable)."""
+    return _Unpermute.apply(
+        permuted_tokens, probs, token_idx, flat_idx if probs is not None else None, tuple(restore_shape)
+    )
+
+
 def sort_chunks_by_idxs(
     input: torch.Tensor,
     split_sizes: torch.Tensor | list[int],
@@ -331,4 +359,12 @@ def _unpermute_npu(permuted_tokens, sorted_indices, restore_shape, probs, routin
     return torch_npu().npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=weights)
 
 
-__all__ = ["permute", "permute_reference", "sort_chunks_by_idxs", "unpermute", "unpermute_reference"]
+__all__ = [
+    "permute",
+    "permute_reference",
+    "permute_with_index",
+    "sort_chunks_by_idxs",
+    "unpermute",
+    "unpermute_reference",
+    "unpermute_with_index",
+]
