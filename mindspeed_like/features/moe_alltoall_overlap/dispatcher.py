@@ -1,0 +1,232 @@
+"""Where the pipeline (``pipeline.py``) enters megatron's alltoall dispatcher, and when it steps aside.
+
+Targets, the same three roles in 0.13-0.19 (method names checked in 0.13.1, 0.16.1, 0.19.2):
+
+- ``MoEAlltoAllTokenDispatcher.token_dispatch``: megatron's blocking dispatch all-to-all of the
+  permuted tokens and probs. Wrapped: when the pipeline can run this call, it does megatron's
+  ``before_ep_alltoall`` host sync point and hands the permuted tokens on unchanged, marking the
+  dispatcher (the all-to-all moves into the experts' step, chunk by chunk).
+- ``MoELayer.routed_experts_compute`` (from 0.15; ``experts_compute`` in 0.13-0.14, which also
+  runs the shared experts): the one place that holds both the dispatcher and the experts, called with
+  what ``token_dispatch`` returned. Wrapped: with the mark, it runs dispatch all-to-all ->
+  experts -> combine all-to-all as the chunked pipeline instead of megatron's
+  ``dispatch_postprocess`` -> experts -> ``combine_preprocess`` (at expert-TP 1 those are the
+  sort of rows by local expert and its inverse, which the per-expert chunks make unnecessary).
+- ``MoEAlltoAllTokenDispatcher.token_combine``: megatron's blocking combine all-to-all.
+  Wrapped: after a pipelined call its rows have already come back; it returns them unchanged.
+
+Everything before (router, ``dispatch_preprocess``: counts and permutation) and after
+(``combine_postprocess``: unpermute) is megatron's own code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mindspeed_like.features.moe_alltoall_overlap.pipeline import ChunkPlan, overlapped_experts
+from mindspeed_like.toolkit.binding import Call
+from mindspeed_like.toolkit.errors import FeatureUnsupported
+from mindspeed_like.toolkit.fallback import Fallback
+
+FEATURE_NAME = "moe-alltoall-overlap"
+PENDING = "_mindspeed_like_a2a_overlap_pending"  # on the dispatcher: token_dispatch was deferred
+COMBINED = "_mindspeed_like_a2a_overlap_combined"  # on the dispatcher: token_combine has nothing to do
+
+
+class MoeAlltoAllOverlapUnsupported(FeatureUnsupported):
+    """A dispatch the chunked all-to-all pipeline cannot take (raised under --strict)."""
+
+
+def why_not(dispatcher: Any) -> str | None:
+    """The reason this dispatcher's call keeps megatron's blocking all-to-alls, or None."""
+    config = dispatcher.config
+    if dispatcher.ep_size <= 1:
+        return "expert_model_parallel_size is 1: there is no all-to-all to overlap"
+    if dispatcher.tp_size > 1:
+        return "expert_tensor_parallel_size > 1: the expert-TP all-gather / reduce-scatter stay megatron's"
+    if dispatcher.num_local_experts < 2:
+        return (
+            "one expert per EP rank: the tokens are cut into one chunk per local expert, so there is nothing "
+            "to pipeline (use at least 2 experts per rank: num_moe_experts >= 2 * expert_model_parallel_size)"
+        )
+    if dispatcher.drop_and_pad:
+        return "moe_pad_expert_input_to_capacity: padded capacity layouts keep megatron's path"
+    if getattr(dispatcher, "shared_experts", None) is not None:
+        return "moe_shared_expert_overlap: megatron already overlaps the shared expert with these all-to-alls"
+    if getattr(config, "gradient_accumulation_fusion", False):
+        return "gradient_accumulation_fusion: the experts' fused wgrad into main_grad is not verified chunked"
+    if getattr(config, "delay_wgrad_compute", False) or getattr(
+        config, "overlap_dispatch_backward_with_experts_wgrad", False
+    ):
+        return "delayed expert wgrad (delay_wgrad_compute): megatron schedules those weight gradients itself"
+    if getattr(config, "cuda_graph_impl", "none") not in ("none", None) or getattr(config, "enable_cuda_graph", False):
+        return "CUDA graphs capture megatron's dispatcher as is"
+    return None
+
+
+def _async_all_to_all(group) -> Callable:
+    def exchange(output: torch.Tensor, data: torch.Tensor, out_splits: list[int], in_splits: list[int]):
+        # looked up at call time: a simulated link (testing/simulated_alltoall_link.py) patches it
+        return torch.distributed.all_to_all_single(
+            output, data, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group, async_op=True
+        )
+
+    return exchange
+
+
+def _counts(values: Any) -> list:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def plan_of(dispatcher: Any, rows: int) -> ChunkPlan:
+    """This dispatch's chunk plan, from what megatron's ``preprocess`` computed."""
+    local = dispatcher.routing_map.sum(dim=0).tolist()  # rows per global expert, as permute sorted them
+    received = _counts(dispatcher.num_global_tokens_per_local_expert)  # [ep (x tp=1), local experts]
+    plan = ChunkPlan.from_counts(local, received)
+    if plan.local_rows != rows:
+        raise RuntimeError(
+            f"{FEATURE_NAME}: the routing map counts {plan.local_rows} permuted rows, the dispatcher produced {rows}"
+        )
+    expected = sum(_counts(dispatcher.output_splits))
+    if sum(map(sum, plan.recv_counts)) != expected:
+        raise RuntimeError(f"{FEATURE_NAME}: per-expert receive counts do not add up to megatron's output_splits")
+    return plan
+
+
+def _finish_dispatch_bookkeeping(dispatcher: Any) -> None:
+    """What ``dispatch_postprocess`` does besides moving rows: its host sync points, then
+    ``tokens_per_expert`` is cleared (the next call recomputes it)."""
+    tokens = dispatcher._maybe_dtoh_and_synchronize("before_permutation_2", dispatcher.tokens_per_expert)
+    dispatcher._maybe_dtoh_and_synchronize("before_finish", tokens)
+    dispatcher.tokens_per_expert = None
+
+
+def run_pipeline(layer: Any, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Dispatch all-to-all, experts, combine all-to-all of ``layer``, chunked per local expert."""
+    dispatcher = layer.token_dispatcher
+    plan = plan_of(dispatcher, tokens.shape[0])
+    _finish_dispatch_bookkeeping(dispatcher)
+    experts = layer.experts
+    local = dispatcher.num_local_experts
+
+    def run_expert(e: int, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros(local, dtype=torch.long)
+        counts[e] = x.shape[0]
+        out, bias = experts(x, counts, p)
+        if bias is not None:
+            raise RuntimeError(f"mlp_bias is not supported for {type(dispatcher).__name__}")  # megatron's assert
+        return out
+
+    params = [p for p in experts.parameters() if p.requires_grad]
+    out = overlapped_experts(plan, _async_all_to_all(dispatcher.ep_group), run_expert, tokens, probs, params)
+    setattr(dispatcher, COMBINED, True)
+    return out
+
+
+@dataclass(frozen=True)
+class TokenDispatch:
+    """WRAP of ``MoEAlltoAllTokenDispatcher.token_dispatch``: defer the all-to-all to the experts' step."""
+
+    fall_back: Fallback
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        instance.__dict__.pop(PENDING, None)
+        instance.__dict__.pop(COMBINED, None)
+        reason = why_not(instance)
+        if reason is not None:
+            self.fall_back(reason)
+            return wrapped(*args, **kwargs)
+        call = Call(wrapped, args, kwargs)
+        tokens, probs = call["permutated_local_input_tokens"], call["permuted_probs"]
+        sync = instance._maybe_dtoh_and_synchronize
+        instance.tokens_per_expert = sync("before_ep_alltoall", instance.tokens_per_expert)
+        setattr(instance, PENDING, (tokens, probs))
+        return tokens, probs
+
+
+def _take_pending(layer: Any, tokens: torch.Tensor, fall_back: Fallback) -> bool:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    dispatcher = getattr(layer, "token_dispatcher", None)
+    if not isinstance(dispatcher, MoEAlltoAllTokenDispatcher):
+        fall_back(
+            f"token dispatcher {type(dispatcher).__name__} is not the alltoall dispatcher "
+            "(moe_token_dispatcher_type='alltoall'): nothing to overlap"
+        )
+        return False
+    pending = dispatcher.__dict__.pop(PENDING, None)
+    if pending is None:
+        return False  # token_dispatch kept megatron's path (and said why)
+    if pending[0] is not tokens:
+        raise RuntimeError(
+            f"{FEATURE_NAME}: the experts' step received other tokens than token_dispatch deferred "
+            "(something between MoELayer.dispatch and the experts changed them); switch the feature off"
+        )
+    return True
+
+
+@dataclass(frozen=True)
+class RoutedExpertsCompute:
+    """WRAP of ``MoELayer.routed_experts_compute(hidden_states, probs[, residual])`` (0.15+): returns the
+    combined rows, as ``token_combine`` would have."""
+
+    fall_back: Fallback
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        call = Call(wrapped, args, kwargs)
+        tokens, probs = call["hidden_states"], call["probs"]
+        if not _take_pending(instance, tokens, self.fall_back):
+            return wrapped(*args, **kwargs)
+        return run_pipeline(instance, tokens, probs), None
+
+
+@dataclass(frozen=True)
+class ExpertsCompute:
+    """WRAP of 0.13-0.14's ``MoELayer.experts_compute(hidden_states, probs, residual)``, which
+    also computes the shared experts first (when megatron does not overlap them), checkpointed
+    under 0.14's ``shared_experts_recompute``: its code, for the same order of work."""
+
+    fall_back: Fallback
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        call = Call(wrapped, args, kwargs)
+        tokens, probs = call["hidden_states"], call["probs"]
+        if not _take_pending(instance, tokens, self.fall_back):
+            return wrapped(*args, **kwargs)
+        shared = None
+        if instance.use_shared_expert and not instance.shared_expert_overlap:
+            shared = _shared_experts(instance, call["residual"])
+        return run_pipeline(instance, tokens, probs), shared, None
+
+
+def _shared_experts(layer: Any, residual: torch.Tensor) -> torch.Tensor:
+    if not getattr(layer, "shared_experts_recompute", False):  # 0.14 added the recompute
+        return layer.shared_experts(residual)
+    import sys
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    if layer.config.fp8:
+        te_checkpoint = sys.modules[type(layer).__module__].te_checkpoint
+        return te_checkpoint(
+            layer.shared_experts,
+            False,
+            tensor_parallel.random.get_cuda_rng_tracker,
+            parallel_state.get_tensor_model_parallel_group(),
+            residual,
+        )
+    return tensor_parallel.checkpoint(layer.shared_experts, False, residual)
+
+
+@dataclass(frozen=True)
+class TokenCombine:
+    """WRAP of ``MoEAlltoAllTokenDispatcher.token_combine``: after the pipeline, the rows are back."""
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        if instance.__dict__.pop(COMBINED, False):
+            return Call(wrapped, args, kwargs)["hidden_states"]
+        return wrapped(*args, **kwargs)
