@@ -364,3 +364,17 @@ def test_moe_permute_fusion_kept_with_the_te_backend_on(cpu_config, caplog):
     assert "moe_permute_fusion" not in caplog.text
     loss, grads = _forward_backward(model, torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(6)))
     assert torch.isfinite(loss).all() and any("experts" in n for n in grads)
+
+
+def test_with_grouped_gemm_and_fused_swiglu_still_bitwise(cpu_config):
+    """Stacked with the other MoE accelerations (grouped experts, fused SwiGLU): switching
+    moe-permute changes nothing bitwise."""
+    cpu_config(grouped_gemm="on", use_fused_swiglu=True)
+    model = _model(moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
+    loss_off, grads_off = _forward_backward(model, tokens)
+    mindspeed_like.configure(use_fused_moe_token_permute_and_unpermute=True)
+    assert _wrapped()
+    loss_on, grads_on = _forward_backward(model, tokens)
+    assert _bits_equal(loss_on, loss_off)
+    assert all(_bits_equal(g, grads_off[n]) for n, g in grads_on.items())
