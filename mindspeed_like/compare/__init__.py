@@ -36,7 +36,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--data-parallel-size", type=int, default=1)
-    group.add_argument("--expert-model-parallel-size", type=int, default=1, help="moe preset: experts over DP ranks")
+    group.add_argument("--expert-model-parallel-size", type=int, default=1, help="MoE presets: experts over DP ranks")
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument(
         "--transformer-impl",
@@ -84,10 +84,21 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.sequence_parallel and args.seq_length % tp:
         raise ConfigError(f"compare: --seq-length {args.seq_length} must be divisible by TP {tp} with SP")
     ep = args.expert_model_parallel_size
-    if ep > 1 and args.preset != "moe":
-        raise ConfigError("compare: --expert-model-parallel-size is for --preset moe")
-    if ep > 1 and ((args.data_parallel_size * tp) % ep or 8 % ep):
-        raise ConfigError(f"compare: --expert-model-parallel-size {ep} must divide DP x TP and the 8 experts")
+    preset = PRESETS[args.preset]
+    if ep > 1 and not preset.moe:
+        moe_presets = ", ".join(sorted(name for name, p in PRESETS.items() if p.moe))
+        raise ConfigError(f"compare: --expert-model-parallel-size is for the MoE presets ({moe_presets})")
+    if ep > 1 and ((args.data_parallel_size * tp) % ep or preset.num_experts % ep):
+        raise ConfigError(
+            f"compare: --expert-model-parallel-size {ep} must divide DP x TP and the {preset.num_experts} experts"
+        )
+    if preset.name == "deepseek":
+        head_dim = args.hidden_size // args.num_attention_heads
+        if head_dim < 4 or head_dim % 2:
+            raise ConfigError(
+                f"compare: --preset deepseek needs hidden-size / num-attention-heads even and >= 4 (MLA's rope "
+                f"part is half the head dim), got {head_dim}"
+            )
 
 
 def feature_flags(flag_values: dict[str, Any]) -> dict[str, Any]:

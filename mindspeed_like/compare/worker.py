@@ -54,7 +54,8 @@ def _build_model(spec: dict[str, Any], grouped_gemm_on: bool):
     if spec.get("transformer_impl", "local") == "transformer_engine":
         return _te_spec_model(spec, args)
     if not preset.moe or not grouped_gemm_on:
-        return tiny_gpt(**args)
+        # megatron's local GroupedMLP needs the CUDA grouped_gemm package: without the feature, the loop
+        return tiny_gpt(**dict(args, moe_grouped_gemm=False) if preset.moe else args)
     reference = tiny_gpt(wrap_float16=False, **dict(args, moe_grouped_gemm=False))
     init_parallel(tp=spec["tp"], ep=spec["ep"], seed=seed)
     model = tiny_gpt(wrap_float16=False, **dict(args, moe_grouped_gemm=True))
@@ -84,6 +85,7 @@ def _te_spec_model(spec: dict[str, Any], args: dict[str, Any]):
     local = tiny_gpt(wrap_float16=False, **dict(args, moe_grouped_gemm=False))
     init_parallel(tp=spec["tp"], ep=spec["ep"], seed=spec["seed"])
     model = tiny_gpt(wrap_float16=False, transformer_impl="transformer_engine", **args)
+    _name_mla_qk_norms_as_te(local)
     copy_weights(local, model)
     del local
     if spec["bf16"]:
@@ -91,6 +93,33 @@ def _te_spec_model(spec: dict[str, Any], args: dict[str, Any]):
 
         model = Float16Module(model.config, model)
     return model
+
+
+# MLA's q/kv LoRA norms: the local spec's separate modules, fused into the up projections on the TE
+# spec; megatron's local layer spec declares no checkpoint renaming for them (its TE spec names them
+# ``linear_q_up_proj.layer_norm_weight``), so the local model is told the TE names here.
+_MLA_QK_NORM_KEYS = {
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+}
+
+
+def _name_mla_qk_norms_as_te(model) -> None:
+    """Add the MLA qk-norm renaming to the checkpoint-key map of each local MLA layer with qk-layernorm
+    (decoder and MTP layers), so ``copy_weights`` matches them by key like every other weight."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for layer in model.modules():
+        attention = getattr(layer, "self_attention", None)
+        if not isinstance(layer, TransformerLayer) or getattr(attention, "q_layernorm", None) is None:
+            continue
+        if not hasattr(attention, "linear_q_down_proj"):  # not MLA
+            continue
+        submodules = layer.submodules_config
+        keys = {**submodules.sharded_state_dict_keys_map, **_MLA_QK_NORM_KEYS}
+        layer.submodules_config = dataclasses.replace(submodules, sharded_state_dict_keys_map=keys)
 
 
 def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
@@ -142,6 +171,9 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
             on_step=on_step,
             on_optimizer=on_optimizer,
             forward_context=probe,
+            # megatron's finalize_model_grads also updates the router's expert bias (DeepSeek's
+            # aux-loss-free balancing), as Megatron-LM's training loop does
+            finalize_grads=bool(getattr(model.config, "moe_router_enable_expert_bias", False)),
         )
         memory = state_bytes(held["model"], held["optimizer"])
         tokens_per_step = spec["micro_batch_size"] * parallel_state.get_data_parallel_world_size()

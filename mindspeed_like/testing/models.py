@@ -93,8 +93,14 @@ def tiny_gpt(*, wrap_float16: bool = True, transformer_impl: str = "local", **ov
 
     Overrides go to :func:`gpt_config` (TransformerConfig fields) or to GPTModel
     (``vocab_size``, ``max_sequence_length`` alias ``seq_length``, ``position_embedding_type``,
-    ``rotary_percent``, ``share_embeddings_and_output_weights``). Defaults: 2 layers, hidden 64, 4 heads, seq 32,
+    ``rotary_percent``, ``share_embeddings_and_output_weights``, and ``rotary_base`` except with
+    multi-latent attention, whose config holds it). Defaults: 2 layers, hidden 64, 4 heads, seq 32,
     vocab 256, RMSNorm, SwiGLU, RoPE, no biases, no dropout, CPU initialization.
+
+    MoE with dense layers mixed in (``moe_layer_freq`` other than 1) builds megatron's decoder block
+    spec (``get_gpt_decoder_block_spec``); ``mtp_num_layers`` adds megatron's MTP block
+    (``get_gpt_mtp_block_spec``) on the decoder's spec; ``multi_latent_attention=True`` an
+    ``MLATransformerConfig`` (``MLA_DEFAULTS`` for the sizes not given).
 
     The same seed gives the same model function at every tensor-parallel size, in every
     supported megatron-core version (see :func:`_gated_fc1_layout_of_tp1`).
@@ -112,6 +118,8 @@ def tiny_gpt(*, wrap_float16: bool = True, transformer_impl: str = "local", **ov
     for key in list(overrides):
         if key in MODEL_DEFAULTS:
             model_args[key] = overrides.pop(key)
+    if "rotary_base" in overrides and not overrides.get("multi_latent_attention"):
+        model_args["rotary_base"] = overrides.pop("rotary_base")  # GPTModel's; MLA's config has its own
     config = gpt_config(**overrides)
     spec_args = dict(
         num_experts=config.num_moe_experts,
@@ -119,16 +127,28 @@ def tiny_gpt(*, wrap_float16: bool = True, transformer_impl: str = "local", **ov
         qk_layernorm=config.qk_layernorm,
         multi_latent_attention=config.multi_latent_attention,
     )
-    if transformer_impl == "transformer_engine":
+    if transformer_impl not in ("local", "transformer_engine"):
+        raise ValueError(f"transformer_impl {transformer_impl!r}: choose 'local' or 'transformer_engine'")
+    use_te = transformer_impl == "transformer_engine"
+    if config.num_moe_experts and config.moe_layer_freq != 1:
+        # dense and MoE layers mixed (``moe_layer_freq``): megatron's block spec, as Megatron-LM's
+        # pretrain_gpt.py builds every MoE model
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=config.normalization)
+    elif use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec(**spec_args)
-    elif transformer_impl == "local":
+    else:
         if "normalization" in inspect.signature(get_gpt_layer_local_spec).parameters:  # not in every version
             spec_args["normalization"] = config.normalization
         spec = get_gpt_layer_local_spec(**spec_args)
-    else:
-        raise ValueError(f"transformer_impl {transformer_impl!r}: choose 'local' or 'transformer_engine'")
+    if getattr(config, "mtp_num_layers", None):
+        # multi-token prediction: megatron's MTP block on the decoder's (last) layer spec, as pretrain_gpt.py
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        model_args["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te)
     model = GPTModel(config=config, transformer_layer_spec=spec, **model_args)
     _gated_fc1_layout_of_tp1(model, config)
     if config.bf16 and wrap_float16:

@@ -117,7 +117,7 @@ def test_other_presets_train(tmp_path, preset):
         (["--hidden-size", "30", "--num-attention-heads", "4"], "must be divisible by --num-attention-heads"),
         (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
         (["--steps", "0"], "--steps must be positive"),
-        (["--expert-model-parallel-size", "2"], "is for --preset moe"),
+        (["--expert-model-parallel-size", "2"], "is for the MoE presets (deepseek, moe, qwen3-moe)"),
         (["--use-flash-atn"], "unrecognized arguments: --use-flash-atn"),
         (["--no-te-backend"], "--transformer-impl transformer_engine needs TransformerEngine or the te-backend"),
     ],
