@@ -26,8 +26,18 @@ DISPATCHER = f"{MOE_TOKEN_DISPATCHER}.MoEAlltoAllTokenDispatcher"
 MOE_LAYER = f"{MOE}.moe_layer.MoELayer"
 
 
+def _recompute(ctx: Context) -> bool:
+    """moe-zero-memory's level0 (its own package declares the flag) recomputes the experts inside
+    this feature's pipeline: the value is read here so a change swaps the wrappers."""
+    try:
+        return ctx["moe_zero_memory"] == "level0"
+    except KeyError:  # moe-zero-memory not registered
+        return False
+
+
 def patches(ctx: Context) -> list[Patch]:
     fall_back = ctx.fallback(FEATURE_NAME, MoeAlltoAllOverlapUnsupported, "using megatron's blocking all-to-alls")
+    recompute = _recompute(ctx)
     return [
         Patch(
             f"{DISPATCHER}.token_dispatch",
@@ -38,14 +48,14 @@ def patches(ctx: Context) -> list[Patch]:
         Patch(
             f"{MOE_LAYER}.routed_experts_compute",
             Kind.WRAP,
-            RoutedExpertsCompute(fall_back),
+            RoutedExpertsCompute(fall_back, recompute),
             versions=">=0.15",
             why="the one method holding dispatcher and experts: dispatch a2a -> experts -> combine a2a, pipelined",
         ),
         Patch(
             f"{MOE_LAYER}.experts_compute",
             Kind.WRAP,
-            ExpertsCompute(fall_back),
+            ExpertsCompute(fall_back, recompute),
             versions="<0.15",
             why="0.13-0.14's name of routed_experts_compute (it also runs the shared experts)",
         ),

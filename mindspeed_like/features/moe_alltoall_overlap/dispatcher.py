@@ -105,8 +105,9 @@ def _finish_dispatch_bookkeeping(dispatcher: Any) -> None:
     dispatcher.tokens_per_expert = None
 
 
-def run_pipeline(layer: Any, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Dispatch all-to-all, experts, combine all-to-all of ``layer``, chunked per local expert."""
+def run_pipeline(layer: Any, tokens: torch.Tensor, probs: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+    """Dispatch all-to-all, experts, combine all-to-all of ``layer``, chunked per local expert
+    (``recompute``: the experts' forward again in backward, moe-zero-memory)."""
     dispatcher = layer.token_dispatcher
     plan = plan_of(dispatcher, tokens.shape[0])
     _finish_dispatch_bookkeeping(dispatcher)
@@ -122,7 +123,9 @@ def run_pipeline(layer: Any, tokens: torch.Tensor, probs: torch.Tensor) -> torch
         return out
 
     params = [p for p in experts.parameters() if p.requires_grad]
-    out = overlapped_experts(plan, _async_all_to_all(dispatcher.ep_group), run_expert, tokens, probs, params)
+    out = overlapped_experts(
+        plan, _async_all_to_all(dispatcher.ep_group), run_expert, tokens, probs, params, recompute=recompute
+    )
     setattr(dispatcher, COMBINED, True)
     return out
 
@@ -175,13 +178,14 @@ class RoutedExpertsCompute:
     combined rows, as ``token_combine`` would have."""
 
     fall_back: Fallback
+    recompute: bool = False
 
     def __call__(self, wrapped, instance, args, kwargs):
         call = Call(wrapped, args, kwargs)
         tokens, probs = call["hidden_states"], call["probs"]
         if not _take_pending(instance, tokens, self.fall_back):
             return wrapped(*args, **kwargs)
-        return run_pipeline(instance, tokens, probs), None
+        return run_pipeline(instance, tokens, probs, self.recompute), None
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,7 @@ class ExpertsCompute:
     under 0.14's ``shared_experts_recompute``: its code, for the same order of work."""
 
     fall_back: Fallback
+    recompute: bool = False
 
     def __call__(self, wrapped, instance, args, kwargs):
         call = Call(wrapped, args, kwargs)
@@ -200,7 +205,7 @@ class ExpertsCompute:
         shared = None
         if instance.use_shared_expert and not instance.shared_expert_overlap:
             shared = _shared_experts(instance, call["residual"])
-        return run_pipeline(instance, tokens, probs), shared, None
+        return run_pipeline(instance, tokens, probs, self.recompute), shared, None
 
 
 def _shared_experts(layer: Any, residual: torch.Tensor) -> torch.Tensor:

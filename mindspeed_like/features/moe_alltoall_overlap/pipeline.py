@@ -149,10 +149,19 @@ class OverlappedExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, plan: ChunkPlan, exchange: AllToAll, run_expert: RunExpert, tokens, probs, *params):
-        with torch.enable_grad():
+    def forward(
+        ctx, plan: ChunkPlan, exchange: AllToAll, run_expert: RunExpert, recompute: bool, tokens, probs, *params
+    ):
+        # recompute (moe-zero-memory): the experts run without a graph now; backward runs each
+        # chunk's forward again from the kept dispatched rows (bitwise the same: same rows, same ops)
+        with torch.set_grad_enabled(not recompute):
             out, graphs = run_forward(plan, exchange, run_expert, tokens, probs)
+        if recompute:  # saved through autograd (so saved-tensor hooks and meters see them)
+            ctx.save_for_backward(*[t for x, p, _ in graphs for t in (x.detach(), p.detach())])
+            graphs = None
         ctx.plan, ctx.exchange, ctx.graphs, ctx.params = plan, exchange, graphs, params
+        ctx.run_expert, ctx.recompute = run_expert, recompute
+        ctx.grad_flags = (tokens.requires_grad, probs.requires_grad)
         ctx.shapes = (tokens.shape, probs.shape)
         return out.detach()
 
@@ -160,6 +169,9 @@ class OverlappedExperts(torch.autograd.Function):
     def backward(ctx, grad_out):
         plan, exchange, graphs, params = ctx.plan, ctx.exchange, ctx.graphs, ctx.params
         ctx.graphs = None
+        if ctx.recompute:
+            saved = ctx.saved_tensors
+            graphs = [(saved[2 * e], saved[2 * e + 1], None) for e in range(plan.chunks)]
         grad_out = grad_out.contiguous()
         # combine's gradient: every chunk's rows back to the experts' ranks, all issued first
         arriving = [
@@ -171,6 +183,12 @@ class OverlappedExperts(torch.autograd.Function):
         for e, (grad_y, work) in enumerate(arriving):
             work.wait()
             x, p, y = graphs[e]
+            graphs[e] = None
+            if ctx.recompute:
+                x = x.requires_grad_(ctx.grad_flags[0])
+                p = p.requires_grad_(ctx.grad_flags[1])
+                with torch.enable_grad():
+                    y = ctx.run_expert(e, x, p)
             inputs = [t for t in (x, p, *params) if t.requires_grad]
             if y.requires_grad and inputs:
                 grads = torch.autograd.grad(y, inputs, grad_y, allow_unused=True)
@@ -197,7 +215,7 @@ class OverlappedExperts(torch.autograd.Function):
             wp.wait()
         grad_tokens = plan.scatter_chunks([gx for (gx, _), _ in returning]).view(ctx.shapes[0])
         grad_probs = plan.scatter_chunks([gp for _, (gp, _) in returning]).view(ctx.shapes[1])
-        return (None, None, None, grad_tokens, grad_probs, *param_grads)
+        return (None, None, None, None, grad_tokens, grad_probs, *param_grads)
 
 
 def overlapped_experts(
@@ -207,16 +225,18 @@ def overlapped_experts(
     tokens: torch.Tensor,
     probs: torch.Tensor,
     params: Sequence[torch.nn.Parameter],
+    recompute: bool = False,
 ) -> torch.Tensor:
     """The experts' combined output for this rank's permuted ``tokens`` (rows in permuted order).
 
     With grad mode on, one :class:`OverlappedExperts` node (the pipeline also in backward);
     without it (inference, the first pass of an activation checkpoint) the forward pipeline
-    only, keeping no graph."""
+    only, keeping no graph. ``recompute``: keep only each chunk's dispatched rows and probs for
+    backward and run the experts' forward again there (moe-zero-memory)."""
     if plan.local_rows != tokens.shape[0]:
         raise ValueError(f"the plan covers {plan.local_rows} rows, the dispatcher permuted {tokens.shape[0]}")
     trainable = [p for p in params if p.requires_grad]
     if torch.is_grad_enabled() and (tokens.requires_grad or probs.requires_grad or trainable):
-        return OverlappedExperts.apply(plan, exchange, run_expert, tokens, probs, *trainable)
+        return OverlappedExperts.apply(plan, exchange, run_expert, recompute, tokens, probs, *trainable)
     out, _ = run_forward(plan, exchange, run_expert, tokens, probs)
     return out

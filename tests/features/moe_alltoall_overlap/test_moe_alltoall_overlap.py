@@ -136,7 +136,8 @@ def test_plan_segments_round_trip():
         ChunkPlan.from_counts([1, 2, 3], [[1, 1], [1, 1]])
 
 
-def test_pipeline_bitwise_equals_the_blocking_path_forward_and_backward():
+@pytest.mark.parametrize("recompute", [False, True], ids=["overlap", "zero_memory"])
+def test_pipeline_bitwise_equals_the_blocking_path_forward_and_backward(recompute):
     routing, weights = _routing(7), _weights(8)
     ref_tokens, ref_probs, ref_out = _reference(routing, weights)
     grads_out = [torch.randn_like(o) for o in ref_out]
@@ -148,7 +149,13 @@ def test_pipeline_bitwise_equals_the_blocking_path_forward_and_backward():
         tokens = routing[r][1].clone().requires_grad_()
         probs = routing[r][2].clone().requires_grad_()
         out = overlapped_experts(
-            plans[r], group.exchange_for(r), lambda e, x, p: _expert(mine[r], e, x, p), tokens, probs, mine[r]
+            plans[r],
+            group.exchange_for(r),
+            lambda e, x, p: _expert(mine[r], e, x, p),
+            tokens,
+            probs,
+            mine[r],
+            recompute=recompute,
         )
         out.backward(grads_out[r])
         return out.detach(), tokens.grad, probs.grad
@@ -198,6 +205,40 @@ def test_schedule_keeps_the_next_chunk_in_flight_under_each_expert():
         waits = [i for i, x in enumerate(bwd) if x[0] == "wait"]
         issued_back = [i for i, x in enumerate(bwd) if x == ("issue", first + n)]
         assert waits[0] < issued_back[0] < bwd.index(("wait", first + 1))  # chunk 0 back before chunk 1's wait
+
+
+def test_zero_memory_keeps_exactly_the_dispatched_rows_and_probs():
+    """moe-zero-memory's recompute: saved for backward = each chunk's received rows and probs,
+    nothing of the experts' activations (which the plain pipeline keeps, as megatron does)."""
+    from mindspeed_like.testing import SavedBytesMeter
+
+    routing, weights = _routing(11), _weights(12)
+    plans = _plans(routing)
+    saved = {}
+    for recompute in (False, True):
+        group = FakeGroup(RANKS)
+
+        def rank(r, group=group, recompute=recompute):
+            tokens = routing[r][1].clone().requires_grad_()
+            probs = routing[r][2].clone().requires_grad_()
+            with SavedBytesMeter() as meter:
+                out = overlapped_experts(
+                    plans[r],
+                    group.exchange_for(r),
+                    lambda e, x, p: _expert(weights[r], e, x, p),
+                    tokens,
+                    probs,
+                    weights[r],
+                    recompute=recompute,
+                )
+            out.sum().backward()
+            return meter.bytes
+
+        saved[recompute] = _run_ranks(rank)
+    for r in range(RANKS):
+        received = sum(map(sum, plans[r].recv_counts))
+        assert saved[True][r] == received * HIDDEN * 4 + received * 4  # fp32 rows + fp32 probs
+        assert saved[True][r] < saved[False][r]
 
 
 def _dispatcher(**overrides):

@@ -1,5 +1,6 @@
 """moe-alltoall-overlap in 2 gloo processes: a tiny MoE GPT (alltoall dispatcher, EP=2, 4 experts:
-2 per rank) trained 3 steps with and without the feature. One spawn runs every case."""
+2 per rank) trained 3 steps with and without the feature (and with moe-zero-memory on top).
+One spawn runs every case."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from mindspeed_like.testing.parity import SEED
 CASES = {
     "sequential": ({}, dict(num_moe_experts=4)),
     "sequential_top1_8experts": ({}, dict(num_moe_experts=8, moe_router_topk=1, moe_router_pre_softmax=True)),
+    "zero_memory": (dict(moe_zero_memory="level0"), dict(num_moe_experts=4)),
 }
 
 
@@ -36,3 +38,14 @@ def test_losses_grads_and_weights_bitwise_equal(runs, case):
             assert np.array_equal(on["grads"][name], grad), f"rank {rank}: grad of {name} differs"
         for name, weight in off["weights"].items():
             assert np.array_equal(on["weights"][name], weight), f"rank {rank}: {name} differs after training"
+
+
+@pytest.mark.slow
+def test_zero_memory_saves_less_for_backward(runs):
+    """moe-zero-memory keeps only the dispatched rows and probs per chunk: the forward saves
+    fewer bytes than megatron's and than the overlap alone (whose expert graphs are megatron's)."""
+    for rank, result in enumerate(runs):
+        megatron = result[("sequential", False)]["saved_bytes"]
+        overlap = result[("sequential", True)]["saved_bytes"]
+        zero = result[("zero_memory", True)]["saved_bytes"]
+        assert zero < overlap and zero < megatron, f"rank {rank}: {zero} vs overlap {overlap}, megatron {megatron}"
