@@ -115,3 +115,31 @@ def test_deepseek_head_dim_too_small_is_a_clear_error(tmp_path, capsys):
     code = main(["compare", "--preset", "deepseek", "--hidden-size", "24", "--num-attention-heads", "8"])
     assert code == 2
     assert "--preset deepseek needs hidden-size / num-attention-heads even and >= 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", ["deepseek", "qwen3-moe"])
+def test_te_spec_model_gets_the_local_spec_weights(adapter, preset):
+    """Both ``--transformer-impl`` choices start from the same function: the TE-spec model takes the
+    local-spec model's weights by checkpoint key (MLA's qk norms included, which megatron's local spec
+    names differently), so the per-token losses agree to fp32 rounding (sums in another order)."""
+    import torch
+
+    from mindspeed_like.compare.worker import _build_model
+
+    spec = dict(
+        preset=preset,
+        size=dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16),
+        bf16=False,
+        sp=False,
+        seed=1234,
+        tp=1,
+        ep=1,
+    )
+    losses = {}
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    position_ids = torch.arange(16).unsqueeze(0).expand(2, 16)
+    for impl in ("local", "transformer_engine"):
+        model = _build_model(dict(spec, transformer_impl=impl), grouped_gemm_on=False)
+        with torch.no_grad():
+            losses[impl] = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:])
+    torch.testing.assert_close(losses["transformer_engine"], losses["local"], rtol=1e-5, atol=1e-5)
