@@ -1,0 +1,269 @@
+"""MoE presets (moe, qwen3-moe, deepseek): megatron-core's own path (``--optimization-level 0``)
+against ours at levels 1 and 2, in the same process and run: training tokens/s, activation bytes
+saved for backward, and where a step's time goes in BOTH arms (router, permute, experts,
+unpermute, attention, the rest).
+
+The models are `mindspeed-like compare`'s (compare/worker.py ``_build_model``: the preset at the
+given size, bf16, the same weights in every arm; on the local spec megatron's arm runs its expert
+loop, ours the grouped experts). Rounds alternate the arms (``reset()`` + ``configure()`` before
+each arm's steps, so every arm runs under its own patches) so machine noise hits all alike; each
+round's first step (optimizer build) is untimed, and a first 2-step pass per arm (torch.compile of
+megatron's jit_fuser functions, stays ON unless TORCHDYNAMO_DISABLE is set) measures the
+activation bytes (``SavedBytesMeter`` over the last forward, parameters and masters excluded).
+
+Time breakdown, forward + backward per region, without the profiler: the MODULE INSTANCES'
+methods are wrapped (not megatron's classes, so the features' class-level patches still run
+underneath): ``TopKRouter.forward`` (router, its aux loss included), the token dispatcher's
+``dispatch_preprocess`` / ``token_dispatch`` / ``dispatch_postprocess`` (permute; older
+megatron: ``token_permutation``), the experts' ``forward`` plus the shared experts' (experts),
+``combine_preprocess`` / ``token_combine`` / ``combine_postprocess`` (unpermute;
+``token_unpermutation``) and each layer's ``core_attention.forward`` (attention, decoder and MTP
+layers). Forward time is the wall time of the call. Backward time: the call's float inputs and
+outputs pass through an identity autograd function that stamps the clock in its backward; the
+outputs' stamp fires when the region's backward can start, the inputs' when it has finished, and
+on a CPU autograd runs the nodes created inside the region in between (later-created nodes
+first), so the difference is the region's backward (recomputation inside it included). "other" is
+the step time minus the regions: embeddings, norms, q/k/v and output projections, dense MLPs,
+the loss, the optimizer step.
+
+    python benchmarks/moe.py [--quick] [--repeats N] [--presets moe qwen3-moe deepseek]
+        [--transformer-impl transformer_engine|local] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import common  # benchmarks/ is the script directory (as in te_backend.py)
+import torch
+
+import mindspeed_like
+from mindspeed_like.compare.measure import ActivationProbe, _optimizer_tensors
+from mindspeed_like.compare.worker import _build_model
+from mindspeed_like.testing import destroy_parallel, train_steps
+from mindspeed_like.testing.parity import SEED
+
+REGIONS = ("router", "permute", "experts", "unpermute", "attention")
+PERMUTE = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "token_permutation")
+UNPERMUTE = ("combine_preprocess", "token_combine", "combine_postprocess", "token_unpermutation")
+
+
+class Breakdown:
+    """Forward and backward seconds per region, summed over the calls made while ``active``."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.forward: dict[str, float] = defaultdict(float)
+        self.calls: list[dict[str, Any]] = []
+
+    def backward(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for call in self.calls:
+            if "bwd_start" in call and "bwd_end" in call:
+                out[call["region"]] += call["bwd_end"] - call["bwd_start"]
+        return out
+
+    def clear(self) -> None:
+        self.forward.clear()
+        self.calls.clear()
+
+
+class _Stamp(torch.autograd.Function):
+    """Identity; its backward writes the clock into ``call[key]`` (first stamp for the outputs'
+    marker: the region's backward starts; last for the inputs': it has ended)."""
+
+    @staticmethod
+    def forward(ctx, call: dict, key: str, *tensors: torch.Tensor):
+        ctx.call, ctx.key = call, key
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        now = time.perf_counter()
+        if ctx.key == "bwd_start":
+            ctx.call.setdefault("bwd_start", now)
+        else:
+            ctx.call["bwd_end"] = max(ctx.call.get("bwd_end", 0.0), now)
+        return (None, None, *grads)
+
+
+def _marked(value: Any, call: dict, key: str) -> Any:
+    """``value`` (a tensor, or a tuple/list of them and other things) with its float tensors that
+    need a gradient passed through one :class:`_Stamp`."""
+    items = list(value) if isinstance(value, (tuple, list)) else [value]
+    where = [
+        i for i, v in enumerate(items) if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()
+    ]
+    if not where or not torch.is_grad_enabled():
+        return value
+    for i, stamped in zip(where, _Stamp.apply(call, key, *(items[i] for i in where))):
+        items[i] = stamped
+    if isinstance(value, (tuple, list)):
+        return type(value)(items)
+    return items[0]
+
+
+def _wrap(obj: Any, name: str, region: str, timer: Breakdown) -> None:
+    original = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        if not timer.active:
+            return original(*args, **kwargs)
+        call = {"region": region}
+        timer.calls.append(call)
+        args = _marked(args, call, "bwd_end")
+        kwargs = {k: _marked(v, call, "bwd_end") for k, v in kwargs.items()}
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        timer.forward[region] += time.perf_counter() - start
+        return _marked(out, call, "bwd_start")
+
+    setattr(obj, name, timed)
+
+
+def instrument(model: torch.nn.Module, timer: Breakdown) -> None:
+    """Wrap the region methods of every MoE layer and attention module of ``model``."""
+    for module in model.modules():
+        if hasattr(module, "router") and hasattr(module, "token_dispatcher") and hasattr(module, "experts"):
+            _wrap(module.router, "forward", "router", timer)
+            dispatcher = module.token_dispatcher
+            for names, region in ((PERMUTE, "permute"), (UNPERMUTE, "unpermute")):
+                for name in names:
+                    if hasattr(dispatcher, name):
+                        _wrap(dispatcher, name, region, timer)
+            _wrap(module.experts, "forward", "experts", timer)
+            if getattr(module, "shared_experts", None) is not None:
+                _wrap(module.shared_experts, "forward", "experts", timer)
+        core = getattr(module, "core_attention", None)
+        if isinstance(core, torch.nn.Module):
+            _wrap(core, "forward", "attention", timer)
+
+
+class Arm:
+    def __init__(self, name: str, level: int, preset: str, size: dict, impl: str, micro: int) -> None:
+        self.name, self.level, self.micro = name, level, micro
+        configure(level)
+        spec = dict(preset=preset, size=size, bf16=True, sp=False, seed=SEED, tp=1, ep=1, transformer_impl=impl)
+        self.model = _build_model(spec, grouped_gemm_on=level > 0)
+        self.timer = Breakdown()
+        instrument(self.model, self.timer)
+        self.seq = size["seq_length"]
+        self.step_times: list[float] = []
+        self.activations = 0
+
+    def warm_up_and_measure_activations(self) -> None:
+        configure(self.level)
+        probe = ActivationProbe(step=1)
+
+        def on_optimizer(ddp_model, optimizer) -> None:
+            probe.exclude = [*ddp_model.parameters(), *_optimizer_tensors(optimizer)]
+
+        train_steps(
+            self.model, 2, micro_batch_size=self.micro, seq_length=self.seq, on_optimizer=on_optimizer,
+            forward_context=probe,
+        )  # fmt: skip
+        self.activations = probe.bytes
+
+    def timed_round(self, steps: int) -> None:
+        configure(self.level)
+        stamps: list[float] = []
+
+        def on_step(step: int, _loss: float) -> None:
+            stamps.append(time.perf_counter())
+            self.timer.active = True  # step 0 (optimizer build) untimed
+
+        train_steps(self.model, steps + 1, micro_batch_size=self.micro, seq_length=self.seq, on_step=on_step)
+        self.timer.active = False
+        self.step_times += [b - a for a, b in zip(stamps, stamps[1:])]
+
+    def summary(self) -> dict[str, Any]:
+        step = statistics.median(self.step_times)
+        n = len(self.step_times)
+        backward = self.timer.backward()
+        per_region = {r: (self.timer.forward.get(r, 0.0) + backward.get(r, 0.0)) / n for r in REGIONS}
+        mean_step = sum(self.step_times) / n
+        return {
+            "tokens_per_s": self.micro * self.seq / step,
+            "step_s": step,
+            "activations": self.activations,
+            "ms": {r: 1000 * v for r, v in per_region.items()},
+            "fwd_ms": {r: 1000 * self.timer.forward.get(r, 0.0) / n for r in REGIONS},
+            "bwd_ms": {r: 1000 * backward.get(r, 0.0) / n for r in REGIONS},
+            "other_ms": 1000 * (mean_step - sum(per_region.values())),
+            "mean_step_ms": 1000 * mean_step,
+            "steps": n,
+        }
+
+
+def configure(level: int) -> None:
+    mindspeed_like.reset()
+    mindspeed_like.configure(device="cpu", optimization_level=level)
+
+
+def main() -> None:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--presets", nargs="+", choices=("moe", "qwen3-moe", "deepseek"), default=["moe", "qwen3-moe", "deepseek"]
+    )
+    p.add_argument("--levels", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default="transformer_engine")
+    p.set_defaults(repeats=2)
+    args = p.parse_args()
+    size = (
+        dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64)
+        if args.quick
+        else dict(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=256)
+    )
+    micro, steps = 2, 2
+    results = common.Results("moe")
+    breakdown = common.Results("moe time per step (forward + backward, ms)")
+    for preset in args.presets:
+        arms = [Arm("megatron", 0, preset, size, args.transformer_impl, micro)]
+        arms += [Arm(f"level {level}", level, preset, size, args.transformer_impl, micro) for level in args.levels]
+        for arm in arms:
+            arm.timer.clear()
+            arm.warm_up_and_measure_activations()
+        for arm in arms:
+            arm.timer.clear()
+        for _ in range(args.repeats):
+            for arm in arms:
+                arm.timed_round(steps)
+        destroy_parallel()
+        summaries = {arm.name: arm.summary() for arm in arms}
+        base = summaries["megatron"]
+        for arm in arms:
+            s = summaries[arm.name]
+            if arm.level:
+                results.add(
+                    preset=preset,
+                    level=arm.level,
+                    megatron_tokens_per_s=round(base["tokens_per_s"], 1),
+                    ours_tokens_per_s=round(s["tokens_per_s"], 1),
+                    tokens_per_s_ratio=round(s["tokens_per_s"] / base["tokens_per_s"], 3),
+                    activations_ratio=round(s["activations"] / base["activations"], 3),
+                    megatron_activations_mib=round(base["activations"] / 2**20, 1),
+                    steps_timed=s["steps"],
+                )
+            print(f"{preset} {arm.name}: {s['tokens_per_s']:.1f} tokens/s", flush=True)
+            breakdown.add(
+                preset=preset,
+                arm=arm.name,
+                step=round(s["mean_step_ms"]),
+                **{r: round(s["ms"][r], 1) for r in REGIONS},
+                other=round(s["other_ms"], 1),
+                fwd=" ".join(f"{s['fwd_ms'][r]:.0f}" for r in REGIONS),
+                bwd=" ".join(f"{s['bwd_ms'][r]:.0f}" for r in REGIONS),
+            )
+    mindspeed_like.reset()
+    results.print_table()
+    print()
+    breakdown.print_table()
+    print("(fwd / bwd: the regions' forward and backward ms in the order " + ", ".join(REGIONS) + ")")
+    results.write_json(args.json, size=size, micro_batch_size=micro, breakdown=breakdown.rows)
+
+
+if __name__ == "__main__":
+    main()
