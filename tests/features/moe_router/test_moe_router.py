@@ -447,3 +447,34 @@ def test_moe_router_fusion_works_without_te_and_is_bitwise_equal(cpu_config):
     _assert_runs_bitwise_equal(on, off)
     mindspeed_like.configure(moe_router_fusion=False)
     assert not _wrapped()
+
+
+def test_calls_outside_the_kernel_go_to_megatron_unfused_said_once_and_refused_under_strict():
+    """Router replay is megatron's: the wrapper hands it back (with fused=True and no TE, as the
+    unfused call: megatron would raise) and says why; --strict makes it an error."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from mindspeed_like.features.moe_router import routing
+    from mindspeed_like.toolkit.errors import FeatureUnsupported
+    from mindspeed_like.toolkit.fallback import Fallback, fell_back, forget_logged
+
+    fn = getattr(moe_utils, "topk_routing_with_score_function", None)
+    if fn is None or "router_replay" not in inspect.signature(fn).parameters:
+        pytest.skip("this megatron-core has no router replay")
+    fn = inspect.unwrap(fn)
+
+    class Replay:  # replays nothing: computes the top-k megatron's way
+        def get_replay_topk(self, scores, topk, num_groups, group_topk, compute):
+            return compute(scores, topk, num_groups=num_groups, group_topk=group_topk)
+
+    logits = torch.randn(16, 8, generator=torch.Generator().manual_seed(6))
+    forget_logged()
+    wrapper = routing.TopKRouting(Fallback("moe-router", strict=False))
+    fused = not routing.te_has("fused_topk_with_score_function")
+    probs, routing_map = wrapper(fn, None, (logits, 2), dict(fused=fused, router_replay=Replay()))
+    ref_probs, ref_map = fn(logits, 2)
+    assert _bits_equal(probs, ref_probs) and torch.equal(routing_map, ref_map)
+    assert any("router replay" in reason for reason in fell_back()["moe-router"])
+    with pytest.raises(FeatureUnsupported, match="router replay"):
+        routing.TopKRouting(Fallback("moe-router", strict=True))(fn, None, (logits, 2), dict(router_replay=Replay()))
+    forget_logged()
