@@ -27,6 +27,7 @@ def test_twin_reads_tensor_cuda_method_as_cpu():
         move(torch.ones(2))  # the original still means CUDA
 
 
+@pytest.mark.slow
 def test_default_config_builds_weights_and_causal_mask_on_host(adapter):
     """TransformerConfig defaults (no use_cpu_initialization, default dropout), attention_mask=None
     (megatron builds the causal mask) equals an explicit causal mask, through megatron's
@@ -73,6 +74,7 @@ def pipeline(tmp_path_factory):
     return run_distributed(pipeline_suite, 2, str(tmp_path_factory.mktemp("ckpt")), timeout=300)
 
 
+@pytest.mark.slow
 def test_pp2_schedule_equals_pp1(pipeline):
     """forward_backward_pipelining_without_interleaving (p2p over gloo) from the PP=1 weights
     (resharded over the stages by dist_checkpointing) equals PP=1 x DP=2 on the same global batch."""

@@ -75,6 +75,7 @@ def test_exact_feature_same_data_same_losses_and_every_field(exact_run):
     assert "features / megatron" in out and "summary: llama:" in out
 
 
+@pytest.mark.slow
 def test_default_is_level_2_in_bf16(tmp_path):
     result = _compare(tmp_path)
     assert result["flags"] == {"optimization_level": 2}
@@ -132,6 +133,7 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys, args, message):
     assert not os.path.exists(tmp_path / "compare.json")
 
 
+@pytest.mark.slow
 def test_both_transformer_impls_train_the_same_function(tmp_path, exact_run):
     """``--transformer-impl`` (default: Megatron-LM's, transformer_engine): the TE-spec model gets the
     local-spec model's weights by checkpoint key, so megatron's arm trains the same function on

@@ -158,6 +158,7 @@ def test_npu_backend_matches_one_rank_float64(algo, cp, causal, heads, groups, d
             assert calls["npu_fusion_attention_grad"] > 0 and calls["npu_ring_attention_update"] > 0, calls
 
 
+@pytest.mark.slow
 def test_npu_backend_without_the_fused_merge_op():
     for rank in run_distributed(worker, 2, "ring", True, 4, 2, 16, "float32", "npu", False, timeout=180):
         calls = rank.pop("calls")

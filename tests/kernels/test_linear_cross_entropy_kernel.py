@@ -142,6 +142,7 @@ def _tp2_against_megatron(chunk: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_tp2_vocab_shards_match_megatron_vocab_parallel_cross_entropy():
     for rank_result in run_distributed(_tp2_against_megatron, 2, 5, timeout=120):
         assert all(v < 1e-6 for v in rank_result.values()), rank_result

@@ -136,6 +136,7 @@ def _init_parallel_under_launcher():
     return size
 
 
+@pytest.mark.slow
 def test_init_parallel_joins_the_launchers_world():
     assert run_distributed(_init_parallel_under_launcher, 2, timeout=120) == [2, 2]
 

@@ -102,6 +102,7 @@ def _distributed_refuses() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_live_distributed_optimizer_refuses_the_switch_and_says_how():
     """DP=2 (at DP=1 the feature keeps megatron's layout for a DistributedOptimizer)."""
     out = run_distributed(_distributed_refuses, 2, timeout=300)[0]

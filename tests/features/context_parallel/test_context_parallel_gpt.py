@@ -85,6 +85,7 @@ def npu_cp_worker(algo: str) -> dict:
     return {**out, "npu_calls": dict(npu.calls)}
 
 
+@pytest.mark.slow
 def test_cp2_ring_on_the_npu_backend_equals_cp1():
     """The npu path (npu_fusion_attention + its grad + npu_ring_attention_update) in megatron's GPT,
     through the emulator (no Ascend device here)."""
@@ -94,6 +95,7 @@ def test_cp2_ring_on_the_npu_backend_equals_cp1():
         assert calls["npu_ring_attention_update"] > 0 and calls["npu_fusion_attention_grad"] > 0, calls
 
 
+@pytest.mark.slow
 def test_cp2_with_fused_rope_and_flash_attention():
     ranks = run_distributed(
         cp_worker, 2, "megatron_cp_algo", use_fused_rotary_pos_emb=True, use_flash_attn=True, timeout=300
@@ -164,6 +166,7 @@ def test_configuration_errors_name_the_fix():
     mindspeed_like.reset()
 
 
+@pytest.mark.slow
 def test_cp2_composes_with_bf16_reuse_fp32_param_distributed_optimizer_and_full_recompute():
     """bf16 with reuse-fp32-param, megatron's DistributedOptimizer and its full activation
     recompute, CP=2 against CP=1: within 1e-2 (bf16 rounding; the attention sums differ)."""
@@ -218,6 +221,7 @@ def dropout_worker() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_cp2_attention_dropout_follows_megatrons_rng_tracker():
     """Attention dropout at CP=2: one seed gives one run; megatron's selective recompute of core
     attention replays the same masks (its RNG tracker restores the state the seed is drawn from),

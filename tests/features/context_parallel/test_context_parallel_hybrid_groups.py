@@ -161,6 +161,7 @@ def configure_worker() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_configure_before_and_after_megatrons_parallel_state():
     for rank in run_distributed(configure_worker, 2, timeout=300):
         assert rank["built"] == [2, 1]  # Ulysses over both CP ranks, a ring of one

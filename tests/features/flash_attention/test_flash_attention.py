@@ -552,6 +552,7 @@ def tp2_worker(seed: int = SEED) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_tp2_parity():
     for rank in run_distributed(tp2_worker, 2, SEED, timeout=300):
         assert_losses_close(rank[True], rank[False], 1e-5, "TP=2")

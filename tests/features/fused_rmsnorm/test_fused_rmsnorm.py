@@ -234,6 +234,7 @@ def tp2_sp_worker(seed: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_tp2_sequence_parallel_parity():
     results = run_distributed(tp2_sp_worker, 2, SEED, timeout=300)
     for rank in results:

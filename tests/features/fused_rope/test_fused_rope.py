@@ -321,6 +321,7 @@ def _tp2_sp_worker(seed: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_tp2_sequence_parallel_parity():
     for rank in run_distributed(_tp2_sp_worker, 2, SEED, timeout=300):
         assert_losses_close(rank[True], rank[False], 1e-5, "TP=2+SP")

@@ -181,6 +181,7 @@ def test_gpt_parity_fp32(cpu_config, model):
     assert_losses_close(ours, base, 1e-5, "fused-swiglu fp32 GPT")
 
 
+@pytest.mark.slow
 def test_gpt_parity_moe_sequential_fp32(cpu_config):
     model = dict(num_moe_experts=4, moe_token_dispatcher_type="alltoall")
     base = _losses(cpu_config, False, **model)
@@ -276,6 +277,7 @@ def tp2_sp_worker(seed: int = SEED) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_tp2_sp_parity():
     ranks = run_distributed(tp2_sp_worker, 2, SEED, timeout=300)
     for rank in ranks:

@@ -307,6 +307,7 @@ def ep2_worker(seed: int = SEED) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_ep2_parity():
     ranks = run_distributed(ep2_worker, 2, SEED, timeout=300)
     for rank in ranks:

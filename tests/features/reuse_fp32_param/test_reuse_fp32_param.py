@@ -186,6 +186,7 @@ def test_reload_model_params_sets_masters_to_the_weights():
         assert torch.equal(m.view(torch.float32), w.view(torch.bfloat16).float())
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_both_directions(tmp_path):
     """Train 3 steps, save (model + optimizer state_dict via torch.save), load in a *fresh process*
     with the flag on or off, train 3 more = 6 steps straight, bitwise; on disk the masters are
@@ -268,6 +269,7 @@ def test_switching_off_restores_megatrons_methods():
     assert all(a is b for a, b in zip(before, after))
 
 
+@pytest.mark.slow
 def test_distributed_optimizer_dp2_bitwise_and_saves_2_bytes_per_param_per_dp():
     """DistributedOptimizer over 2 gloo ranks, with and without overlapped grad reduce: 20 steps
     bitwise equal; bytes of param buffer + master shards (+ residual shards and side tables)

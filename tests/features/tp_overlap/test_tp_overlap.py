@@ -232,6 +232,7 @@ def _check_bundle(tp, cases, bundle, mc2):
         assert "differs" in bundle["mc2_communicator"]
 
 
+@pytest.mark.slow
 def test_tp2_layers_fallbacks_timeline_fusion_mc2():
     ranks = run_distributed(workers.bundle_worker, 2, 2, workers.CASES_TP2, True, timeout=400)
     for bundle in ranks:
