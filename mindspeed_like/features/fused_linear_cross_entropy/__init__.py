@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.features.fused_linear_cross_entropy.postprocess import (
+    ChunkedAcceptanceCounts,
+    DeferOutputLayer,
+    FusedDeferredLoss,
     FusedLinearCrossEntropyUnsupported,
     FusedPostprocess,
 )
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 from mindspeed_like.toolkit.errors import ConfigError
-from mindspeed_like.toolkit.targets import GPT_MODEL
+from mindspeed_like.toolkit.targets import CORE, GPT_MODEL, LANGUAGE_MODULE, TP_LAYERS
 
 NAME = "fused-linear-cross-entropy"
 
@@ -24,7 +27,27 @@ def patches(ctx: Context) -> list[Patch]:
             Kind.WRAP,
             FusedPostprocess(ctx["linear_cross_entropy_chunk_tokens"], fall_back),
             why="the one method that sees the hidden states, the labels and the output layer together",
-        )
+        ),
+        # multi-token prediction: megatron's own _postprocess body runs with the output layer deferred
+        Patch(
+            f"{TP_LAYERS}.ColumnParallelLinear.forward",
+            Kind.WRAP,
+            DeferOutputLayer(),
+            why="MTP models: inside _postprocess the model's output layer returns its input, not logits",
+        ),
+        Patch(
+            f"{LANGUAGE_MODULE}.LanguageModule.compute_language_model_loss",
+            Kind.WRAP,
+            FusedDeferredLoss(),
+            why="MTP models: the main and every head's loss from the deferred output layer, chunked",
+        ),
+        Patch(
+            f"{CORE}.transformer.multi_token_prediction._compute_mtp_acceptance_counts",
+            Kind.WRAP,
+            ChunkedAcceptanceCounts(),
+            versions=">=0.19",  # the MTP top-1 hit count (reads the heads' logits): not in 0.13-0.18.2
+            why="MTP heads' top-1 hits counted on token chunks of the deferred logits",
+        ),
     ]
 
 

@@ -109,7 +109,9 @@ def test_unsupported_call_is_handed_back_with_a_reason(cpu_config, caplog):
     )
 
 
-def test_multi_token_prediction_is_handed_back():
+def test_multi_token_prediction_with_mup_is_handed_back():
+    """MTP heads are fused (test_fused_linear_cross_entropy_mtp.py) except under MuP, whose logit
+    scaling sits between the heads' output layer and their loss (megatron-core 0.19)."""
     from types import SimpleNamespace
 
     from mindspeed_like.features.fused_linear_cross_entropy.postprocess import _unsupported
@@ -118,8 +120,10 @@ def test_multi_token_prediction_is_handed_back():
         def get(self, name, default=None):
             return super().get(name, default)
 
-    model = SimpleNamespace(config=SimpleNamespace(mtp_num_layers=1), output_layer=SimpleNamespace(bias=None))
-    assert "multi-token prediction" in _unsupported(model, _Call())
+    model = SimpleNamespace(
+        config=SimpleNamespace(mtp_num_layers=1, use_mup=True), output_layer=SimpleNamespace(bias=None)
+    )
+    assert "multi-token prediction heads with MuP" in _unsupported(model, _Call())
 
 
 def test_negative_chunk_is_a_config_error():
