@@ -112,8 +112,17 @@ FEATURES = {
 EXPECTED_CALLS = {"use_flash_attn": FLASH, "use_fused_rotary_pos_emb": FUSED_ROPE}
 
 
-@pytest.mark.parametrize("transformer_impl", ["local", "transformer_engine"], ids=["local", "te"])
-@pytest.mark.parametrize("features", sorted(FEATURES))
+# both features together on both specs in the default lane; each feature alone in the slow lane
+CASES = [
+    pytest.param(
+        impl, features, id=f"{features}-{tag}", marks=() if features == "flash+fused-rope" else pytest.mark.slow
+    )
+    for features in sorted(FEATURES)
+    for impl, tag in (("local", "local"), ("transformer_engine", "te"))
+]
+
+
+@pytest.mark.parametrize("transformer_impl, features", CASES)
 def test_mla_yarn_attention_equals_megatron(transformer_impl, features):
     reference = run_attention(transformer_impl, "yarn")
     actual = run_attention(transformer_impl, "yarn", **FEATURES[features])
@@ -126,7 +135,9 @@ def test_mla_yarn_attention_equals_megatron(transformer_impl, features):
     assert_same_attention(actual, reference)
 
 
-@pytest.mark.parametrize("transformer_impl", ["local", "transformer_engine"], ids=["local", "te"])
+@pytest.mark.parametrize(
+    "transformer_impl", ["local", pytest.param("transformer_engine", marks=pytest.mark.slow)], ids=["local", "te"]
+)
 def test_mla_plain_rope_attention_equals_megatron(transformer_impl):
     """``rope_type="rope"`` (megatron's RotaryEmbedding, no mscale) through both features."""
     reference = run_attention(transformer_impl, "rope")
