@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from packaging.version import Version
 
+from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.testing import run_distributed
 from mindspeed_like.testing.parity import SEED
 
@@ -15,13 +17,15 @@ CASES = {
     "sequential_top1_8experts": ({}, dict(num_moe_experts=8, moe_router_topk=1, moe_router_pre_softmax=True)),
     "zero_memory": (dict(moe_zero_memory="level0"), dict(num_moe_experts=4)),
 }
+if megatron_core_version() < Version("0.17"):  # GroupedMLP was deleted in 0.17
+    CASES["grouped"] = ({}, dict(num_moe_experts=4, moe_grouped_gemm=True))
 
 
 @pytest.fixture(scope="module")
 def runs():
     from moe_alltoall_overlap_workers import train
 
-    return run_distributed(train, 2, SEED, CASES, timeout=600)
+    return run_distributed(train, 2, SEED, CASES, timeout=1200)
 
 
 @pytest.mark.slow
