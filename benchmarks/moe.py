@@ -10,6 +10,8 @@ each arm's steps, so every arm runs under its own patches) so machine noise hits
 round's first step (optimizer build) is untimed, and a first 2-step pass per arm (torch.compile of
 megatron's jit_fuser functions, stays ON unless TORCHDYNAMO_DISABLE is set) measures the
 activation bytes (``SavedBytesMeter`` over the last forward, parameters and masters excluded).
+Each pass wraps the model in a new DDP: reuse-fp32-param acts in the first pass only (later ones
+find the parameters already views into a grad buffer, keep megatron's masters and say so).
 
 Time breakdown, forward + backward per region, without the profiler: the MODULE INSTANCES'
 methods are wrapped (not megatron's classes, so the features' class-level patches still run

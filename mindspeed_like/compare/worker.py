@@ -39,9 +39,11 @@ def _configure(spec: dict[str, Any]) -> list[str]:
 
 
 def _build_model(spec: dict[str, Any], grouped_gemm_on: bool):
-    """The preset's GPT. MoE: megatron's arm runs its expert loop (SequentialMLP); the features
-    arm, with grouped-gemm on, megatron's ``moe_grouped_gemm=True`` given the expert loop's
-    weights, so both arms start from the same function."""
+    """The preset's GPT. MoE on the local spec: megatron's arm runs its expert loop (SequentialMLP:
+    its GroupedMLP needs the CUDA grouped_gemm package); the features arm, with grouped-gemm on,
+    megatron's ``moe_grouped_gemm=True`` given the expert loop's weights, so both arms start from
+    the same function. The TE spec builds the preset as it is (TEGroupedMLP for the MoE presets) in
+    both arms."""
     from mindspeed_like.compare.presets import PRESETS
     from mindspeed_like.testing import tiny_gpt
     from mindspeed_like.testing.parallel import init_parallel
