@@ -14,10 +14,13 @@ LEVEL_1 = {
     "fused-rotary-pos-emb",
     "fused-swiglu",
     "grouped-gemm",
+    "moe-alltoall-overlap",
+    "moe-permute",
+    "moe-router",
     "precision-aware-optimizer",
     "tp-overlap",
 }
-LEVEL_2 = LEVEL_1 | {"recompute-activation-function", "reuse-fp32-param"}
+LEVEL_2 = LEVEL_1 | {"moe-zero-memory", "recompute-activation-function", "reuse-fp32-param"}
 LEVELED = LEVEL_2
 ALWAYS = {"cpu-adapter", "cpu-training-loop", "megatron-lm-arguments"}
 
@@ -97,6 +100,8 @@ def test_level_2_precision_aware_optimizer_build_hands_the_conflict_to_the_runti
     """Level 2 switches reuse-fp32-param on; megatron's --use-precision-aware-optimizer cannot be
     combined with it: the optimizer build hands the conflict to the runtime (which makes the level's
     member step aside: tests/config/test_level_conflicts.py), or raises it without a runtime."""
+    import megatron.core.optimizer  # noqa: F401  (where the wrapped build lives: imported in every real call)
+
     from mindspeed_like.features.precision_aware_optimizer import FEATURE
     from mindspeed_like.features.precision_aware_optimizer.optimizer import BuildOptimizer
     from mindspeed_like.toolkit.errors import LevelConflict
