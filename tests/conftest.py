@@ -66,6 +66,8 @@ SLOW_VARIANTS = {
     "tests/features/recompute_activation/test_recompute_activation_distributed.py::"
     "test_bitwise_equal_losses_with_and_without[tp2_sp]",
 }
+VERSION_PARAMETRIZED = {"tests/reliability/test_distopt_checkpoint_resume.py"}
+"""Files whose parameters follow the installed megatron-core (checkpoint formats by release)."""
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects
@@ -75,6 +77,13 @@ def pytest_collection_modifyitems(config, items):
         if item.nodeid in SLOW_VARIANTS:
             item.add_marker(pytest.mark.slow)
             known.add(item.nodeid)
-    missing = SLOW_VARIANTS - known
-    if missing and len(items) > 500:  # a whole-suite collection: a renamed test must not drift silently
+    # a renamed test must not drift silently: a listed variant whose file was collected must exist
+    # (unless its parametrization depends on the installed megatron-core, as the resume formats do)
+    collected_files = {item.nodeid.split("::")[0] for item in items}
+    missing = {
+        nodeid
+        for nodeid in SLOW_VARIANTS - known
+        if nodeid.split("::")[0] in collected_files and nodeid.split("::")[0] not in VERSION_PARAMETRIZED
+    }
+    if missing:
         raise pytest.UsageError(f"tests/conftest.py SLOW_VARIANTS names tests that do not exist: {sorted(missing)}")
