@@ -189,6 +189,7 @@ def test_gpt_parity_moe_sequential_fp32(cpu_config):
     assert_losses_close(ours, base, 1e-5, "fused-swiglu fp32 GPT")
 
 
+@pytest.mark.slow
 def test_gpt_parity_te_spec_grouped_experts_fp32(cpu_config):
     """The TE spec's grouped experts (TEGroupedMLP on the te-backend) compute their inline GLU
     through our weighted kernel, within 1e-5 of megatron's inline closure."""

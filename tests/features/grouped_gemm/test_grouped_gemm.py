@@ -134,6 +134,7 @@ def test_gpt_trains_like_sequential_fp32(cpu_config, dispatcher):
     assert ours[-1] < ours[0]
 
 
+@pytest.mark.slow
 def test_gpt_trains_like_sequential_bf16(cpu_config):
     cpu_config()
     base, ours = _train_pair(bf16=True)

@@ -33,6 +33,7 @@ def _check(curves: list[dict[str, list[float]]]) -> None:
     assert first["fp32"][-1] < first["fp32"][0]  # it trains
 
 
+@pytest.mark.slow
 def test_gpt_dp2_fp32_states_equal_megatron_and_fp8_close():
     """Default lane: 10 steps (the 20-step run of every configuration is the slow case below)."""
     _check(run_distributed(W.curves, 2, 10, ("megatron", "fp32", "fp8"), timeout=600))
