@@ -84,6 +84,7 @@ def test_pp2_schedule_equals_pp1(pipeline):
     assert last["pp2"][-1] < last["pp2"][0]
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_is_bitwise(pipeline):
     """Train N steps, dist_checkpointing.save (model + optimizer), load into a fresh model and
     optimizer, train M more: the same losses, bitwise (fp32), as training N+M straight."""

@@ -76,6 +76,7 @@ def test_deepseek_builds_mla_yarn_dense_first_layer_shared_experts_and_mtp(adapt
     assert any(type(m).__name__ == "MLASelfAttention" for m in model.mtp.layers[0].modules())
 
 
+@pytest.mark.slow
 def test_deepseek_level_0_arms_train_the_same_function(tmp_path):
     """Level 0 (megatron's path in both arms) on the default TE spec: the preset builds the same model
     in both processes, so the losses are equal step for step."""
