@@ -9,7 +9,7 @@ them together; the baselines are the same models with every feature off.
 
 from __future__ import annotations
 
-from all_features_workers import BF16_ONLY, accelerations, off_flags, on_flags
+from all_features_workers import BF16_ONLY, EXERCISED_ELSEWHERE, accelerations, off_flags, on_flags
 
 from mindspeed_like.testing.parity import SEED
 
@@ -49,7 +49,7 @@ def compile_parity(seed: int = SEED) -> dict:
     for model in MODELS:
         out["baseline"][model], _, out["graphs"] = _train(off_flags(), seed, model)
     for feature in accelerations():
-        if feature.switch_on:
+        if feature.switch_on and feature.name not in EXERCISED_ELSEWHERE:  # these runs are TP=2, EP=1
             flags = dict(off_flags(), strict=True, **feature.switch_on)
             losses, applied, _ = _train(flags, seed, MODEL_FOR.get(feature.name, "dense"))
             out["feature"][feature.name] = (losses, applied)
