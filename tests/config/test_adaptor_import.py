@@ -42,6 +42,7 @@ def test_both_import_orders_report_the_same_patches(both_orders):
     assert any(status == "applied" for _, _, _, status, _ in after)
 
 
+@pytest.mark.slow
 def test_importing_twice_is_harmless():
     report = _run(
         "import importlib, megatron.core, mindspeed_like.megatron_adaptor as a, mindspeed_like.runtime as r; "

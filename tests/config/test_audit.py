@@ -71,6 +71,7 @@ def test_removed_module_and_changed_signature_are_reported(installed, damaged):
     assert audit.feature_summary(rows)[required.feature].startswith("BROKEN")
 
 
+@pytest.mark.slow
 def test_cli_exit_status(installed, damaged, capsys, monkeypatch):
     root, required = damaged
     monkeypatch.setattr(sys, "argv", ["mindspeed-like"])

@@ -39,6 +39,7 @@ def test_features_rejects_a_bad_flag_value():
     assert "invalid choice: 'gpu'" in result.stderr
 
 
+@pytest.mark.slow
 def test_report_lists_applied_patches():
     result = _cli("report", "--device", "cpu")
     assert result.returncode == 0, result.stderr

@@ -111,6 +111,7 @@ def rope_grad_worker(width: int) -> tuple:
     return out.detach().numpy(), combined.grad.numpy()
 
 
+@pytest.mark.slow
 def test_rope_columns_gradient_summed_over_the_group_others_untouched():
     """The mechanism, in two processes: only the trailing ``width`` columns' gradient is all-reduced."""
     upstream = torch.arange(60, dtype=torch.float32).reshape(3, 2, 10)
