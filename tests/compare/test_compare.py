@@ -15,11 +15,6 @@ TINY = ["--steps", "3", "--num-layers", "1", "--hidden-size", "32", "--num-atten
 TINY += ["--seq-length", "16", "--micro-batch-size", "2", "--quiet"]
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    monkeypatch.delenv("MINDSPEED_LIKE_ARGS", raising=False)
-
-
 def _compare(tmp_path, *args: str) -> dict:
     out = str(tmp_path / "out")
     assert main(["compare", *TINY, "--out", out, *args]) == 0
