@@ -1,0 +1,156 @@
+"""Measurement records: what every benchmark and compare run writes, so the numbers in the docs
+are rendered from data (``make docs``) instead of typed by hand.
+
+One record is one JSON object::
+
+    {"schema": 1, "name": "te_backend", "command": [...], "started_at": "...", "finished_at": "...",
+     "host": {"load_average_at_start": [1.1, 2.0, 2.5], "cpu_count": 2, "threads": 1, "device": "cpu", ...},
+     "versions": {"python": ..., "torch": ..., "megatron_core": ..., "mindspeed_like": <git commit or version>},
+     "options": {...}, "rows": [{...}, ...], "samples": {"<case>/<path>": [seconds, ...]}}
+
+The load average is read when the record is *created* (the start of the run): a figure taken
+while something else loaded the host says so in its own record.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+SCHEMA = 1
+RESULTS_ENV = "MINDSPEED_LIKE_RESULTS"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def results_dir() -> Path:
+    """Where records go: ``$MINDSPEED_LIKE_RESULTS``, else ``results/`` of this checkout."""
+    return Path(os.environ.get(RESULTS_ENV) or _REPO_ROOT / "results")
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(value, 2) for value in os.getloadavg()]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
+def _source_revision() -> str:
+    """The git commit of this checkout (with ``+dirty`` when it has changes), else the installed version."""
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(_REPO_ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(_REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        return commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("mindspeed_like")
+        except PackageNotFoundError:
+            return "unknown"
+
+
+def versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for key, dist in (("torch", "torch"), ("megatron_core", "megatron-core")):
+        try:
+            found[key] = version(dist)
+        except PackageNotFoundError:
+            found[key] = None
+    found["mindspeed_like"] = _source_revision()
+    return found
+
+
+class Record:
+    """A run's record, started when created (time, load average) and completed by ``write``."""
+
+    def __init__(self, name: str, *, command: Sequence[str] | None = None, device: str = "cpu") -> None:
+        self.name = name
+        self.command = list(command if command is not None else sys.argv)
+        self.started_at = _now()
+        self.host: dict[str, Any] = {
+            "load_average_at_start": _load_average(),
+            "cpu_count": os.cpu_count(),
+            "cpu": platform.processor() or platform.machine(),
+            "platform": platform.platform(),
+            "device": device,
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "torchdynamo_disable": os.environ.get("TORCHDYNAMO_DISABLE"),
+        }
+        self.options: dict[str, Any] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.samples: dict[str, list[float]] = {}
+
+    def add_row(self, **row: Any) -> None:
+        self.rows.append(row)
+
+    def add_samples(self, key: str, values: Sequence[float]) -> None:
+        """Raw measurements behind a figure (e.g. each timed repeat of one path), kept as taken."""
+        self.samples[key] = [float(v) for v in values]
+
+    def to_dict(self) -> dict[str, Any]:
+        try:
+            import torch
+
+            self.host["threads"] = torch.get_num_threads()
+        except ImportError:
+            pass
+        return {
+            "schema": SCHEMA,
+            "name": self.name,
+            "command": self.command,
+            "started_at": self.started_at,
+            "finished_at": _now(),
+            "host": self.host,
+            "versions": versions(),
+            "options": self.options,
+            "rows": self.rows,
+            "samples": self.samples,
+        }
+
+    def write(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Write to ``path``, or to ``results_dir()/<name>.json``; returns the path written."""
+        target = Path(path) if path else results_dir() / f"{self.name}.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "w", encoding="utf-8") as handle:
+            json.dump(self.to_dict(), handle, indent=1, default=str)
+            handle.write("\n")
+        return target
+
+
+def read(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A record from disk, checked for the fields every reader relies on."""
+    with open(path, encoding="utf-8") as handle:
+        record = json.load(handle)
+    missing = [
+        key for key in ("schema", "name", "command", "started_at", "host", "versions", "rows") if key not in record
+    ]
+    if missing:
+        raise ValueError(f"{path}: not a measurement record (missing {', '.join(missing)})")
+    if record["schema"] != SCHEMA:
+        raise ValueError(f"{path}: record schema {record['schema']}, this reader knows {SCHEMA}")
+    return record
