@@ -73,7 +73,7 @@ def run(args, results: common.Results) -> None:
                 for name, on in (("megatron", False), ("ours", True)):
                     mindspeed_like.configure(use_flash_attn=on)
                     with force_backend("portable"):
-                        seconds = common.median_seconds(step, args.repeats)
+                        seconds = common.median_seconds(step, args.repeats, label=name)
                         if not on:
                             _fresh_megatron_buffer()
                         figures[name] = (seconds, common.peak_bytes(step))

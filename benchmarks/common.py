@@ -1,39 +1,115 @@
-"""The benchmark convention: every script prints a table and, with `--json PATH`, writes its
-figures as JSON (one object: `benchmark`, `host`, `rows`). Ratios are always against
-megatron's own path measured in the same run, never against numbers from another run."""
+"""The benchmark convention: every script prints a table and always writes its measurement
+record (``mindspeed_like.toolkit.records``): the command, versions, host with the load average
+when the run started, every printed row, and each timed repeat's seconds for both paths.
+
+Where the record goes: ``results/<script>.json`` (the records the docs' tables are rendered from,
+``make docs``); ``results/<script>-quick.json`` with ``--quick`` (a smoke run never replaces a
+documented record); ``--record NAME`` picks another name, ``--json PATH`` another file. Ratios are
+always against megatron's own path measured in the same run, never against numbers from another run.
+
+How a script uses it: ``common.parser(...).parse_args()`` starts the record (so the load average is
+the one at the start of the run); ``common.median_seconds(fn, repeats, label="ours")`` (or
+``common.timed``) keeps every repeat's seconds; ``Results.add(**row)`` files the samples timed since
+the previous row under that row (``samples=`` names them explicitly); ``Results.write_json``
+writes the record."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import profile
 from torch.profiler._memory_profiler import Action
 
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # a plain `python benchmarks/x.py` from a checkout without install
+    sys.path.insert(0, str(_ROOT))
+
+from mindspeed_like.toolkit import records  # noqa: E402
+
+_RECORD: records.Record | None = None
+_TABLES: list[Results] = []
+_PENDING: list[tuple[str, list[float]]] = []
+
+
+def script_name() -> str:
+    """The running benchmark's name: its file's stem (``attention`` for benchmarks/attention.py)."""
+    return Path(sys.argv[0]).stem or "benchmark"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Parsing the arguments is where a benchmark run starts: the record is created there."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, rest = super().parse_known_args(args, namespace)
+        if _RECORD is None:
+            name = parsed.record or (script_name() + ("-quick" if getattr(parsed, "quick", False) else ""))
+            start(name, options=vars(parsed))
+        return parsed, rest
+
 
 def parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
-    p.add_argument("--json", metavar="PATH", help="also write the figures to this JSON file")
+    p = _Parser(description=description, allow_abbrev=False)
+    p.add_argument("--json", metavar="PATH", help="write the record to this file instead of results/<record>.json")
+    p.add_argument(
+        "--record",
+        metavar="NAME",
+        help="record name (results/NAME.json); default: the script's name, with -quick for --quick",
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per case (the median is reported)")
     p.add_argument("--quick", action="store_true", help="smaller shapes, for a smoke run")
     return p
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+def start(name: str, options: dict[str, Any] | None = None) -> records.Record:
+    """Start this run's record (the load average is read now); the parser calls it."""
+    global _RECORD
+    _RECORD = records.Record(name)
+    _RECORD.options.update({k: v for k, v in (options or {}).items() if k not in ("json", "record")})
+    return _RECORD
+
+
+def record() -> records.Record:
+    """This run's record, started on first use when a script never parsed arguments."""
+    return _RECORD if _RECORD is not None else start(script_name())
+
+
+def rename(name: str) -> None:
+    """A mode that measures something else (``--curve``) writes its own record name."""
+    record().name = name
+
+
+def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1, label: str | None = None) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls; with a
+    ``label`` they are kept for the next ``Results.add`` row's samples."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        begin = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - begin)
+    if label is not None:
+        add_samples(label, times)
+    return times
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1, label: str | None = None) -> float:
+    """Median of ``timed``; every repeat is kept in the record (under ``label``, or ``timing<n>``)."""
+    times = timed(fn, repeats, warmup)
+    add_samples(label or f"timing{len(_PENDING)}", times)
     return statistics.median(times)
+
+
+def add_samples(label: str, seconds: Sequence[float]) -> None:
+    """Raw seconds of one path, filed under the next row added (``<table> | <case> | <label>``)."""
+    _PENDING.append((label, [float(s) for s in seconds]))
 
 
 def peak_bytes(fn: Callable[[], Any]) -> int:
@@ -56,42 +132,44 @@ def peak_bytes(fn: Callable[[], Any]) -> int:
 
 
 def host() -> dict[str, Any]:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-    }
+    return dict(record().host, threads=torch.get_num_threads(), torch=torch.__version__)
 
 
 class Results:
-    """Rows of one benchmark; printed as an aligned table, optionally saved as JSON."""
+    """Rows of one table of a benchmark; printed as an aligned table, all tables of the run
+    written as one record (each row with ``table``: this table's name)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.rows: list[dict[str, Any]] = []
+        record()
+        _TABLES.append(self)
 
-    def add(self, **row: Any) -> None:
+    def add(self, samples: dict[str, Sequence[float]] | None = None, **row: Any) -> None:
+        """One row; the samples timed since the previous row (and ``samples``) are filed under it."""
         self.rows.append(row)
+        case = " ".join(str(v) for k, v in row.items() if isinstance(v, str)) or f"row{len(self.rows) - 1}"
+        pending = list(_PENDING) + [(label, list(values)) for label, values in (samples or {}).items()]
+        _PENDING.clear()
+        for label, values in pending:
+            key = f"{self.name} | {case} | {label}"
+            if key in record().samples:
+                key = f"{self.name} | {case} #{len(self.rows) - 1} | {label}"
+            record().add_samples(key, values)
 
     def print_table(self, columns: Sequence[str] | None = None) -> None:
-        columns = list(columns or (self.rows[0].keys() if self.rows else []))
-        cells = [[_fmt(row.get(c, "")) for c in columns] for row in self.rows]
-        widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
-        print(f"== {self.name} ==")
-        print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-        for row in cells:
-            print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+        print("\n".join(records.format_table(self.name, self.rows, columns)))
 
-    def write_json(self, path: str | None, **extra: Any) -> None:
-        if not path:
-            return
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump({"benchmark": self.name, "host": host(), **extra, "rows": self.rows}, handle, indent=2)
-        print(f"wrote {path}")
+    def write_json(self, path: str | None = None, **extra: Any) -> Path:
+        """Write this run's record (every table's rows, ``extra`` figures that are not a table's
+        rows) to ``path``, else results/<record>.json; returns where it went."""
+        return write(path, **extra)
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+def write(path: str | None = None, **extra: Any) -> Path:
+    rec = record()
+    rec.rows = [dict(table=table.name, **row) for table in _TABLES for row in table.rows]
+    rec.extra.update({k: v for k, v in extra.items() if not any(v is table.rows for table in _TABLES)})
+    target = rec.write(path)
+    print(f"wrote {target}")
+    return target

@@ -43,9 +43,11 @@ def _saved_mib(module: torch.nn.Module, x: torch.Tensor) -> float:
     return meter.bytes / MiB
 
 
-def _interleaved_ms(first: Callable[[], None], second: Callable[[], None], repeats: int) -> tuple[float, float]:
+def _interleaved_ms(
+    first: Callable[[], None], second: Callable[[], None], repeats: int, labels: tuple[str, str]
+) -> tuple[float, float]:
     """Median ms of each, timed alternately so that load from other processes (this host is
-    shared) hits both alike."""
+    shared) hits both alike. Each repeat's seconds go to the record under ``labels``."""
     first()
     second()
     times: tuple[list[float], list[float]] = ([], [])
@@ -54,6 +56,8 @@ def _interleaved_ms(first: Callable[[], None], second: Callable[[], None], repea
             start = time.perf_counter()
             fn()
             sink.append(time.perf_counter() - start)
+    common.add_samples(f"{labels[0]}", times[0])
+    common.add_samples(f"{labels[1]}", times[1])
     return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
 
 
@@ -67,10 +71,14 @@ def run(args: argparse.Namespace, results: common.Results) -> None:
             megatron = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=dtype)  # what WrappedTorchNorm builds
             ours = FusedRMSNorm(hidden, eps=1e-5, dtype=dtype)
             with force_backend("portable"):
-                megatron_ms, ours_ms = _interleaved_ms(_step(megatron, x, grad), _step(ours, x, grad), args.repeats)
+                megatron_ms, ours_ms = _interleaved_ms(
+                    _step(megatron, x, grad), _step(ours, x, grad), args.repeats, ("megatron", "ours")
+                )
                 megatron_mib, ours_mib = _saved_mib(megatron, x), _saved_mib(ours, x)
                 compiled.set_mode("eager")
-                _, eager_ms = _interleaved_ms(_step(megatron, x, grad), _step(ours, x, grad), args.repeats)
+                _, eager_ms = _interleaved_ms(
+                    _step(megatron, x, grad), _step(ours, x, grad), args.repeats, ("megatron_2", "ours_eager")
+                )
                 compiled.set_mode(None)
             results.add(
                 op="rmsnorm",

@@ -78,10 +78,16 @@ def run(args, results: common.Results) -> None:
         for label, percent, interleaved in cases:
             rot_dim = int(dim * percent)
             freqs = torch.rand(seq, 1, 1, rot_dim) * 100
-            base_s = common.median_seconds(_fwd_bwd(megatron, t, freqs, interleaved, grad), args.repeats, WARMUP)
-            ours_s = common.median_seconds(_fwd_bwd(ours, t, freqs, interleaved, grad), args.repeats, WARMUP)
+            base_s = common.median_seconds(
+                _fwd_bwd(megatron, t, freqs, interleaved, grad), args.repeats, WARMUP, label="megatron"
+            )
+            ours_s = common.median_seconds(
+                _fwd_bwd(ours, t, freqs, interleaved, grad), args.repeats, WARMUP, label="ours"
+            )
             compiled.set_mode("eager")
-            eager_s = common.median_seconds(_fwd_bwd(ours, t, freqs, interleaved, grad), args.repeats, WARMUP)
+            eager_s = common.median_seconds(
+                _fwd_bwd(ours, t, freqs, interleaved, grad), args.repeats, WARMUP, label="ours_eager"
+            )
             compiled.set_mode(None)
             results.add(
                 op=f"rope {label}" + (f" rotary_percent={percent}" if percent < 1 else ""),

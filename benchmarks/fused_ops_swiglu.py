@@ -16,6 +16,8 @@ keeps for backward (saved-tensor hooks, storages counted once).
 
 from __future__ import annotations
 
+import statistics
+
 import common  # benchmarks/ is the script directory (as in import_overhead.py)
 import torch
 import torch.nn.functional as F
@@ -74,14 +76,18 @@ def run(args, results: common.Results) -> None:
             x = torch.randn(tokens, 2 * ffn, dtype=dtype, requires_grad=True)
             bias = torch.randn(2 * ffn, dtype=dtype, requires_grad=True) if with_bias else None
             grad = torch.randn(tokens, ffn, dtype=dtype)
-            ours_s = common.median_seconds(_fwd_bwd(ours, x, bias, grad), args.repeats, WARMUP)
+            ours_t = common.timed(_fwd_bwd(ours, x, bias, grad), args.repeats, WARMUP)
+            ours_s = statistics.median(ours_t)
             ours_mib = _saved_mib(ours, x, bias)
             compiled.set_mode("eager")
-            eager_s = common.median_seconds(_fwd_bwd(ours, x, bias, grad), args.repeats, WARMUP)
+            eager_t = common.timed(_fwd_bwd(ours, x, bias, grad), args.repeats, WARMUP)
+            eager_s = statistics.median(eager_t)
             compiled.set_mode(None)
             for label, baseline in (("inline", megatron_inline), ("bias_swiglu_impl", megatron_fused)):
-                base_s = common.median_seconds(_fwd_bwd(baseline, x, bias, grad), args.repeats, WARMUP)
+                base_t = common.timed(_fwd_bwd(baseline, x, bias, grad), args.repeats, WARMUP)
+                base_s = statistics.median(base_t)
                 results.add(
+                    samples={"megatron": base_t, "ours": ours_t, "ours_eager": eager_t},
                     op=f"swiglu{'+bias' if with_bias else ''} vs {label}",
                     dtype=str(dtype).replace("torch.", ""),
                     shape=f"{tokens}x{2 * ffn}",

@@ -172,10 +172,10 @@ def run(args, results: common.Results) -> None:
                 )
                 sequential = build_experts(False, experts, hidden, ffn, dtype)
                 step = _Step(sequential, x, counts, probs, grad)
-                seq_s = common.median_seconds(step, args.repeats)
+                seq_s = common.median_seconds(step, args.repeats, label="sequential")
                 seq_peak = peak_mib(step)
                 ddp_like(sequential)
-                ddp_seq_s = common.median_seconds(step, args.repeats)
+                ddp_seq_s = common.median_seconds(step, args.repeats, label="ddp_sequential")
                 del sequential, step
                 gc.collect()
                 grouped = build_experts(True, experts, hidden, ffn, dtype)
@@ -184,9 +184,14 @@ def run(args, results: common.Results) -> None:
                     for name in ("grouped_mm", "loop"):
                         with engine(name):
                             step = _Step(grouped, x, counts, probs, grad)
-                            timings[name] = (common.median_seconds(step, args.repeats), peak_mib(step))
+                            timings[name] = (
+                                common.median_seconds(step, args.repeats, label=f"ours_{name}"),
+                                peak_mib(step),
+                            )
                     ddp_like(grouped)  # the default engine, its weight grads fused into main_grad
-                    ddp_ours_s = common.median_seconds(_Step(grouped, x, counts, probs, grad), args.repeats)
+                    ddp_ours_s = common.median_seconds(
+                        _Step(grouped, x, counts, probs, grad), args.repeats, label="ddp_ours"
+                    )
                 del grouped, step
                 gc.collect()
                 best = min(timings, key=lambda n: timings[n][0])

@@ -32,13 +32,21 @@ def main() -> None:
     args = parser(__doc__).parse_args()
     _time_once("import megatron.core")  # warm the file cache so the first case is not penalised
     medians = {}
+    samples: dict[str, list[float]] = {}
     for name, code in CASES.items():
-        times = sorted(_time_once(code) for _ in range(args.repeats))
+        samples[name] = [_time_once(code) for _ in range(args.repeats)]
+        times = sorted(samples[name])
         medians[name] = times[len(times) // 2]
     results = Results("import overhead (wall time of a fresh interpreter)")
     base = medians["megatron.core alone"]
     for name, seconds in medians.items():
-        results.add(case=name, seconds=seconds, ratio_vs_megatron=seconds / base, extra_ms=(seconds - base) * 1000)
+        results.add(
+            samples={"seconds": samples[name]},
+            case=name,
+            seconds=seconds,
+            ratio_vs_megatron=seconds / base,
+            extra_ms=(seconds - base) * 1000,
+        )
     results.print_table()
     results.write_json(args.json)
 

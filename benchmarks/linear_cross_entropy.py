@@ -16,6 +16,7 @@ training forward+backward, peak with and without the flag.
 
 from __future__ import annotations
 
+import statistics
 from types import SimpleNamespace
 
 import common  # benchmarks/ is the script directory
@@ -83,11 +84,13 @@ def measure(tp: int, vocabs: tuple[int, ...], tokens: int, hidden_size: int, dty
             hidden = torch.randn(tokens, 1, hidden_size, generator=gen).to(dtype).requires_grad_()
             labels = torch.randint(0, vocab, (tokens, 1), generator=gen)
             figures = {}
+            samples = {}
             for name, step in (
                 ("megatron", _megatron_step(layer, hidden, labels)),
                 ("ours", _our_step(layer, hidden, labels, 0)),
             ):
-                figures[name] = (common.median_seconds(step, repeats), common.peak_bytes(step))
+                samples[name] = common.timed(step, repeats)
+                figures[name] = (statistics.median(samples[name]), common.peak_bytes(step))
             (base_s, base_b), (ours_s, ours_b) = figures["megatron"], figures["ours"]
             rows.append(
                 dict(
@@ -102,6 +105,7 @@ def measure(tp: int, vocabs: tuple[int, ...], tokens: int, hidden_size: int, dty
                     megatron_peak_MiB=base_b / MiB,
                     ours_peak_MiB=ours_b / MiB,
                     memory_ratio=base_b / max(ours_b, 1),
+                    samples=samples,  # each repeat's seconds: the record's samples, not a printed column
                 )
             )
             if dist.get_rank() == 0:

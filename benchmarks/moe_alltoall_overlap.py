@@ -175,6 +175,7 @@ def rank_worker(quick: bool, repeats: int) -> list[dict]:
                     hidden=1.0 - exposed / transfer[on],
                     predicted=predicted_hidden(local_experts if on else None),
                     vs_megatron=best_link / base_link,
+                    samples={"step_nolink": nolink[on], "step_link": link[on], "blocked": blocked[on]},  # rank 0's
                 )
             )
     pipeline.run_forward = original

@@ -104,13 +104,20 @@ def run(args, results: common.Results) -> None:
                 probs = probs.requires_grad_()
                 grad = torch.randn(tokens, hidden, generator=gen).to(dtype)
                 rest = (routing_map, num_out, pad, merge)
-                base = common.median_seconds(_fwd_bwd(megatron_step, x, probs, grad, *rest), args.repeats, WARMUP)
-                mine = common.median_seconds(_fwd_bwd(ours_step, x, probs, grad, *rest), args.repeats, WARMUP)
+                base = common.median_seconds(
+                    _fwd_bwd(megatron_step, x, probs, grad, *rest), args.repeats, WARMUP, label="megatron"
+                )
+                mine = common.median_seconds(
+                    _fwd_bwd(ours_step, x, probs, grad, *rest), args.repeats, WARMUP, label="ours"
+                )
                 comp = None
                 # compiling costs minutes per case on the 2-core host: fp32 routing-only cases
                 if compiled_megatron is not None and dtype == torch.float32 and not merge:
                     comp = common.median_seconds(
-                        _fwd_bwd(compiled_megatron, x, probs, grad, *rest), args.repeats, WARMUP
+                        _fwd_bwd(compiled_megatron, x, probs, grad, *rest),
+                        args.repeats,
+                        WARMUP,
+                        label="megatron_compiled",
                     )
                 results.add(
                     case=f"{'pad' if pad else 'dropless'}{'+merge' if merge else ''}",

@@ -89,13 +89,15 @@ def run(args, results: common.Results) -> None:
                 with force_backend("portable"):
                     return topk_routing(t, topk, **kwargs, fp32_intermediates=layout.fp32_intermediates)[0]
 
-            ours_s = common.median_seconds(_step(ours, x, grad), args.repeats, WARMUP)
-            eager_s = common.median_seconds(_step(theirs, x, grad), args.repeats, WARMUP)
+            ours_s = common.median_seconds(_step(ours, x, grad), args.repeats, WARMUP, label="ours")
+            eager_s = common.median_seconds(_step(theirs, x, grad), args.repeats, WARMUP, label="megatron")
             compiled_s = None
             if can_compile:
                 torch._dynamo.reset()
                 compiled = torch.compile(theirs)
-                compiled_s = common.median_seconds(_step(compiled, x, grad), args.repeats, WARMUP)
+                compiled_s = common.median_seconds(
+                    _step(compiled, x, grad), args.repeats, WARMUP, label="megatron_compiled"
+                )
             results.add(
                 op=f"topk routing {case}",
                 dtype=str(dtype).replace("torch.", ""),
@@ -120,13 +122,15 @@ def run(args, results: common.Results) -> None:
             with force_backend("portable"):
                 return aux_loss_scores(t, topk, sf, sigmoid_in_fp32=layout.aux_sigmoid_in_fp32)[1]
 
-        ours_s = common.median_seconds(_step(aux_ours, x, grad), args.repeats, WARMUP)
-        eager_s = common.median_seconds(_step(aux_theirs, x, grad), args.repeats, WARMUP)
+        ours_s = common.median_seconds(_step(aux_ours, x, grad), args.repeats, WARMUP, label="ours")
+        eager_s = common.median_seconds(_step(aux_theirs, x, grad), args.repeats, WARMUP, label="megatron")
         compiled_s = None
         if can_compile:
             torch._dynamo.reset()
             compiled = torch.compile(aux_theirs)
-            compiled_s = common.median_seconds(_step(compiled, x, grad), args.repeats, WARMUP)
+            compiled_s = common.median_seconds(
+                _step(compiled, x, grad), args.repeats, WARMUP, label="megatron_compiled"
+            )
         results.add(
             op=f"aux-loss scores {case}",
             dtype="float32",

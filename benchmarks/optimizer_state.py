@@ -109,7 +109,15 @@ def measure(quick: bool, steps: int) -> list[dict]:
             lr=1e-3,
         )
         nbytes = param_bytes(state_tensors(box["model"], box["opt"]))
-        rows.append(dict(case=label, numel=numel, bytes_per_param=nbytes / numel, step_s=statistics.median(times[1:])))
+        rows.append(
+            dict(
+                case=label,
+                numel=numel,
+                bytes_per_param=nbytes / numel,
+                step_s=statistics.median(times[1:]),
+                step_samples=times[1:],
+            )
+        )
         destroy_parallel()
     return rows[1:]
 
@@ -158,6 +166,7 @@ def main() -> None:
     from mindspeed_like.testing import run_distributed
 
     if args.curve:
+        common.rename("optimizer_state-curve" + ("-quick" if args.quick else ""))
         steps = args.steps or 300
         curves = curve(steps, args.quick)
         base = curves["fp32 states"]
@@ -177,6 +186,7 @@ def main() -> None:
         for row in rows:
             target = TARGETS.get(row["case"])
             res.add(
+                samples={"optimizer_step": row["step_samples"]},
                 DP=dp,
                 case=row["case"],
                 params=row["numel"],

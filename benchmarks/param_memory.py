@@ -17,6 +17,7 @@ off and on in the same process. DP=2 runs in two gloo processes.
 from __future__ import annotations
 
 import gc
+import statistics
 
 import common  # benchmarks/ is the script directory (as in import_overhead.py)
 import torch
@@ -88,13 +89,15 @@ def measure(flag: bool, distributed: bool, quick: bool, repeats: int) -> dict:
     tensors = _held_tensors(opt)
     held = param_bytes(tensors) + _extra_bytes(opt)
     workspace = _conversion_workspace(opt) if flag else 0
-    step_s = common.median_seconds(opt.step, repeats, warmup=0)  # grads kept from the last step
+    step_times = common.timed(opt.step, repeats, warmup=0)  # grads kept from the last step
     box.clear()
     del opt, tensors, model
     gc.collect()
     destroy_parallel()
     mindspeed_like.reset()
-    return dict(numel=numel, bytes=held, workspace=workspace, step_s=step_s)
+    return dict(
+        numel=numel, bytes=held, workspace=workspace, step_s=statistics.median(step_times), step_times=step_times
+    )
 
 
 def _both(distributed: bool, quick: bool, repeats: int) -> dict:
@@ -128,7 +131,7 @@ def run(args, results: common.Results) -> None:
             row["target"] = f"saves {2 / dp:.2f} B/param: " + (
                 "met" if row["megatron_B_per_param"] - row["ours_B_per_param"] >= 2 / dp - 1e-3 else "missed"
             )
-        results.add(**row)
+        results.add(samples={"megatron_step": base["step_times"], "ours_step": ours["step_times"]}, **row)
 
 
 def main() -> None:

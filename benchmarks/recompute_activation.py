@@ -85,6 +85,8 @@ def _interleaved_times(step_off, step_on, repeats: int) -> tuple[float, float]:
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
+    common.add_samples("megatron", off)  # kept in the record under the next row
+    common.add_samples("recompute", on)
     return statistics.median(off), statistics.median(on)
 
 

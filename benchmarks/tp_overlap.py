@@ -159,6 +159,7 @@ def rank_worker(quick: bool, repeats: int) -> list[dict]:
                 hidden=1.0 - exposed / transfer[tiles],
                 predicted=predicted_hidden(transfer[tiles], matmul, tiles),
                 tiling_overhead_ms=1e3 * (best_nolink - base_nolink),
+                samples={"step_nolink": nolink[tiles], "step_link": link[tiles], "blocked": blocked[tiles]},
             )
         )
     mindspeed_like.reset()

@@ -94,6 +94,7 @@ class Record:
         self.started_at = _now()
         self.host: dict[str, Any] = {
             "load_average_at_start": _load_average(),
+            "hostname": platform.node(),
             "cpu_count": os.cpu_count(),
             "cpu": platform.processor() or platform.machine(),
             "platform": platform.platform(),
@@ -104,6 +105,7 @@ class Record:
         self.options: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
         self.samples: dict[str, list[float]] = {}
+        self.extra: dict[str, Any] = {}  # figures that are not rows (targets met, verdicts, curves)
 
     def add_row(self, **row: Any) -> None:
         self.rows.append(row)
@@ -130,6 +132,7 @@ class Record:
             "options": self.options,
             "rows": self.rows,
             "samples": self.samples,
+            "extra": self.extra,
         }
 
     def write(self, path: str | os.PathLike[str] | None = None) -> Path:
@@ -140,6 +143,23 @@ class Record:
             json.dump(self.to_dict(), handle, indent=1, default=str)
             handle.write("\n")
         return target
+
+
+def format_table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> list[str]:
+    """Rows as a benchmark prints them (aligned columns, floats to 4 significant digits): the
+    benchmarks' console output and ``make docs``' rendering of it are the same function."""
+    columns = list(columns or (rows[0].keys() if rows else []))
+    cells = [[format_value(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    lines = [f"== {title} ==", "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+    return lines
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
 
 
 def read(path: str | os.PathLike[str]) -> dict[str, Any]:
