@@ -25,8 +25,13 @@ the chunked loss. The main loss takes the same route. 0.19 (not 0.17.1 or 0.18.2
 the logits (``_compute_mtp_acceptance_counts``, no grad, WRAP): for a ``DeferredLogits`` it runs
 megatron's count on token chunks of the logits (never all at once) and sums.
 
-Handed back to megatron (one log line per reason; an error under ``strict``): MTP with MuP logit
-scaling (``use_mup``, 0.17+: it rescales the heads' logits between the two calls), inference contexts,
+MuP (``use_mup``, 0.17+) multiplies the logits by ``mup_output_mult`` (``LanguageModule._scale_logits``)
+between the output layer and the loss, for the main loss and each MTP head. A logit scale is a scale
+of the hidden states fed to the same matmul, so the kernel takes ``hidden * mult``: the non-MTP path
+reads the config's multiplier, and a :class:`DeferredLogits` multiplied by a number (what
+``_scale_logits`` does to it) carries the factor to the loss.
+
+Handed back to megatron (one log line per reason; an error under ``strict``): inference contexts,
 gathered logits (``gather_output`` /
 ``runtime_gather_output``), an ``output_processor`` (0.19), an output-layer bias, deferred
 embedding wgrad (``defer_embedding_wgrad_compute``) and the config logger (it records the logits).
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -55,8 +61,6 @@ class FusedLinearCrossEntropyUnsupported(FeatureUnsupported):
 
 def _unsupported(model: Any, call: Call) -> str | None:
     config, layer = model.config, model.output_layer
-    if getattr(config, "mtp_num_layers", None) and getattr(config, "use_mup", False):
-        return "multi-token prediction heads with MuP logit scaling (use_mup)"
     if call.get("inference_context") is not None or call.get("inference_params") is not None:
         return "an inference context"
     if call.get("runtime_gather_output") or getattr(layer, "gather_output", False):
@@ -83,15 +87,24 @@ def _tp_group(layer: Any):
     return parallel_state.get_tensor_model_parallel_group()
 
 
+def mup_logit_scale(config: Any) -> float:
+    """The factor megatron's ``LanguageModule._scale_logits`` applies to the logits (1.0 without MuP)."""
+    if getattr(config, "use_mup", False):
+        return float(getattr(config, "mup_output_mult", 1.0))
+    return 1.0
+
+
 def fused_output_loss(
     model: Any,
     hidden_states: torch.Tensor,
     labels: torch.Tensor,
     chunk_tokens: int,
     weight: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
 ) -> torch.Tensor:
     """Per-token loss ``[b, s]`` of GPTModel's output layer on ``hidden_states [s, b, h]``
-    (``weight``: the one megatron passes the output layer; default: the model's output weight)."""
+    (``weight``: the one megatron passes the output layer; default: the model's output weight),
+    with the logits multiplied by ``logit_scale`` (MuP) before the softmax."""
     import torch.distributed as dist
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
@@ -105,6 +118,8 @@ def fused_output_loss(
         )
     group = _tp_group(layer)
     tp_size = dist.get_world_size(group) if dist.is_initialized() else 1
+    if logit_scale != 1.0:
+        hidden_states = hidden_states * logit_scale  # (h * m) W^T = m (h W^T); before the gather: fewer rows
     if getattr(layer, "sequence_parallel", False):
         hidden_states = gather_from_sequence_parallel_region(
             hidden_states, tensor_parallel_output_grad=True, group=group
@@ -134,6 +149,15 @@ class DeferredLogits:
     weight: torch.Tensor
     model: Any
     chunk_tokens: int
+    scale: float = 1.0
+
+    def __mul__(self, factor: object) -> DeferredLogits:
+        """``logits * mup_output_mult`` (megatron's ``_scale_logits``): the factor goes with the call."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            return NotImplemented
+        return dataclasses.replace(self, scale=self.scale * float(factor))
+
+    __rmul__ = __mul__
 
 
 @dataclass(frozen=True)
@@ -185,7 +209,9 @@ class FusedDeferredLoss:
         logits = call.get("logits")
         if not isinstance(logits, DeferredLogits):
             return wrapped(*args, **kwargs)
-        return fused_output_loss(logits.model, logits.hidden_states, call["labels"], logits.chunk_tokens, logits.weight)
+        return fused_output_loss(
+            logits.model, logits.hidden_states, call["labels"], logits.chunk_tokens, logits.weight, logits.scale
+        )
 
 
 @dataclass(frozen=True)
@@ -213,6 +239,8 @@ class ChunkedAcceptanceCounts:
             correct = total = None
             for start in range(0, hidden.shape[0], step):
                 logits = torch.matmul(hidden[start : start + step], deferred.weight.t())
+                if deferred.scale != 1.0:
+                    logits = logits * deferred.scale
                 part = call(
                     mtp_logits=logits,
                     mtp_labels=labels[:, start : start + step],
@@ -243,4 +271,6 @@ class FusedPostprocess:
             # megatron's body (MTP label rolling, logging, loss scaling) with the output layer deferred
             with deferred_output_layer(instance, self.chunk_tokens):
                 return wrapped(*args, **kwargs)
-        return fused_output_loss(instance, call["hidden_states"], labels, self.chunk_tokens)
+        return fused_output_loss(
+            instance, call["hidden_states"], labels, self.chunk_tokens, logit_scale=mup_logit_scale(instance.config)
+        )

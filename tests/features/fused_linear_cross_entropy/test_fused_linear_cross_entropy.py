@@ -109,21 +109,35 @@ def test_unsupported_call_is_handed_back_with_a_reason(cpu_config, caplog):
     )
 
 
-def test_multi_token_prediction_with_mup_is_handed_back():
-    """MTP heads are fused (test_fused_linear_cross_entropy_mtp.py) except under MuP, whose logit
-    scaling sits between the heads' output layer and their loss (megatron-core 0.19)."""
+def _needs_mup() -> None:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if "use_mup" not in TransformerConfig.__dataclass_fields__:
+        pytest.skip("this megatron-core has no MuP (use_mup is 0.17+)")
+
+
+@pytest.mark.parametrize("mult", [None, 0.37], ids=["auto-mult", "mult-0.37"])
+def test_gpt_parity_fp32_with_mup_logit_scaling(cpu_config, mult):
+    """MuP multiplies the logits by mup_output_mult before the loss (auto: 1 / width multiplier, here
+    0.5); the fused path scales the hidden states fed to the same matmul. Without that scaling the
+    losses differ from the first step (checked: the scale is not 1 in either case)."""
+    _needs_mup()
+    model = dict(use_mup=True, mup_base_hidden_size=32)  # hidden 64: width multiplier 2
+    if mult is not None:
+        model["mup_output_mult"] = mult
+    base = _losses(cpu_config, False, **model)
+    ours = _losses(cpu_config, True, **model)
+    assert_losses_close(ours, base, 1e-5, f"fused-linear-cross-entropy fp32 GPT with MuP ({mult or 'auto'})")
+
+
+def test_mup_logit_scale_reads_megatrons_multiplier():
     from types import SimpleNamespace
 
-    from mindspeed_like.features.fused_linear_cross_entropy.postprocess import _unsupported
+    from mindspeed_like.features.fused_linear_cross_entropy.postprocess import mup_logit_scale
 
-    class _Call(dict):
-        def get(self, name, default=None):
-            return super().get(name, default)
-
-    model = SimpleNamespace(
-        config=SimpleNamespace(mtp_num_layers=1, use_mup=True), output_layer=SimpleNamespace(bias=None)
-    )
-    assert "multi-token prediction heads with MuP" in _unsupported(model, _Call())
+    assert mup_logit_scale(SimpleNamespace(use_mup=True, mup_output_mult=0.25)) == 0.25
+    assert mup_logit_scale(SimpleNamespace(use_mup=False, mup_output_mult=0.25)) == 1.0
+    assert mup_logit_scale(SimpleNamespace()) == 1.0  # before 0.17: no MuP fields at all
 
 
 def test_negative_chunk_is_a_config_error():

@@ -20,13 +20,13 @@ FP32_RTOL = 1e-5
 CHUNK = 7  # tokens per chunk: not a divisor of the 64 tokens of a micro-batch
 
 
-def mtp_gpt(vocab_size: int = 256, seq_length: int = 32, tied: bool = False):
+def mtp_gpt(vocab_size: int = 256, seq_length: int = 32, tied: bool = False, **config_overrides):
     """A tiny local-spec GPTModel with one MTP head: megatron's MTP block spec on the decoder layer's
     spec, as Megatron-LM's pretrain_gpt.py builds it."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 
-    config = gpt_config(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
+    config = gpt_config(mtp_num_layers=1, mtp_loss_scaling_factor=0.3, **config_overrides)
     spec = get_gpt_layer_local_spec()
     model_args = {
         **MODEL_DEFAULTS,
@@ -45,7 +45,7 @@ def _tracked_mtp_losses() -> torch.Tensor:
     return tracker.get("loss_values", tracker.get("values")).detach().clone()  # 0.19: loss_values
 
 
-def run(fused: bool, tied: bool = False) -> dict:
+def run(fused: bool, tied: bool = False, **config_overrides) -> dict:
     """Main per-token loss, the MTP head's tracked loss and all gradients after one forward/backward."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -55,7 +55,7 @@ def run(fused: bool, tied: bool = False) -> dict:
             device="cpu", strict=True, use_fused_linear_cross_entropy=fused, linear_cross_entropy_chunk_tokens=CHUNK
         )
         init_parallel(seed=SEED)
-        model = mtp_gpt(tied=tied)
+        model = mtp_gpt(tied=tied, **config_overrides)
         model.train()
         gen = torch.Generator().manual_seed(SEED)
         ids = torch.randint(0, 256, (2, 33), generator=gen)
@@ -81,9 +81,23 @@ def _relative(actual: torch.Tensor, reference: torch.Tensor) -> float:
     return ((actual - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_mtp_losses_and_gradients_equal_megatron_fp32(tied):
-    base, ours = run(False, tied), run(True, tied)
+MUP = dict(use_mup=True, mup_base_hidden_size=32, mup_output_mult=0.37)  # 0.17+: logits x 0.37, head and main
+
+
+@pytest.mark.parametrize(
+    "tied,mup", [(False, False), (True, False), (False, True)], ids=["untied", "tied", "untied-mup"]
+)
+def test_mtp_losses_and_gradients_equal_megatron_fp32(tied, mup):
+    """With MuP, megatron scales each head's logits between its output layer and its loss
+    (``process_mtp_loss(scale_logits_fn=...)``, 0.19): the deferred logits carry the factor."""
+    overrides = {}
+    if mup:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        if "use_mup" not in TransformerConfig.__dataclass_fields__:
+            pytest.skip("this megatron-core has no MuP (use_mup is 0.17+)")
+        overrides = MUP
+    base, ours = run(False, tied, **overrides), run(True, tied, **overrides)
     assert base["mtp"].shape == (1,) and base["mtp"][0] > 0  # megatron computed the head's loss
     assert _relative(ours["loss"], base["loss"]) < FP32_RTOL
     assert _relative(ours["mtp"], base["mtp"]) < FP32_RTOL, (ours["mtp"], base["mtp"])
