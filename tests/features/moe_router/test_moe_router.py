@@ -96,9 +96,9 @@ def _run(fn, logits, k, kwargs, upstream):
     return probs.detach(), routing_map, x.grad
 
 
-@pytest.mark.parametrize("combo", COMBOS, ids=IDS)
-def test_bitwise_equal_to_megatrons_unfused_path_fp32(combo):
-    logits, k, kwargs, upstream = _inputs(combo)
+def _assert_bitwise_equal_to_megatron(logits, k, kwargs, upstream):
+    """Our kernel (with the installed megatron's rounding layout) vs megatron's unfused routing:
+    probs, routing map and logits gradient bit for bit; returns ours."""
     ref = _run(_megatron_unfused(), logits, k, kwargs, upstream)
     layout = _layout()
     ours = _run(
@@ -110,6 +110,13 @@ def test_bitwise_equal_to_megatrons_unfused_path_fp32(combo):
     )
     for name, a, b in zip(("probs", "map", "grad"), ours, ref):
         assert _bits_equal(a, b), name
+    return ours
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=IDS)
+def test_bitwise_equal_to_megatrons_unfused_path_fp32(combo):
+    logits, k, kwargs, upstream = _inputs(combo)
+    ours = _assert_bitwise_equal_to_megatron(logits, k, kwargs, upstream)
     assert ours[1].sum(dim=1).eq(k).all()
     assert torch.count_nonzero(ours[2]) > 0
 
@@ -117,18 +124,7 @@ def test_bitwise_equal_to_megatrons_unfused_path_fp32(combo):
 @pytest.mark.parametrize("combo", [COMBOS[0], COMBOS[2], COMBOS[8], COMBOS[11]], ids=[IDS[0], IDS[2], IDS[8], IDS[11]])
 def test_bf16_bitwise_equal_to_the_installed_megatron(combo):
     """Low precision too, with the rounding layout read from the installed megatron."""
-    logits, k, kwargs, upstream = _inputs(combo, dtype=torch.bfloat16)
-    ref = _run(_megatron_unfused(), logits, k, kwargs, upstream)
-    layout = _layout()
-    ours = _run(
-        lambda x, k, **kw: kernel.topk_routing(x, k, **kw, fp32_intermediates=layout.fp32_intermediates),
-        logits,
-        k,
-        kwargs,
-        upstream,
-    )
-    for name, a, b in zip(("probs", "map", "grad"), ours, ref):
-        assert _bits_equal(a, b), name
+    _assert_bitwise_equal_to_megatron(*_inputs(combo, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=IDS)
