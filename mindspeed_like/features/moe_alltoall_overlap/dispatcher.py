@@ -21,6 +21,7 @@ Everything before (router, ``dispatch_preprocess``: counts and permutation) and 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from mindspeed_like.features.moe_alltoall_overlap.pipeline import ChunkPlan, ove
 from mindspeed_like.toolkit.binding import Call
 from mindspeed_like.toolkit.errors import FeatureUnsupported
 from mindspeed_like.toolkit.fallback import Fallback
+from mindspeed_like.toolkit.recompute import whole_recompute
 
 FEATURE_NAME = "moe-alltoall-overlap"
 PENDING = "_mindspeed_like_a2a_overlap_pending"  # on the dispatcher: token_dispatch was deferred
@@ -117,7 +119,10 @@ def run_pipeline(layer: Any, tokens: torch.Tensor, probs: torch.Tensor, recomput
     def run_expert(e: int, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         counts = torch.zeros(local, dtype=torch.long)
         counts[e] = x.shape[0]
-        out, bias = experts(x, counts, p)
+        # with recompute, this chunk is already recomputed as a whole: moe-zero-memory's wrapper of the
+        # experts module (and an activation-only recompute) step aside
+        with whole_recompute() if recompute else contextlib.nullcontext():
+            out, bias = experts(x, counts, p)
         if bias is not None:
             raise RuntimeError(f"mlp_bias is not supported for {type(dispatcher).__name__}")  # megatron's assert
         return out

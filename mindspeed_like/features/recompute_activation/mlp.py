@@ -66,6 +66,7 @@ from mindspeed_like.features.recompute_activation.layers import STAGE_LAYER_ATTR
 from mindspeed_like.toolkit.binding import Call
 from mindspeed_like.toolkit.errors import FeatureUnsupported
 from mindspeed_like.toolkit.fallback import Fallback
+from mindspeed_like.toolkit.recompute import inside_whole_recompute
 
 
 class RecomputeActivationUnsupported(FeatureUnsupported):
@@ -178,7 +179,7 @@ class MLPForward:
     recompute: Recompute
 
     def __call__(self, wrapped, instance, args, kwargs):
-        if instance is None or not self.recompute.wanted(instance):
+        if instance is None or not self.recompute.wanted(instance) or inside_whole_recompute():
             return wrapped(*args, **kwargs)
         call = Call(wrapped, args, kwargs)
         hidden_states, per_token_scale = call["hidden_states"], call.get("per_token_scale")
@@ -219,6 +220,8 @@ class GroupedMLPForward:
     def __call__(self, wrapped, instance, args, kwargs):
         if instance is None or instance.activation_recompute or not self.recompute.wanted(instance):
             return wrapped(*args, **kwargs)  # megatron's moe_act already recomputes: no double
+        if inside_whole_recompute():
+            return wrapped(*args, **kwargs)  # moe-zero-memory recomputes the whole experts call
         reason = _unsupported(instance.config)
         if reason is None and saved_tensor_hooks_active() and self.recompute.hook_safe:
             reason = (
