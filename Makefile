@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all test-compile lint megatron-lm-smoke megatron-lm-smoke-versions megatron-bridge-smoke test-versions clean
+.PHONY: install demo test test-all test-compile lint bench docs megatron-lm-smoke megatron-lm-smoke-versions megatron-bridge-smoke test-versions clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,26 @@ test-all: $(STAMP)
 # GPT parity with megatron's compiled fusions, alone and together (tests marked `compile`).
 test-compile: $(STAMP)
 	TORCHDYNAMO_DISABLE=0 $(PY) -m pytest -q -m compile
+
+# The numbers the docs quote: each benchmark below writes results/<name>.json (its record: command,
+# versions, host with the load average at start, every figure, each repeat's raw seconds) in the
+# mode the docs quote, torch.compile on as users run megatron; `make docs` renders the docs' tables
+# from results/ (results/ is committed, so `make docs` alone works on a fresh clone).
+# Durations: see BENCH_SET's comment. Run it on an idle machine: the records say the load average.
+bench: $(STAMP)
+	@set -e; start=$$(date +%s); \
+	while IFS= read -r cmd; do \
+		case "$$cmd" in ''|'#'*) continue ;; esac; \
+		echo "== $$cmd (load $$(cut -d' ' -f1 /proc/loadavg))"; t=$$(date +%s); \
+		TORCHDYNAMO_DISABLE=0 $(PY) $$cmd; \
+		echo "== $$(( $$(date +%s) - t )) s: $$cmd"; \
+	done < benchmarks/bench_set.txt; \
+	echo "== make bench: $$(( $$(date +%s) - start )) s"
+
+# The docs' numeric tables and quoted figures, re-rendered from results/ (`--check`: `make test`'s
+# tests/docs/test_doc_tables.py does the same comparison and names a hand-edited row).
+docs: $(STAMP)
+	$(PY) -m mindspeed_like.toolkit.doc_tables
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check mindspeed_like tests benchmarks examples

@@ -166,7 +166,8 @@ def main() -> None:
     from mindspeed_like.testing import run_distributed
 
     if args.curve:
-        common.rename("optimizer_state-curve" + ("-quick" if args.quick else ""))
+        if not args.record:
+            common.rename("optimizer_state-curve" + ("-quick" if args.quick else ""))
         steps = args.steps or 300
         curves = curve(steps, args.quick)
         base = curves["fp32 states"]

@@ -1,0 +1,483 @@
+"""``make docs``: the measured numbers in README.md, docs/index.md and docs/features/*.md rendered
+from the measurement records in results/ (``mindspeed_like.toolkit.records``), so no figure in
+the docs is typed by hand and none can go stale unnoticed.
+
+Three kinds of generated region, each between an opening and a closing HTML comment (invisible
+when the markdown is rendered); everything between them is rewritten by ``make docs``:
+
+``<!-- table: ID (make docs) -->`` ... ``<!-- /table -->``
+    a table from ``TABLES[ID]`` (this module), followed by one line per record it read saying
+    when (the record's start time), where (host, CPU count, load average at the start, torch and
+    megatron-core versions, git revision) and with which command it was measured.
+``<!-- value: QUERY -->`` ... ``<!-- /value -->``
+    one figure inside prose or a hand-written table cell, QUERY being
+    ``RECORD[field=value,...].FIELD [min|max|range] [FORMAT]`` (FORMAT a Python format spec,
+    e.g. ``.2f``): the one row of RECORD matching the filters (or the min / max / "lo-hi" over all
+    matching rows); ``RECORD.extra.KEY`` reads a figure the record keeps outside its rows.
+``<!-- records: NAME NAME ... (make docs) -->`` ... ``<!-- /records -->``
+    the when/where lines of the named records (under a table whose cells are values).
+
+``python -m mindspeed_like.toolkit.doc_tables`` rewrites every region; ``--check`` only compares
+and exits 1 naming each file, region and first differing line (``tests/docs/test_doc_tables.py``
+runs the check in ``make test``, so a hand edit of a generated number fails the suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mindspeed_like.toolkit import records
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def doc_files(root: Path = REPO) -> list[Path]:
+    """The documents whose numbers are rendered: README, docs/index.md and architecture.md, docs/features/*.md."""
+    docs = root / "docs"
+    return [root / "README.md", docs / "index.md", docs / "architecture.md", *sorted((docs / "features").glob("*.md"))]
+
+
+class RecordError(LookupError):
+    """A region names a record or a row that results/ does not have."""
+
+
+class Records:
+    """The records of one results folder, read on first use; remembers which ones a region used."""
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.folder = Path(folder) if folder else records.results_dir()
+        self._cache: dict[str, dict[str, Any]] = {}
+        self.used: list[str] = []  # by the region being rendered (its provenance lines)
+        self.read: list[str] = []  # by every region so far
+
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        if name not in self._cache:
+            path = self.folder / f"{name}.json"
+            if not path.exists():
+                raise RecordError(
+                    f"no record {name!r} ({path}): run the benchmark that writes it (`make bench` runs them all)"
+                )
+            self._cache[name] = records.read(path)
+        for seen in (self.used, self.read):
+            if name not in seen:
+                seen.append(name)
+        return self._cache[name]
+
+    def rows(self, name: str, table: str | None = None, **where: Any) -> list[dict[str, Any]]:
+        """Rows of record ``name`` (of its table ``table``) whose fields equal ``where`` (as
+        strings; a key ending in ``~`` matches when the field contains the value; ``max`` / ``min``
+        as the value keeps the rows where that field is largest / smallest)."""
+        extremes = {key: value for key, value in where.items() if value in ("max", "min")}
+        found = [
+            row
+            for row in self[name]["rows"]
+            if (table is None or row.get("table") == table)
+            and all(
+                _matches(row.get(key.rstrip("~")), value, key.endswith("~"))
+                for key, value in where.items()
+                if key not in extremes
+            )
+        ]
+        for key, which in extremes.items():  # `s=max`: the rows at the largest s among the others' matches
+            present = [row[key] for row in found if row.get(key) is not None]
+            if present:
+                target = max(present) if which == "max" else min(present)
+                found = [row for row in found if row.get(key) == target]
+        if not found:
+            raise RecordError(f"record {name!r}: no row with {dict(where, table=table)}")
+        return found
+
+    def row(self, name: str, table: str | None = None, **where: Any) -> dict[str, Any]:
+        found = self.rows(name, table, **where)
+        if len(found) != 1:
+            raise RecordError(f"record {name!r}: {len(found)} rows match {where}, a value needs exactly one")
+        return found[0]
+
+
+def _matches(field: Any, wanted: Any, contains: bool) -> bool:
+    return str(wanted) in str(field) if contains else str(field) == str(wanted)
+
+
+# -- formatting ---------------------------------------------------------------------------------
+
+
+def fmt(value: Any, spec: str = "") -> str:
+    """``format(value, spec)``; floats without a spec as the benchmarks print them (4 digits)."""
+    if value is None:
+        return "-"
+    if spec:
+        return format(value, spec)
+    return records.format_value(value)
+
+
+def markdown(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines
+
+
+@dataclass(frozen=True)
+class Col:
+    """One column: header, the row's field (or a function of the row), a format, a unit."""
+
+    header: str
+    field: str | Callable[[dict[str, Any]], Any]
+    spec: str = ""
+    unit: str = ""
+
+    def cell(self, row: dict[str, Any]) -> str:
+        value = self.field(row) if callable(self.field) else row.get(self.field)
+        text = fmt(value, self.spec)
+        return f"{text}{self.unit}" if value is not None and self.unit else text
+
+
+def columns_table(rows: Sequence[dict[str, Any]], cols: Sequence[Col]) -> list[str]:
+    return markdown([c.header for c in cols], ([c.cell(row) for c in cols] for row in rows))
+
+
+def printed(rec: dict[str, Any], table: str | None = None, columns: Sequence[str] | None = None) -> list[str]:
+    """A benchmark's console table as it printed it, with the command, in a code block."""
+    rows = [
+        {k: v for k, v in row.items() if k != "table"}
+        for row in rec["rows"]
+        if table is None or row.get("table") == table
+    ]
+    title = table or (rec["rows"][0].get("table", rec["name"]) if rec["rows"] else rec["name"])
+    return ["```", "$ " + command(rec), *records.format_table(title, rows, columns), "```"]
+
+
+def command(rec: dict[str, Any]) -> str:
+    argv = list(rec["command"])
+    if argv and argv[0].endswith(".py") and "/" not in argv[0]:
+        argv[0] = f"benchmarks/{argv[0]}"
+    if argv and argv[0].endswith(".py"):
+        argv = ["python", _relative(argv[0]), *argv[1:]]
+    return " ".join(argv)
+
+
+def _relative(path: str) -> str:
+    if not Path(path).is_absolute():
+        return path
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return path
+
+
+def provenance(rec: dict[str, Any]) -> str:
+    """When, where and how one record was measured (the line under every generated table)."""
+    host, versions = rec["host"], rec["versions"]
+    started = datetime.datetime.fromisoformat(rec["started_at"]).astimezone(datetime.timezone.utc)
+    load = host.get("load_average_at_start")
+    load_text = f"load average {load[0]:.2f} at start" if load else "load average unknown"
+    return (
+        f"`{rec['name']}`: {started:%Y-%m-%d %H:%M} UTC on {host.get('hostname') or 'unknown host'} "
+        f"({host.get('cpu_count')} CPUs, {load_text}), torch {versions.get('torch')}, "
+        f"megatron-core {versions.get('megatron_core')}, mindspeed_like {versions.get('mindspeed_like')}: "
+        f"`{command(rec)}`"
+    )
+
+
+def provenance_lines(recs: Records, names: Sequence[str]) -> list[str]:
+    return ["", *[f"<sub>Measured: {provenance(recs[name])}.</sub>" for name in names]]
+
+
+# -- inline values ------------------------------------------------------------------------------
+
+_QUERY = re.compile(
+    r"^(?P<record>[\w.-]+?)(?:\[(?P<where>[^\]]*)\])?\.(?P<field>extra\.[\w.]+|\w+)"
+    r"(?:\s+(?P<agg>min|max|range))?(?:\s+(?P<spec>\S+))?$"
+)
+
+
+def value(recs: Records, query: str) -> str:
+    """The text of one ``<!-- value: QUERY -->`` region (grammar in the module docstring)."""
+    match = _QUERY.match(query.strip())
+    if not match:
+        raise RecordError(f"value query {query!r}: expected RECORD[field=value,...].FIELD [min|max|range] [FORMAT]")
+    name, field, agg, spec = match["record"], match["field"], match["agg"], match["spec"] or ""
+    if field.startswith("extra."):
+        found: Any = recs[name].get("extra", {})
+        for key in field.split(".")[1:]:
+            if key not in found:
+                raise RecordError(f"record {name!r}: no extra figure {field[6:]!r}")
+            found = found[key]
+        return fmt(found, spec)
+    where = {}
+    # filters are separated by the commas that start another `key=` / `key~` (a value may hold ", ")
+    for part in re.split(r",(?=\s*\w+\s*[=~])", match["where"] or ""):
+        if part.strip():
+            found_filter = re.match(r"\s*(\w+)\s*([=~])(.*)", part, re.S)
+            if not found_filter:
+                raise RecordError(f"value query {query!r}: filter {part!r} is not field=value or field~text")
+            key, op, wanted = found_filter.groups()
+            where[key + ("~" if op == "~" else "")] = wanted.strip()
+    table = where.pop("table", None)
+    if agg is None:
+        row = recs.row(name, table, **where)
+        if field not in row:
+            raise RecordError(f"record {name!r}: the row {where} has no field {field!r}")
+        return fmt(row[field], spec)
+    values = [row[field] for row in recs.rows(name, table, **where) if row.get(field) is not None]
+    if not values:
+        raise RecordError(f"record {name!r}: no row {where} has the field {field!r}")
+    if agg == "min":
+        return fmt(min(values), spec)
+    if agg == "max":
+        return fmt(max(values), spec)
+    low, high = fmt(min(values), spec), fmt(max(values), spec)
+    return low if low == high else f"{low}-{high}"
+
+
+# -- the tables ---------------------------------------------------------------------------------
+
+Renderer = Callable[[Records], list[str]]
+TABLES: dict[str, Renderer] = {}
+
+
+def table(name: str) -> Callable[[Renderer], Renderer]:
+    def register(fn: Renderer) -> Renderer:
+        TABLES[name] = fn
+        return fn
+
+    return register
+
+
+def _printed_table(name: str, record: str, table_name: str | None = None) -> None:
+    TABLES[name] = lambda recs: printed(recs[record], table_name)
+
+
+for _name in (
+    "attention",
+    "fused_ops_rmsnorm",
+    "fused_ops_rope",
+    "grouped_gemm",
+    "param_memory",
+    "recompute_activation",
+    "tp_overlap",
+    "moe_alltoall_overlap",
+    "moe_permute",
+    "moe_router",
+):
+    _printed_table(f"{_name}.printed", _name)
+
+
+@table("fused_ops_swiglu")
+def _swiglu(recs: Records) -> list[str]:
+    return columns_table(
+        recs.rows("fused_ops_swiglu"),
+        [
+            Col("op", "op"),
+            Col("dtype", "dtype"),
+            Col("shape", "shape"),
+            Col("megatron", "megatron_ms", unit=" ms"),
+            Col("ours", "ours_ms", unit=" ms"),
+            Col("ours eager", "ours_eager_ms", unit=" ms"),
+            Col("speedup", "speedup", ".2f", "x"),
+            Col("megatron saved", "megatron_saved_MiB", ".0f", " MiB"),
+            Col("ours saved", "ours_saved_MiB", ".0f", " MiB"),
+        ],
+    )
+
+
+@table("optimizer_state")
+def _optimizer_state(recs: Records) -> list[str]:
+    return columns_table(
+        recs.rows("optimizer_state"),
+        [
+            Col("DP", "DP"),
+            Col("case", "case"),
+            Col("B/param", "B_per_param", ".3f"),
+            Col("target", lambda row: row.get("target") or ""),
+            Col("vs megatron", "vs_megatron", ".3f"),
+            Col("step ms", "step_ms", ".1f"),
+            Col("step vs megatron", "step_vs_megatron", ".2f"),
+        ],
+    )
+
+
+@table("optimizer_state-curve")
+def _optimizer_curve(recs: Records) -> list[str]:
+    return columns_table(
+        recs.rows("optimizer_state-curve"),
+        [
+            Col("states", "state"),
+            Col("first loss", "first", ".3f"),
+            Col("final loss (mean of the last 20)", "final_mean20", ".4f"),
+            Col("vs fp32 states", lambda row: f"{row['vs_fp32'] * 100:+.2f} %"),
+        ],
+    )
+
+
+@table("linear_cross_entropy")
+def _linear_cross_entropy(recs: Records) -> list[str]:
+    return columns_table(
+        recs.rows("linear_cross_entropy", table="linear_cross_entropy"),
+        [
+            Col("TP", "tp"),
+            Col("vocab", "vocab"),
+            Col("megatron", "megatron_ms", ".0f", " ms"),
+            Col("ours", "ours_ms", ".0f", " ms"),
+            Col("time", "time_ratio", ".2f", "x"),
+            Col("megatron peak", "megatron_peak_MiB", ".0f", " MiB"),
+            Col("our peak", "ours_peak_MiB", ".0f", " MiB"),
+            Col("peak lower by", "memory_ratio", ".2f", "x"),
+        ],
+    )
+
+
+CP_MEMORY = "context_parallel memory (same total sequence)"
+
+
+@table("context_parallel.memory")
+def _context_parallel_memory(recs: Records) -> list[str]:
+    return columns_table(
+        recs.rows("context_parallel", table=CP_MEMORY),
+        [
+            Col("CP", "cp"),
+            Col("saved for backward", "saved_MiB", ".1f", " MiB"),
+            Col("vs CP=1", "saved_ratio", ".2f", "x"),
+            Col("peak added", "peak_MiB", ".1f", " MiB"),
+            Col("vs CP=1", "peak_ratio", ".2f", "x"),
+        ],
+    )
+
+
+@table("context_parallel.longest")
+def _context_parallel_longest(recs: Records) -> list[str]:
+    return columns_table(
+        recs.rows("context_parallel", table="context_parallel longest sequence within the budget"),
+        [Col("CP", "cp"), Col("budget", "budget_MiB", ".0f", " MiB"), Col("longest sequence", "longest_seq")]
+        + [Col("vs CP=1", "vs_cp1", ".1f", "x")],
+    )
+
+
+@table("import_overhead")
+def _import_overhead(recs: Records) -> list[str]:
+    return columns_table(
+        recs.rows("import_overhead"),
+        [
+            Col("case", "case"),
+            Col("seconds", "seconds", ".3f"),
+            Col("ratio vs megatron alone", "ratio_vs_megatron", ".3f"),
+            Col("extra ms", "extra_ms", ".0f"),
+        ],
+    )
+
+
+# -- rendering a document -----------------------------------------------------------------------
+
+_REGION = re.compile(
+    r"(?P<open><!-- (?P<kind>table|value|records): (?P<arg>.*?)(?: \(make docs\))? -->)"
+    r"(?P<body>.*?)"
+    r"(?P<close><!-- /(?P=kind) -->)",
+    re.S,
+)
+
+
+@dataclass
+class Difference:
+    """One generated region whose text is not what the records render."""
+
+    path: Path
+    line: int
+    region: str
+    expected: str
+    found: str
+
+    def __str__(self) -> str:
+        return (
+            f"{_relative(str(self.path))}:{self.line}: {self.region} differs from what results/ renders "
+            f"(hand-edited? run `make docs`)\n  in the doc: {self.found}\n  from records: {self.expected}"
+        )
+
+
+def render_region(kind: str, arg: str, recs: Records) -> str:
+    if kind == "value":
+        return value(recs, arg)
+    if kind == "records":
+        return "\n".join(provenance_lines(recs, arg.split())) + "\n"
+    if arg not in TABLES:
+        raise RecordError(f"no table {arg!r} in mindspeed_like/toolkit/doc_tables.py (known: {', '.join(TABLES)})")
+    recs.used.clear()
+    lines = TABLES[arg](recs)
+    return "\n" + "\n".join([*lines, *provenance_lines(recs, list(recs.used))]) + "\n"
+
+
+def render(text: str, recs: Records, path: Path | None = None) -> tuple[str, list[Difference]]:
+    """The document with every region re-rendered, and the regions that differed."""
+    differences: list[Difference] = []
+    out: list[str] = []
+    last = 0
+    for match in _REGION.finditer(text):
+        try:
+            body = render_region(match["kind"], match["arg"].strip(), recs)
+        except (RecordError, ValueError) as err:
+            line = text.count("\n", 0, match.start()) + 1
+            raise RecordError(f"{path}:{line}: {match['open']}: {err}") from err
+        if body != match["body"]:
+            differences.append(_difference(path, text, match, body))
+        out += [text[last : match.start()], match["open"], body, match["close"]]
+        last = match.end()
+    out.append(text[last:])
+    return "".join(out), differences
+
+
+def _difference(path: Path | None, text: str, match: re.Match, body: str) -> Difference:
+    old, new = match["body"].split("\n"), body.split("\n")
+    index = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    start = text.count("\n", 0, match.start("body")) + 1
+    return Difference(
+        path=path or Path("<text>"),
+        line=start + index,
+        region=f"{match['kind']} {match['arg'].strip()!r}",
+        expected=new[index] if index < len(new) else "(nothing)",
+        found=old[index] if index < len(old) else "(nothing)",
+    )
+
+
+def regions(text: str) -> list[tuple[str, str]]:
+    return [(m["kind"], m["arg"].strip()) for m in _REGION.finditer(text)]
+
+
+def run(paths: Sequence[Path], folder: Path | None = None, *, check: bool) -> list[Difference]:
+    recs = Records(folder)
+    differences: list[Difference] = []
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        rendered, found = render(text, recs, path)
+        differences += found
+        if found and not check:
+            path.write_text(rendered, encoding="utf-8")
+    return differences
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--check", action="store_true", help="compare only; exit 1 naming each differing region")
+    parser.add_argument("--results", type=Path, help="records folder (default: results/ of this checkout)")
+    parser.add_argument("paths", nargs="*", type=Path, help="documents (default: README, docs/index.md, features)")
+    args = parser.parse_args(argv)
+    paths = args.paths or doc_files()
+    try:
+        differences = run(paths, args.results, check=args.check)
+    except RecordError as err:
+        print(err, file=sys.stderr)
+        return 2
+    for difference in differences:
+        print(difference, file=sys.stderr if args.check else sys.stdout)
+    if args.check:
+        return 1 if differences else 0
+    print(f"make docs: {len(differences)} region(s) rewritten in {len(paths)} document(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
