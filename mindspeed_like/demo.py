@@ -56,12 +56,13 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
     config = mindspeed_like.configure(**flag_values)
     from mindspeed_like.adapters.detect import detect_device
     from mindspeed_like.compare.presets import PRESETS
+    from mindspeed_like.compare.report import describe_features
     from mindspeed_like.demo_data import megatron_source_bytes, sample_windows
     from mindspeed_like.runtime import enabled_feature_names
     from mindspeed_like.testing import destroy_parallel, init_parallel, param_bytes, tiny_gpt, train_steps
 
     features_on = enabled_feature_names(config)
-    print(f"mindspeed_like demo on {detect_device(config['device'])}: features on: {', '.join(features_on)}")
+    print(f"mindspeed_like demo on {detect_device(config['device'])}: features on: {describe_features(features_on)}")
     tokens = megatron_source_bytes()
     generator = torch.Generator().manual_seed(args.seed)
     batches = torch.stack(
@@ -113,7 +114,7 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
     print(f"  loss {losses[0]:.4f} -> {losses[-1]:.4f} (uniform guess: {math.log(256):.4f})")
     print(f"  {tokens_per_s:,.0f} tokens/s over {args.steps} steps ({elapsed:.1f} s)")
     print(f"  peak memory (process RSS, includes the Python/torch runtime): {peak_rss:.0f} MiB")
-    print(f"  features on: {', '.join(features_on)}")
+    print(f"  features on: {describe_features(features_on)}")
     if not all(math.isfinite(x) for x in losses):
         print("demo FAILED: a loss is not finite")
         return 1
@@ -130,10 +131,23 @@ def _compare_summary(args: argparse.Namespace, flag_values: dict) -> int:
     parser = argparse.ArgumentParser(prog="mindspeed-like compare")
     add_compare_arguments(parser)
     compare_args = parser.parse_args(
-        ["--preset", args.preset, "--steps", str(args.compare_steps), "--quiet", "--out", "compare-out"]
+        # one repeat: the demo's summary line, not a measurement (`mindspeed-like compare` repeats 3 times)
+        [
+            "--preset",
+            args.preset,
+            "--steps",
+            str(args.compare_steps),
+            "--quiet",
+            "--out",
+            "compare-out",
+            "--repeats",
+            "1",
+        ]
     )
     print(
-        f"compare ({args.compare_steps} steps, `mindspeed-like compare --preset {args.preset}` defaults):", flush=True
+        f"compare ({args.compare_steps} steps, one repeat, `mindspeed-like compare --preset {args.preset}` defaults "
+        "otherwise):",
+        flush=True,
     )
     result = run_compare(compare_args, flag_values)
     print("  " + summary_line(result))

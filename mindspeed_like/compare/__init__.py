@@ -4,7 +4,11 @@ path and then with the features, each in its own process(es); one table, compare
     mindspeed-like compare --preset llama --optimization-level 2 --steps 10 --out runs/llama
 
 No feature flag and no level given means level 2 (every feature that applies). Parallel sizes
-(``--tensor-model-parallel-size``, ``--data-parallel-size``, ...) run that many processes per arm.
+(``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--context-parallel-size``,
+``--data-parallel-size``) run TP x PP x CP x DP processes per arm; a combination megatron-core would
+refuse is refused here, before any process starts (``check_arguments``). The two arms run
+alternately ``--repeats`` times (megatron, features, megatron, ...): the ratios are the median of
+the per-repeat ratios, with their min and max.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from mindspeed_like.compare.presets import PRESETS
 from mindspeed_like.toolkit.errors import ConfigError
 
 DEFAULT_LEVEL = 2
+DEFAULT_REPEATS = 3
+# flags both arms run with: the context-parallel algorithm is megatron's only CP attention on this host
+SHARED_FLAGS = ("device", "strict", "context_parallel_algo", "ulysses_degree_in_cp")
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
 
@@ -35,8 +42,29 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fp32", action="store_true", help="train in fp32 (default: bf16 with fp32 masters)")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages (megatron's 1F1B schedule; PP microbatches per step)",
+    )
+    group.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="virtual pipeline stages (megatron's interleaved schedule): layers per model chunk",
+    )
+    group.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="sequence split over ranks; the attention algorithm is --context-parallel-algo (both arms: it is "
+        "the only CP attention megatron has without TransformerEngine)",
+    )
     group.add_argument("--data-parallel-size", type=int, default=1)
-    group.add_argument("--expert-model-parallel-size", type=int, default=1, help="MoE presets: experts over DP ranks")
+    group.add_argument(
+        "--expert-model-parallel-size", type=int, default=1, help="MoE presets: experts over DP x CP ranks"
+    )
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument(
         "--transformer-impl",
@@ -45,7 +73,22 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help="the layer spec both arms build: megatron's TE spec (Megatron-LM's default; without TransformerEngine "
         "on the te-backend, which megatron's arm runs with no acceleration on) or its local spec",
     )
+    group.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help=f"runs of each arm, alternating (default {DEFAULT_REPEATS}): ratios are the median of the per-repeat "
+        "ratios, with their min-max",
+    )
     group.add_argument("--out", default="compare-out", help="directory for compare.json and compare.png")
+    group.add_argument(
+        "--record",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="NAME",
+        help="also write the record to results/NAME.json (default name: compare-<preset>[-<non-default options>])",
+    )
     group.add_argument("--timeout", type=float, default=3600, help="seconds per arm before its processes are killed")
     group.add_argument("--quiet", action="store_true", help="no progress line per step")
     group.add_argument(
@@ -53,8 +96,33 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-    """Clear errors for sizes megatron would refuse later, deep inside a child process."""
+def world_size(args: argparse.Namespace) -> int:
+    """Processes per arm: TP x PP x CP x DP, megatron's decomposition of the world."""
+    return (
+        args.tensor_model_parallel_size
+        * args.pipeline_model_parallel_size
+        * args.context_parallel_size
+        * args.data_parallel_size
+    )
+
+
+def virtual_stages(args: argparse.Namespace) -> int | None:
+    """megatron's ``virtual_pipeline_model_parallel_size`` from ``--num-layers-per-virtual-pipeline-stage``
+    (Megatron-LM's ``validate_args``: layers per stage / layers per virtual stage; 1 means none)."""
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    if per_stage is None:
+        return None
+    vpp = args.num_layers // args.pipeline_model_parallel_size // per_stage
+    return vpp if vpp > 1 else None
+
+
+def check_arguments(args: argparse.Namespace, flag_values: dict[str, Any] | None = None) -> None:
+    """Refuse, before any process starts, what megatron-core would refuse later deep inside a child:
+    Megatron-LM's ``validate_args`` checks of the layout (quoted), megatron's TransformerConfig built
+    here from the same values as the children's (its ``__post_init__`` errors surface as they are),
+    its ``initialize_model_parallel`` world decomposition, and what the batch split and the
+    context-parallel attention need."""
+    flag_values = flag_values or {}
     for name in (
         "steps",
         "num_layers",
@@ -63,34 +131,44 @@ def check_arguments(args: argparse.Namespace) -> None:
         "seq_length",
         "micro_batch_size",
         "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
         "data_parallel_size",
         "expert_model_parallel_size",
+        "num_layers_per_virtual_pipeline_stage",
+        "repeats",
         "threads",
     ):
-        if name == "threads" and args.threads == 0:
+        value = getattr(args, name)
+        if (name == "threads" and value == 0) or (name == "num_layers_per_virtual_pipeline_stage" and value is None):
             continue
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"compare: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        if value <= 0:
+            raise ConfigError(f"compare: --{name.replace('_', '-')} must be positive, got {value}")
     if args.hidden_size % args.num_attention_heads:
         raise ConfigError(
             f"compare: --hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
             f"{args.num_attention_heads}"
         )
-    tp = args.tensor_model_parallel_size
-    if args.num_attention_heads % tp:
-        raise ConfigError(f"compare: --num-attention-heads {args.num_attention_heads} must be divisible by TP {tp}")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     if args.sequence_parallel and tp == 1:
         raise ConfigError("compare: --sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.sequence_parallel and args.seq_length % tp:
-        raise ConfigError(f"compare: --seq-length {args.seq_length} must be divisible by TP {tp} with SP")
-    ep = args.expert_model_parallel_size
     preset = PRESETS[args.preset]
+    ep = args.expert_model_parallel_size
     if ep > 1 and not preset.moe:
         moe_presets = ", ".join(sorted(name for name, p in PRESETS.items() if p.moe))
         raise ConfigError(f"compare: --expert-model-parallel-size is for the MoE presets ({moe_presets})")
-    if ep > 1 and ((args.data_parallel_size * tp) % ep or preset.num_experts % ep):
+    if ep > 1 and preset.num_experts % ep:
         raise ConfigError(
-            f"compare: --expert-model-parallel-size {ep} must divide DP x TP and the {preset.num_experts} experts"
+            f"compare: --expert-model-parallel-size {ep} must divide the {preset.num_experts} experts of --preset "
+            f"{preset.name}"
+        )
+    if (args.data_parallel_size * cp) % ep:
+        # initialize_model_parallel: world % (expert TP x EP x PP) == 0, expert TP = TP here
+        raise ConfigError(
+            f"compare: megatron-core refuses this layout: world size {world_size(args)} is not divisible by expert "
+            f"tensor parallel size ({tp}) x expert model parallel size ({ep}) x pipeline model parallel size ({pp}) "
+            f"(initialize_model_parallel): --expert-model-parallel-size must divide DP x CP "
+            f"({args.data_parallel_size} x {cp})"
         )
     if preset.name == "deepseek":
         head_dim = args.hidden_size // args.num_attention_heads
@@ -99,19 +177,135 @@ def check_arguments(args: argparse.Namespace) -> None:
                 f"compare: --preset deepseek needs hidden-size / num-attention-heads even and >= 4 (MLA's rope "
                 f"part is half the head dim), got {head_dim}"
             )
+    _check_pipeline(args)
+    _check_megatron_config(args)  # heads and query groups by TP, MoE sizes, ... in megatron's words
+    _check_context_parallel(args, flag_values)
+
+
+def _check_pipeline(args: argparse.Namespace) -> None:
+    """Megatron-LM's validate_args checks of PP and virtual stages, with its messages."""
+    pp, per_virtual = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    if args.num_layers % pp:
+        raise ConfigError(
+            f"compare: megatron refuses --num-layers {args.num_layers} at --pipeline-model-parallel-size {pp}: "
+            "'Number of layers should be divisible by the pipeline-model-parallel size'"
+        )
+    if per_virtual is not None:
+        if (args.num_layers // pp) % per_virtual:
+            raise ConfigError(
+                f"compare: megatron refuses --num-layers-per-virtual-pipeline-stage {per_virtual} with "
+                f"{args.num_layers // pp} layers per pipeline stage: 'number of layers per pipeline stage must be "
+                "divisible number of layers per virtual pipeline stage'"
+            )
+        if virtual_stages(args) is not None and pp == 1:
+            raise ConfigError(
+                "compare: megatron refuses virtual pipeline stages at --pipeline-model-parallel-size 1: 'When "
+                "interleaved schedule is used, pipeline-model-parallel size should be greater than 1'"
+            )
+    if pp > 1 and args.preset == "deepseek":
+        raise ConfigError(
+            "compare: --preset deepseek with --pipeline-model-parallel-size > 1 is not supported by compare (its "
+            "dense-first block spec and MTP layer are not placed per pipeline stage here); use another preset"
+        )
+
+
+def _check_context_parallel(args: argparse.Namespace, flag_values: dict[str, Any]) -> None:
+    """The zigzag batch split (megatron's ``get_batch_on_this_cp_rank``: 2 x CP chunks of every
+    sequence), the sequence-parallel scatter of each rank's chunks over TP, and the head split of
+    the Ulysses all-to-all (docs/features/context-parallel.md)."""
+    from mindspeed_like.features.context_parallel import CHOICES
+    from mindspeed_like.features.context_parallel.groups import HYBRID, hierarchical_sizes
+
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    algo = flag_values.get("context_parallel_algo") or CHOICES[0]
+    degree = flag_values.get("ulysses_degree_in_cp")
+    if cp == 1:
+        if "context_parallel_algo" in flag_values or degree is not None:
+            raise ConfigError(
+                "compare: --context-parallel-algo / --ulysses-degree-in-cp act at --context-parallel-size > 1; "
+                "give --context-parallel-size"
+            )
+        return
+    if args.seq_length % (2 * cp):
+        raise ConfigError(
+            f"compare: --seq-length {args.seq_length} must be divisible by 2 x --context-parallel-size ({2 * cp}): "
+            "megatron's get_batch_on_this_cp_rank splits every sequence into 2 x CP chunks"
+        )
+    if args.sequence_parallel and (args.seq_length // cp) % tp:
+        raise ConfigError(
+            f"compare: with --sequence-parallel, each context-parallel rank's {args.seq_length // cp} tokens must "
+            f"be divisible by TP {tp} (megatron scatters them over the TP ranks)"
+        )
+    if algo in ("ulysses_cp_algo", HYBRID):
+        ulysses = cp if algo == "ulysses_cp_algo" else degree
+        if algo == HYBRID:
+            if degree is None:
+                raise ConfigError("compare: --context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp N")
+            hierarchical_sizes(degree, cp)  # the degree divides CP (its ConfigError names the divisors)
+        from mindspeed_like.compare.presets import PRESETS
+
+        model = PRESETS[args.preset].model_args(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            seq_length=args.seq_length,
+        )
+        groups = model.get("num_query_groups") or args.num_attention_heads
+        for what, count in (("attention heads", args.num_attention_heads), ("key/value groups", groups)):
+            per_rank = max(1, count // tp)  # megatron lets query groups divide TP (each rank holds one)
+            if per_rank % ulysses:
+                raise ConfigError(
+                    f"compare: {algo} moves heads with an all-to-all over {ulysses} ranks: the {per_rank} {what} per "
+                    f"TP rank ({count} at TP {tp}) must be divisible by {ulysses}; use megatron_cp_algo (ring) or "
+                    "kvallgather_cp_algo, or other sizes"
+                )
+
+
+def _check_megatron_config(args: argparse.Namespace) -> None:
+    """megatron's TransformerConfig of the children's model, built here: its own checks
+    (heads and query groups by TP, MoE by EP, pipeline dtype, ...) refuse with megatron's words."""
+    from mindspeed_like.compare.worker import megatron_config
+
+    try:
+        megatron_config(_spec_layout(args))
+    except (AssertionError, ValueError, TypeError) as error:
+        raise ConfigError(f"compare: megatron-core's TransformerConfig refuses this combination: {error}") from error
+
+
+def _spec_layout(args: argparse.Namespace) -> dict[str, Any]:
+    """The part of a worker spec that decides the model and its layout."""
+    pp = args.pipeline_model_parallel_size
+    return dict(
+        preset=args.preset,
+        size=dict(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            seq_length=args.seq_length,
+        ),
+        bf16=not args.fp32,
+        tp=args.tensor_model_parallel_size,
+        sp=args.sequence_parallel,
+        ep=args.expert_model_parallel_size,
+        pp=pp,
+        vpp=virtual_stages(args),
+        cp=args.context_parallel_size,
+        microbatches=pp if pp > 1 else 1,
+    )
 
 
 def feature_flags(flag_values: dict[str, Any]) -> dict[str, Any]:
     """The features arm's configure() values: the flags given, or level 2 when none switch
-    anything (only --device / --strict given)."""
+    anything (only flags both arms share given: --device, --strict, the context-parallel algorithm)."""
     chosen = dict(flag_values)
-    if not set(chosen) - {"device", "strict"}:
+    if not set(chosen) - set(SHARED_FLAGS):
         chosen["optimization_level"] = DEFAULT_LEVEL
     return chosen
 
 
 def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[str, Any]:
-    """Run both arms and return the result (also written to ``args.out``)."""
+    """Run both arms ``--repeats`` times, alternately, and return the result (also written to
+    ``args.out``, and to results/ with ``--record``)."""
     import torch
 
     from mindspeed_like import runtime
@@ -121,7 +315,8 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
     from mindspeed_like.testing import run_distributed
     from mindspeed_like.testing.distributed import DistributedError
 
-    check_arguments(args)
+    check_arguments(args, flag_values)
+    record = report.start_record(args, flag_values)  # the load average before anything runs
     flags = feature_flags(flag_values)
     config = runtime.resolve_config(code=flags, argv=[])  # errors here, not in the children
     ctx = runtime.context_for(config)
@@ -135,46 +330,45 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
                 "--no-te-backend switched off; drop --no-te-backend or use --transformer-impl local"
             )
     device = config["device"]
-    world = args.tensor_model_parallel_size * args.data_parallel_size
-    global_batch = args.micro_batch_size * args.data_parallel_size
+    world = world_size(args)
+    layout = _spec_layout(args)
+    global_batch = args.micro_batch_size * layout["microbatches"] * args.data_parallel_size
     generator = torch.Generator().manual_seed(args.seed)
     tokens = megatron_source_bytes()
     data = torch.stack([sample_windows(tokens, global_batch, args.seq_length, generator) for _ in range(args.steps)])
     spec = dict(
-        preset=args.preset,
-        size=dict(
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            seq_length=args.seq_length,
-        ),
+        layout,
         steps=args.steps,
         micro_batch_size=args.micro_batch_size,
         lr=args.lr,
-        bf16=not args.fp32,
         seed=args.seed,
-        tp=args.tensor_model_parallel_size,
-        sp=args.sequence_parallel,
-        ep=args.expert_model_parallel_size,
         transformer_impl=args.transformer_impl,
         distributed_optimizer=args.use_distributed_optimizer,
         device=device,
         data=data,
         progress=not args.quiet,
         threads=args.threads or max(1, (os.cpu_count() or 1) // world),
+        repeats=args.repeats,
+        shared_flags={k: v for k, v in flag_values.items() if k in SHARED_FLAGS and k not in ("device", "strict")},
     )
     backend = {"cuda": "nccl", "npu": "hccl"}.get(runtime.context_for(config).device, "gloo")
-    arms = {}
-    for arm, arm_flags in ((MEGATRON, {}), (FEATURES, flags)):
-        if not args.quiet:
-            print(f"{arm}: training {args.steps} steps in {world} process(es)", flush=True)
-        try:
-            ranks = run_distributed(
-                run_arm, world, dict(spec, arm=arm, flags=arm_flags), timeout=args.timeout, backend=backend
-            )
-        except DistributedError as error:
-            raise CompareFailed(f"the {arm} run failed:\n{error}") from error
-        arms[arm] = report.merge_ranks(ranks)
-    result = report.build(args, flags, arms)
-    result["files"] = report.write(result, args.out)
+    runs: dict[str, list[dict[str, Any]]] = {MEGATRON: [], FEATURES: []}
+    for repeat in range(args.repeats):
+        for arm, arm_flags in ((MEGATRON, {}), (FEATURES, flags)):
+            if not args.quiet:
+                which = f" (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""
+                print(f"{arm}{which}: training {args.steps} steps in {world} process(es)", flush=True)
+            try:
+                ranks = run_distributed(
+                    run_arm,
+                    world,
+                    dict(spec, arm=arm, flags=arm_flags, repeat=repeat),
+                    timeout=args.timeout,
+                    backend=backend,
+                )
+            except DistributedError as error:
+                raise CompareFailed(f"the {arm} run failed:\n{error}") from error
+            runs[arm].append(report.merge_ranks(ranks))
+    result = report.build(args, flags, runs)
+    result["files"] = report.write(result, args.out, record, to_results=args.record)
     return result

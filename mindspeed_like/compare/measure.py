@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import statistics
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,10 +49,12 @@ def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
                 yield from (t for t in group if isinstance(t, torch.Tensor))
 
 
-def state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
+def state_bytes(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer) -> dict[str, int]:
     """Weights, gradients and optimizer state in bytes; each storage counted once, in the first
-    of those kinds that holds it."""
-    params = list(model.parameters())
+    of those kinds that holds it. ``model``: a model or the chunks of a virtual pipeline (one
+    optimizer over all of them)."""
+    models = [model] if isinstance(model, torch.nn.Module) else list(model)
+    params = [p for m in models for p in m.parameters()]
     weights = _storages(params)
     grads = _storages(
         t for p in params for t in (getattr(p, "main_grad", None), p.grad, getattr(p, "decoupled_grad", None))

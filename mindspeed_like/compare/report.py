@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 from typing import Any
 
 MIB = 2**20
@@ -13,10 +14,47 @@ MEMORY_KINDS = ("weights", "gradients", "optimizer", "model_state", "activations
 PLOT_HINT = "no plot: matplotlib is not installed (pip install 'mindspeed_like[plot]' for compare.png)"
 
 
+def feature_kinds(names: list[str]) -> dict[str, str]:
+    """Each feature's kind as its declaration says (``Feature.kind``: feature, adapter, fix,
+    integration); a name the registry does not know counts as a feature."""
+    from mindspeed_like.registry import feature_by_name
+
+    kinds = {}
+    for name in names:
+        try:
+            kinds[name] = feature_by_name(name).kind
+        except KeyError:
+            kinds[name] = "feature"
+    return kinds
+
+
+def describe_features(names: list[str]) -> str:
+    """What a user switched on, in their words: the accelerations by name, then the device adapters
+    and upstream fixes in one word each (``flash-attention, fused-rmsnorm (+ cpu adapter, 3 more
+    adapters, 12 fixes)``); integrations (argument plumbing, model trackers) are not named: they
+    are how the library works, not something to switch."""
+    kinds = feature_kinds(names)
+    features = [n for n in names if kinds[n] == "feature"]
+    adapters = [n for n in names if kinds[n] == "adapter"]
+    fixes = [n for n in names if kinds[n] == "fix"]
+    extra = []
+    devices = [n.removesuffix("-adapter") for n in adapters if n.endswith("-adapter")]
+    extra += [f"{device} adapter" for device in devices]
+    others = len(adapters) - len(devices)
+    if others:
+        more = "more " if devices else ""
+        extra.append(f"{others} {more}adapter{'s' if others > 1 else ''}")
+    if fixes:
+        extra.append(f"{len(fixes)} fix{'es' if len(fixes) > 1 else ''}")
+    text = ", ".join(features) or "none"
+    return text + (f" (+ {', '.join(extra)})" if extra else "")
+
+
 def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """One arm from its ranks: rank 0's losses (every rank reports the DP-mean loss), the slowest
-    rank's step times, each memory kind at its largest rank (the per-rank peak a device must
-    hold), the features that fell back on any rank."""
+    """One run of an arm from its ranks: rank 0's losses (every rank reports the DP-mean loss), the
+    slowest rank's step times, each memory kind per rank and at its largest rank (the per-rank peak
+    a device must hold), the features that fell back on any rank."""
+    ranks = sorted(ranks, key=lambda r: r["rank"])
     first = ranks[0]
     slowest = max(ranks, key=lambda r: r["step_time"]["median_s"])
     fell_back: dict[str, list[str]] = {}
@@ -29,9 +67,11 @@ def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         for feature, reasons in rank["fell_back"].items():
             fell_back.setdefault(feature, [])
             fell_back[feature] += [r for r in reasons if r not in fell_back[feature]]
+    by_rank = {kind: [_memory(r)[kind] for r in ranks] for kind in MEMORY_KINDS}
     return {
         "device": first["device"],
         "processes": len(ranks),
+        "places": [r.get("place", {}) for r in ranks],
         "features_on": first["features_on"],
         "fell_back": fell_back,
         "served": served,
@@ -40,7 +80,8 @@ def merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "step_times_s": slowest["step_times_s"],
         "step_time": slowest["step_time"],
         "tokens_per_s": first["tokens_per_step"] / slowest["step_time"]["median_s"],
-        "memory_per_rank": {kind: max(_memory(r)[kind] for r in ranks) for kind in MEMORY_KINDS},
+        "memory_by_rank": by_rank,
+        "memory_per_rank": {kind: max(values) for kind, values in by_rank.items()},
     }
 
 
@@ -50,11 +91,62 @@ def _memory(rank: dict[str, Any]) -> dict[str, int]:
     return memory
 
 
-def build(args: argparse.Namespace, flags: dict[str, Any], arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    megatron, features = arms["megatron"], arms["features"]
+def _arm(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """An arm over its repeats: repeat 1's features and losses (every repeat must have the same
+    losses: same seed, same data), the median over repeats of each per-run figure (memory per rank
+    included), every repeat's step times."""
+    first = runs[0]
+    fell_back: dict[str, list[str]] = {}
+    for run in runs:
+        for feature, reasons in run["fell_back"].items():
+            fell_back.setdefault(feature, [])
+            fell_back[feature] += [r for r in reasons if r not in fell_back[feature]]
+    by_rank = {
+        kind: [statistics.median_low(run["memory_by_rank"][kind][i] for run in runs) for i in range(first["processes"])]
+        for kind in MEMORY_KINDS
+    }
+    medians = [run["step_time"]["median_s"] for run in runs]
+    return {
+        **{k: first[k] for k in ("device", "processes", "places", "features_on", "served", "calls", "losses")},
+        "fell_back": fell_back,
+        "step_times_s": first["step_times_s"],
+        "step_time": dict(first["step_time"], median_s=statistics.median(medians)),
+        "tokens_per_s": statistics.median(run["tokens_per_s"] for run in runs),
+        "memory_by_rank": by_rank,
+        "memory_per_rank": {kind: max(values) for kind, values in by_rank.items()},
+        "losses_identical_across_repeats": all(run["losses"] == first["losses"] for run in runs),
+        "repeats": [
+            {
+                "losses": run["losses"],
+                "step_times_s": run["step_times_s"],
+                "step_time_median_s": run["step_time"]["median_s"],
+                "tokens_per_s": run["tokens_per_s"],
+            }
+            for run in runs
+        ],
+    }
+
+
+def _spread(ours: list[float], theirs: list[float]) -> dict[str, float | None]:
+    """The median of the per-repeat ratios (features / megatron, repeat i against repeat i) and their
+    min and max: how much the ratio moved between repeats on this host."""
+    ratios = [_ratio(a, b) for a, b in zip(ours, theirs)]
+    known = [r for r in ratios if r is not None]
+    if not known:
+        return {"ratio": None, "ratio_min": None, "ratio_max": None}
+    return {"ratio": statistics.median(known), "ratio_min": min(known), "ratio_max": max(known)}
+
+
+def build(args: argparse.Namespace, flags: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    megatron, features = _arm(runs["megatron"]), _arm(runs["features"])
     diffs = [abs(a - b) for a, b in zip(features["losses"], megatron["losses"])]
     baseline_features = set(megatron["features_on"])
-    accelerations = [name for name in features["features_on"] if name not in baseline_features]
+    kinds = feature_kinds(features["features_on"])
+    # what the features arm adds to megatron's: the accelerations (adapters, fixes and integrations
+    # are the same in both arms, and are not what is compared)
+    accelerations = [
+        name for name in features["features_on"] if name not in baseline_features and kinds[name] == "feature"
+    ]
     calls = features["calls"]
     ran = [name for name in accelerations if calls.get(name) and name not in features["fell_back"]]
     served = features.get("served", {})
@@ -63,6 +155,20 @@ def build(args: argparse.Namespace, flags: dict[str, Any], arms: dict[str, dict[
         for name in accelerations
         if not calls.get(name) and name not in features["fell_back"] and name not in served
     ]
+    per_repeat = {
+        "tokens_per_s": _spread(
+            [r["tokens_per_s"] for r in runs["features"]], [r["tokens_per_s"] for r in runs["megatron"]]
+        ),
+        "step_time_s": _spread(
+            [r["step_time"]["median_s"] for r in runs["features"]],
+            [r["step_time"]["median_s"] for r in runs["megatron"]],
+        ),
+    }
+    for kind in MEMORY_KINDS:
+        per_repeat[f"{kind}_bytes"] = _spread(
+            [r["memory_per_rank"][kind] for r in runs["features"]],
+            [r["memory_per_rank"][kind] for r in runs["megatron"]],
+        )
     return {
         "model": {
             "preset": args.preset,
@@ -75,14 +181,22 @@ def build(args: argparse.Namespace, flags: dict[str, Any], arms: dict[str, dict[
             "transformer_impl": args.transformer_impl,
         },
         "parallel": {
+            "world_size": megatron["processes"],
             "tensor_model_parallel_size": args.tensor_model_parallel_size,
             "sequence_parallel": args.sequence_parallel,
+            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+            "num_layers_per_virtual_pipeline_stage": args.num_layers_per_virtual_pipeline_stage,
+            "context_parallel_size": args.context_parallel_size,
+            "context_parallel_algo": flags.get("context_parallel_algo"),
+            "ulysses_degree_in_cp": flags.get("ulysses_degree_in_cp"),
             "data_parallel_size": args.data_parallel_size,
             "expert_model_parallel_size": args.expert_model_parallel_size,
             "use_distributed_optimizer": args.use_distributed_optimizer,
+            "microbatches_per_step": args.pipeline_model_parallel_size,
         },
         "steps": args.steps,
         "seed": args.seed,
+        "repeats": args.repeats,
         "flags": flags,
         "features": {
             "on": accelerations,
@@ -94,19 +208,18 @@ def build(args: argparse.Namespace, flags: dict[str, Any], arms: dict[str, dict[
         },
         "megatron": megatron,
         "with_features": features,
-        "ratios": {
-            "tokens_per_s": features["tokens_per_s"] / megatron["tokens_per_s"],
-            **{
-                f"{kind}_bytes": _ratio(features["memory_per_rank"][kind], megatron["memory_per_rank"][kind])
-                for kind in MEMORY_KINDS
-            },
-        },
+        "ratios": {name: spread["ratio"] for name, spread in per_repeat.items()},
+        "ratio_spread": per_repeat,
         "loss": {
             "max_abs_diff": max(diffs),
-            "max_rel_diff": max(d / abs(m) for d, m in zip(diffs, megatron["losses"]) if m),
+            "max_rel_diff": max((d / abs(m) for d, m in zip(diffs, megatron["losses"]) if m), default=0.0),
             "first_step_equal": features["losses"][0] == megatron["losses"][0],
             "final_megatron": megatron["losses"][-1],
             "final_features": features["losses"][-1],
+            "identical_across_repeats": {
+                "megatron": megatron["losses_identical_across_repeats"],
+                "features": features["losses_identical_across_repeats"],
+            },
         },
     }
 
@@ -124,26 +237,37 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def _spread_text(spread: dict[str, float | None], repeats: int) -> str:
+    if spread["ratio"] is None:
+        return "-"
+    if repeats == 1:
+        return _x(spread["ratio"])
+    return f"{_x(spread['ratio'])} ({spread['ratio_min']:.2f}-{spread['ratio_max']:.2f})"
+
+
 def table(result: dict[str, Any]) -> str:
     m, f = result["megatron"], result["with_features"]
+    spread, repeats = result["ratio_spread"], result["repeats"]
+    ratio_header = "features / megatron" + (f" (median, min-max of {repeats})" if repeats > 1 else "")
     rows = [
-        ("tokens/s", f"{m['tokens_per_s']:,.0f}", f"{f['tokens_per_s']:,.0f}", _x(result["ratios"]["tokens_per_s"])),
+        (
+            "tokens/s",
+            f"{m['tokens_per_s']:,.0f}",
+            f"{f['tokens_per_s']:,.0f}",
+            _spread_text(spread["tokens_per_s"], repeats),
+        ),
+        (
+            "step time (median)",
+            f"{m['step_time']['median_s'] * 1000:,.0f} ms",
+            f"{f['step_time']['median_s'] * 1000:,.0f} ms",
+            _spread_text(spread["step_time_s"], repeats),
+        ),
     ]
-    for arm_name, arm in (("megatron", m), ("features", f)):
-        st = arm["step_time"]
-        rows.append(
-            (
-                f"step time ({arm_name})",
-                f"median {st['median_s'] * 1000:,.0f} ms",
-                f"min {st['min_s'] * 1000:,.0f} / max {st['max_s'] * 1000:,.0f}",
-                f"{st['steps_timed']} steps",
-            )
-        )
     labels = {
         "weights": "weights MiB",
         "gradients": "gradients MiB",
         "optimizer": "optimizer state MiB",
-        "activations": "activations MiB (saved for bwd)",
+        "activations": "activations MiB (saved for bwd" + (", per microbatch)" if len(m["places"]) > 1 else ")"),
         "model_state": "  weights + gradients + optimizer",
         "process_peak": "process peak MiB" + (" (RSS)" if m["device"] == "cpu" else ""),
     }
@@ -153,7 +277,7 @@ def table(result: dict[str, Any]) -> str:
                 label,
                 _mib(m["memory_per_rank"][kind]),
                 _mib(f["memory_per_rank"][kind]),
-                _x(result["ratios"][f"{kind}_bytes"]),
+                _spread_text(spread[f"{kind}_bytes"], repeats),
             )
         )
     loss = result["loss"]
@@ -165,9 +289,26 @@ def table(result: dict[str, Any]) -> str:
             f"max |diff| {loss['max_abs_diff']:.2e}",
         )
     )
-    header = ("per rank", "megatron", "with features", "features / megatron")
-    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(4)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in (header, *rows)]
+    header = ("max over ranks" if m["processes"] > 1 else "per rank", "megatron", "with features", ratio_header)
+    lines = _columns(header, rows)
+    if m["processes"] > 1:
+        lines += ["", "per rank MiB (megatron / with features):"]
+        rank_header = ("rank", *[_place(p) for p in m["places"]])
+        rank_rows = []
+        for kind in ("weights", "gradients", "optimizer", "activations", "process_peak"):
+            rank_rows.append(
+                (
+                    kind.replace("_", " "),
+                    *[f"{_mib(a)} / {_mib(b)}" for a, b in zip(m["memory_by_rank"][kind], f["memory_by_rank"][kind])],
+                )
+            )
+        lines += _columns(rank_header, rank_rows)
+    for arm_name, arm in (("megatron", m), ("features", f)):
+        if not arm["losses_identical_across_repeats"]:
+            lines.append(
+                f"WARNING: the {arm_name} arm's losses differ between repeats (same seed and data): its runs are "
+                "not deterministic, so the two arms' losses cannot be compared step for step"
+            )
     features = result["features"]
     lines.append(
         "features reached (megatron called their patched code; each acts where it applies): "
@@ -182,11 +323,25 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in (header, *rows)]
+
+
+def _place(place: dict[str, int]) -> str:
+    """A rank's coordinates, only the parallel dimensions in use (e.g. ``pp1 dp0``)."""
+    return " ".join(f"{k}{v}" for k, v in place.items()) or "rank"
+
+
 def summary_line(result: dict[str, Any]) -> str:
     r, loss = result["ratios"], result["loss"]
     fell = result["features"]["fell_back"]
+    spread = result["ratio_spread"]["tokens_per_s"]
+    tokens = _x(r["tokens_per_s"])
+    if result["repeats"] > 1 and spread["ratio"] is not None:
+        tokens += f" (median of {result['repeats']}, {spread['ratio_min']:.2f}-{spread['ratio_max']:.2f})"
     return (
-        f"{result['model']['preset']}: {_x(r['tokens_per_s'])} megatron's tokens/s, "
+        f"{result['model']['preset']}: {tokens} megatron's tokens/s, "
         f"activations {_x(r['activations_bytes'])}, model state {_x(r['model_state_bytes'])}, "
         f"process peak {_x(r['process_peak_bytes'])} of megatron's; max loss diff {loss['max_abs_diff']:.1e} "
         f"over {result['steps']} steps; features reached: {', '.join(result['features']['ran']) or 'none'}"
@@ -194,27 +349,203 @@ def summary_line(result: dict[str, Any]) -> str:
     )
 
 
-def write(result: dict[str, Any], out: str) -> list[str]:
-    """compare.json, and compare.png when matplotlib is installed; returns the files written."""
+# options that name no measurement of their own (where files go, how much is printed)
+_NOT_OPTIONS = ("handler", "verbose", "out", "record", "quiet", "timeout", "command")
+_CP_ALGO_TAGS = {
+    "megatron_cp_algo": "",
+    "ulysses_cp_algo": "ulysses",
+    "hybrid_cp_algo": "hybrid",
+    "kvallgather_cp_algo": "kvallgather",
+}
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """compare's own options (the feature flags, parsed into the same namespace, are kept apart)."""
+    from mindspeed_like import runtime
+
+    flags = {flag.name for flag in runtime.flags()}
+    return {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS and k not in flags and not callable(v)}
+
+
+def _defaults() -> dict[str, Any]:
+    from mindspeed_like.compare import add_compare_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_compare_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
+def record_name(args: argparse.Namespace, flag_values: dict[str, Any]) -> str:
+    """``compare-<preset>`` and a tag of every option not at its default, in a fixed order (e.g.
+    ``compare-llama-pp2-vpp1``, ``compare-moe-dp2-ep2-distopt-local``, ``compare-llama-cp2-ulysses``):
+    the same run always gets the same name, so its record is replaced, not duplicated."""
+    defaults = _defaults()
+    options = _options(args)
+    short = {
+        "tensor_model_parallel_size": "tp",
+        "sequence_parallel": "sp",
+        "pipeline_model_parallel_size": "pp",
+        "num_layers_per_virtual_pipeline_stage": "vpp",
+        "context_parallel_size": "cp",
+        "data_parallel_size": "dp",
+        "expert_model_parallel_size": "ep",
+        "use_distributed_optimizer": "distopt",
+        "fp32": "fp32",
+        "num_layers": "layers",
+        "hidden_size": "hidden",
+        "num_attention_heads": "heads",
+        "seq_length": "seq",
+        "micro_batch_size": "mbs",
+        "steps": "steps",
+        "lr": "lr",
+        "seed": "seed",
+    }
+    parts = [args.preset]
+    for name, tag in short.items():
+        value = options.get(name)
+        if value == defaults.get(name):
+            continue
+        parts.append(tag if value is True else f"{tag}{value}")
+        if name == "context_parallel_size":
+            algo = _CP_ALGO_TAGS.get(flag_values.get("context_parallel_algo") or "megatron_cp_algo", "")
+            if algo:
+                parts.append(algo + str(flag_values.get("ulysses_degree_in_cp") or ""))
+    if args.transformer_impl != defaults["transformer_impl"]:
+        parts.append("local" if args.transformer_impl == "local" else args.transformer_impl)
+    for name, value in sorted(flag_values.items()):
+        if name in ("device", "strict", "context_parallel_algo", "ulysses_degree_in_cp"):
+            continue
+        flag = "level" if name == "optimization_level" else name.replace("_", "-")
+        parts.append(flag if value is True else f"no-{flag}" if value is False else f"{flag}{value}")
+    return "compare-" + "-".join(str(p).replace("/", "_").replace(" ", "") for p in parts)
+
+
+def command(args: argparse.Namespace, flag_values: dict[str, Any]) -> list[str]:
+    """The command line that repeats this run: every option not at its default, and the flags."""
+    defaults = _defaults()
+    line = ["mindspeed-like", "compare", "--preset", args.preset]
+    for name, value in _options(args).items():
+        if name == "preset" or value == defaults.get(name):
+            continue
+        option = "--" + name.replace("_", "-")
+        line += [option] if value is True else [option, str(value)]
+    for name, value in flag_values.items():
+        option = "--" + name.replace("_", "-")
+        if value is True:
+            line.append(option)
+        elif value is False:
+            line.append("--no-" + name.replace("_", "-"))
+        else:
+            line += [option, str(value)]
+    return line
+
+
+def start_record(args: argparse.Namespace, flag_values: dict[str, Any]):
+    """The run's record, created before any process starts (its load average is the host's then)."""
+    from mindspeed_like.toolkit.records import Record
+
+    record = Record(record_name(args, flag_values), command=command(args, flag_values))
+    record.options.update(_options(args), flags=dict(flag_values))
+    return record
+
+
+_UNITS = {
+    "tokens_per_s": "tokens/s",
+    "step_time_s": "s",
+    **{f"{kind}_bytes": "bytes" for kind in MEMORY_KINDS},
+}
+
+
+def fill_record(record, result: dict[str, Any]) -> None:
+    """Rows (one per metric: both paths' values and the ratio features / megatron as the median of
+    the per-repeat ratios with their min and max) and samples (each repeat's per-step times and
+    losses of both arms)."""
+    m, f = result["megatron"], result["with_features"]
+    record.host["device"] = m["device"]
+    record.options["resolved_flags"] = result["flags"]
+    record.options["world_size"] = result["parallel"]["world_size"]
+    values = {
+        "tokens_per_s": (m["tokens_per_s"], f["tokens_per_s"]),
+        "step_time_s": (m["step_time"]["median_s"], f["step_time"]["median_s"]),
+        **{f"{k}_bytes": (m["memory_per_rank"][k], f["memory_per_rank"][k]) for k in MEMORY_KINDS},
+    }
+    for metric, (theirs, ours) in values.items():
+        row: dict[str, Any] = {
+            "metric": metric,
+            "unit": _UNITS[metric],
+            "megatron": theirs,
+            "features": ours,
+            **result["ratio_spread"][metric],
+            "repeats": result["repeats"],
+        }
+        if metric.endswith("_bytes"):
+            kind = metric[: -len("_bytes")]
+            row["scope"] = "max over ranks"
+            row["megatron_per_rank"] = m["memory_by_rank"][kind]
+            row["features_per_rank"] = f["memory_by_rank"][kind]
+        record.add_row(**row)
+    loss = result["loss"]
+    for metric, theirs, ours in (
+        ("loss_first", m["losses"][0], f["losses"][0]),
+        ("loss_final", m["losses"][-1], f["losses"][-1]),
+    ):
+        record.add_row(metric=metric, unit="nats", megatron=theirs, features=ours, ratio=_ratio(ours, theirs))
+    record.add_row(metric="loss_max_abs_diff", unit="nats", value=loss["max_abs_diff"])
+    record.add_row(
+        metric="losses_identical_across_repeats",
+        unit="bool",
+        megatron=loss["identical_across_repeats"]["megatron"],
+        features=loss["identical_across_repeats"]["features"],
+    )
+    record.add_row(metric="features_reached", unit="names", value=list(result["features"]["ran"]))
+    for arm_name, arm in (("megatron", m), ("features", f)):
+        for index, run in enumerate(arm["repeats"]):
+            record.add_samples(f"{arm_name}/repeat{index + 1}/step_times_s", run["step_times_s"])
+            record.add_samples(f"{arm_name}/repeat{index + 1}/losses", run["losses"])
+
+
+def write(result: dict[str, Any], out: str, record=None, to_results: str | None = None) -> list[str]:
+    """compare.json (the record, with the full comparison under ``"compare"``), and compare.png
+    when matplotlib is installed; with ``to_results`` (a record name, "" for the default one) the
+    same record in results/ too. Returns the files written."""
+    if record is None:
+        from mindspeed_like.toolkit.records import Record
+
+        record = Record("compare-" + result["model"]["preset"])
+    fill_record(record, result)
+    fields = record.to_dict()
+    document = {**fields, "compare": result}
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "compare.json")
     with open(path, "w") as handle:
-        json.dump(result, handle, indent=2, default=str)
+        json.dump(document, handle, indent=1, default=str)
+        handle.write("\n")
     written = [path]
+    if to_results is not None:
+        from mindspeed_like.toolkit.records import results_dir
+
+        target = results_dir() / f"{to_results or record.name}.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "w") as handle:
+            json.dump(document, handle, indent=1, default=str)
+            handle.write("\n")
+        written.append(str(target))
+    result["record"] = fields
     if importlib.util.find_spec("matplotlib") is not None:
         written.append(plot(result, os.path.join(out, "compare.png")))
     return written
 
 
 def plot(result: dict[str, Any], path: str) -> str:
-    """Two panels: the loss curves, and the per-rank memory by kind for both arms."""
+    """Three panels: the loss curves, the memory by kind (max over ranks) and the per-step time of
+    every repeat, for both arms."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     m, f = result["megatron"], result["with_features"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4))
     steps = range(1, len(m["losses"]) + 1)
     left.plot(steps, m["losses"], label="megatron-core", marker="o", markersize=3)
     left.plot(steps, f["losses"], label="with features", marker="x", markersize=3, linestyle="--")
@@ -225,11 +556,30 @@ def plot(result: dict[str, Any], path: str) -> str:
     kinds = [k for k in MEMORY_KINDS if k != "model_state"]
     xs = range(len(kinds))
     width = 0.38
-    right.bar([x - width / 2 for x in xs], [m["memory_per_rank"][k] / MIB for k in kinds], width, label="megatron-core")
-    right.bar([x + width / 2 for x in xs], [f["memory_per_rank"][k] / MIB for k in kinds], width, label="with features")
-    right.set_xticks(list(xs), [k.replace("_", " ") for k in kinds], rotation=15)
-    right.set_ylabel("MiB per rank")
-    right.set_title("memory")
+    middle.bar(
+        [x - width / 2 for x in xs], [m["memory_per_rank"][k] / MIB for k in kinds], width, label="megatron-core"
+    )
+    middle.bar(
+        [x + width / 2 for x in xs], [f["memory_per_rank"][k] / MIB for k in kinds], width, label="with features"
+    )
+    middle.set_xticks(list(xs), [k.replace("_", " ") for k in kinds], rotation=15)
+    middle.set_ylabel("MiB (max over ranks)")
+    middle.set_title("memory")
+    middle.legend()
+    for arm, label, color in ((m, "megatron-core", "C0"), (f, "with features", "C1")):
+        for index, run in enumerate(arm["repeats"]):
+            right.plot(
+                range(1, len(run["step_times_s"]) + 1),
+                [t * 1000 for t in run["step_times_s"]],
+                color=color,
+                alpha=0.9 if index == 0 else 0.45,
+                marker="o" if label.startswith("megatron") else "x",
+                markersize=3,
+                label=label if index == 0 else None,
+            )
+    right.set_xlabel("step")
+    right.set_ylabel("ms (slowest rank)")
+    right.set_title(f"step time, {result['repeats']} repeat(s) each")
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

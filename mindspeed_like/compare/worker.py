@@ -32,34 +32,126 @@ def _configure(spec: dict[str, Any]) -> list[str]:
     ENGINE.calls = collections.Counter()  # which features megatron actually called into
 
     if spec["arm"] == MEGATRON:
-        config = mindspeed_like.configure(optimization_level=0, device=spec["device"])
+        # the context-parallel algorithm is shared: on this host it is the only CP attention megatron has
+        config = mindspeed_like.configure(optimization_level=0, device=spec["device"], **spec.get("shared_flags", {}))
     else:
         config = mindspeed_like.configure(**spec["flags"])
     return enabled_feature_names(config)
 
 
-def _build_model(spec: dict[str, Any], grouped_gemm_on: bool):
+def _reseed(seed: int) -> None:
+    """What ``init_parallel`` seeds, without re-creating the process groups (model chunks built
+    after the first keep the groups the first one was built with)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def _init_parallel(spec: dict[str, Any]) -> None:
+    """megatron's parallel state for the spec: TP, PP (with virtual stages), CP, EP; DP is the rest."""
+    from mindspeed_like.testing.parallel import init_parallel
+
+    init_parallel(
+        tp=spec["tp"],
+        pp=spec.get("pp", 1),
+        ep=spec["ep"],
+        seed=spec["seed"],
+        context_parallel_size=spec.get("cp", 1),
+        virtual_pipeline_model_parallel_size=spec.get("vpp"),
+    )
+
+
+def _model_args(spec: dict[str, Any]) -> dict[str, Any]:
+    from mindspeed_like.compare.presets import PRESETS
+
+    args = PRESETS[spec["preset"]].model_args(**spec["size"])
+    args.update(bf16=spec["bf16"], sequence_parallel=spec["sp"], **parallel_config(spec))
+    return args
+
+
+def parallel_config(spec: dict[str, Any]) -> dict[str, Any]:
+    """The TransformerConfig (ModelParallelConfig) fields of the spec's layout, as Megatron-LM's
+    ``core_transformer_config_from_args`` sets them: the sizes, ``pipeline_dtype`` at PP > 1, and
+    with virtual stages its defaults ``overlap_p2p_comm=True`` / ``batch_p2p_comm=False``
+    (``--no-overlap-p2p-communication`` off)."""
+    pp, vpp = spec.get("pp", 1), spec.get("vpp")
+    values: dict[str, Any] = dict(
+        tensor_model_parallel_size=spec["tp"],
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=spec.get("cp", 1),
+        expert_model_parallel_size=spec["ep"],
+    )
+    if pp > 1:
+        values["pipeline_dtype"] = torch.bfloat16 if spec["bf16"] else torch.float32
+    if vpp:
+        values.update(virtual_pipeline_model_parallel_size=vpp, overlap_p2p_comm=True, batch_p2p_comm=False)
+    return values
+
+
+def megatron_config(spec: dict[str, Any]):
+    """The TransformerConfig the children's model is built with (``tiny_gpt``'s, from the same
+    values): `compare` builds it before starting any process, so megatron's own checks refuse a bad
+    combination there, with megatron's message."""
+    from mindspeed_like.testing.models import MODEL_DEFAULTS, gpt_config
+
+    args = _model_args(spec)
+    for key in (*MODEL_DEFAULTS, "seq_length"):
+        args.pop(key, None)
+    if not args.get("multi_latent_attention"):
+        args.pop("rotary_base", None)  # GPTModel's argument, not the config's
+    return gpt_config(**args)
+
+
+def build_chunks(spec: dict[str, Any], grouped_gemm_on: bool) -> list[torch.nn.Module]:
+    """The model of this rank: one chunk, or one per virtual pipeline stage (Megatron-LM's get_model:
+    each chunk knows whether it holds the embedding / the output layer from its stage)."""
+    from megatron.core import parallel_state
+
+    _init_parallel(spec)
+    if spec.get("pp", 1) == 1:
+        return [_build_model(spec, grouped_gemm_on, initialized=True)]
+    chunks = []
+    for stage in range(spec.get("vpp") or 1):
+        vp_stage = stage if spec.get("vpp") else None
+        _reseed(spec["seed"] + stage)
+        place = dict(
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+        )
+        chunks.append(_build_model(spec, grouped_gemm_on, initialized=True, place=place, seed=spec["seed"] + stage))
+    return chunks
+
+
+def _build_model(
+    spec: dict[str, Any],
+    grouped_gemm_on: bool,
+    *,
+    initialized: bool = False,
+    place: dict[str, Any] | None = None,
+    seed: int | None = None,
+):
     """The preset's GPT. MoE on the local spec: megatron's arm runs its expert loop (SequentialMLP:
     its GroupedMLP needs the CUDA grouped_gemm package); the features arm, with grouped-gemm on,
     megatron's ``moe_grouped_gemm=True`` given the expert loop's weights, so both arms start from
     the same function. The TE spec builds the preset as it is (TEGroupedMLP for the MoE presets) in
-    both arms."""
+    both arms. ``place``: a pipeline chunk's ``pre_process`` / ``post_process`` / ``vp_stage``."""
     from mindspeed_like.compare.presets import PRESETS
     from mindspeed_like.testing import tiny_gpt
-    from mindspeed_like.testing.parallel import init_parallel
 
     preset = PRESETS[spec["preset"]]
-    args = preset.model_args(**spec["size"])
-    args.update(bf16=spec["bf16"], sequence_parallel=spec["sp"])
-    seed = spec["seed"]
-    init_parallel(tp=spec["tp"], ep=spec["ep"], seed=seed)
+    args = dict(_model_args(spec), **(place or {}))
+    seed = spec["seed"] if seed is None else seed
+    if not initialized:
+        _init_parallel(spec)
     if spec.get("transformer_impl", "local") == "transformer_engine":
-        return _te_spec_model(spec, args)
+        return _te_spec_model(spec, args, seed)
     if not preset.moe or not grouped_gemm_on:
         # megatron's local GroupedMLP needs the CUDA grouped_gemm package: without the feature, the loop
         return tiny_gpt(**dict(args, moe_grouped_gemm=False) if preset.moe else args)
     reference = tiny_gpt(wrap_float16=False, **dict(args, moe_grouped_gemm=False))
-    init_parallel(tp=spec["tp"], ep=spec["ep"], seed=seed)
+    _reseed(seed)
     model = tiny_gpt(wrap_float16=False, **dict(args, moe_grouped_gemm=True))
     if any(".experts.weight1" in name for name, _ in model.named_parameters()):  # GroupedMLP (< 0.17)
         from mindspeed_like.testing.moe import copy_sequential_into_grouped
@@ -75,17 +167,16 @@ def _build_model(spec: dict[str, Any], grouped_gemm_on: bool):
     return model
 
 
-def _te_spec_model(spec: dict[str, Any], args: dict[str, Any]):
+def _te_spec_model(spec: dict[str, Any], args: dict[str, Any], seed: int):
     """The TE-spec GPT (``get_gpt_layer_with_transformer_engine_spec``), given the weights of the
     local-spec model of the same seed by distributed-checkpoint key: both arms, and both
     ``--transformer-impl`` choices, start from the same function (TE's grouped experts take
     SequentialMLP's weights as ``weight0..N-1``)."""
     from mindspeed_like.testing import tiny_gpt
     from mindspeed_like.testing.checkpoint_keys import copy_weights
-    from mindspeed_like.testing.parallel import init_parallel
 
     local = tiny_gpt(wrap_float16=False, **dict(args, moe_grouped_gemm=False))
-    init_parallel(tp=spec["tp"], ep=spec["ep"], seed=spec["seed"])
+    _reseed(seed)
     model = tiny_gpt(wrap_float16=False, transformer_impl="transformer_engine", **args)
     _name_mla_qk_norms_as_te(local)
     copy_weights(local, model)
@@ -142,50 +233,82 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
     rank = torch.distributed.get_rank()
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    model = _build_model(spec, grouped_gemm_on="grouped-gemm" in features_on)
+    chunks = build_chunks(spec, grouped_gemm_on="grouped-gemm" in features_on)
     if device != "cpu":
-        model = model.to(torch.device(device, torch.cuda.current_device() if device == "cuda" else 0))
+        index = torch.cuda.current_device() if device == "cuda" else 0
+        chunks = [chunk.to(torch.device(device, index)) for chunk in chunks]
     probe = ActivationProbe(step=spec["steps"] - 1)
     held: dict[str, Any] = {}
     stamps: list[float] = []
 
     def on_optimizer(ddp_model, optimizer) -> None:
-        held.update(model=ddp_model, optimizer=optimizer)
-        probe.exclude = [*ddp_model.parameters(), *_masters(optimizer)]
+        ddp_models = ddp_model if isinstance(ddp_model, list) else [ddp_model]
+        held.update(models=ddp_models, optimizer=optimizer)
+        probe.exclude = [*(p for m in ddp_models for p in m.parameters()), *_masters(optimizer)]
         stamps.append(time.perf_counter())
 
     def on_step(step: int, loss: float) -> None:
         stamps.append(time.perf_counter())
         if rank == 0 and spec.get("progress", True):
             ms = (stamps[-1] - stamps[-2]) * 1000
-            print(f"  [{spec['arm']:>8}] step {step + 1:3d}/{spec['steps']}  loss {loss:.4f}  {ms:7.0f} ms", flush=True)
+            label = f"{spec['arm']}" + (f" #{spec['repeat'] + 1}" if spec.get("repeats", 1) > 1 else "")
+            print(f"  [{label:>11}] step {step + 1:3d}/{spec['steps']}  loss {loss:.4f}  {ms:7.0f} ms", flush=True)
 
+    pipelined = spec.get("pp", 1) > 1
     try:
-        losses = train_steps(
-            model,
-            spec["steps"],
-            data=spec["data"],
+        common = dict(
             lr=spec["lr"],
             micro_batch_size=spec["micro_batch_size"],
             seq_length=spec["size"]["seq_length"],
             use_distributed_optimizer=spec["distributed_optimizer"],
-            device=None if device == "cpu" else next(model.parameters()).device,
             on_step=on_step,
             on_optimizer=on_optimizer,
             forward_context=probe,
-            # megatron's finalize_model_grads also updates the router's expert bias (DeepSeek's
-            # aux-loss-free balancing), as Megatron-LM's training loop does
-            finalize_grads=bool(getattr(model.config, "moe_router_enable_expert_bias", False)),
         )
-        memory = state_bytes(held["model"], held["optimizer"])
-        tokens_per_step = spec["micro_batch_size"] * parallel_state.get_data_parallel_world_size()
+        if pipelined:
+            from mindspeed_like.compare.pipeline import train_pipeline
+
+            losses = train_pipeline(chunks, spec["steps"], data=spec["data"], **common)
+        else:
+            losses = train_steps(
+                chunks[0],
+                spec["steps"],
+                data=spec["data"],
+                device=None if device == "cpu" else next(chunks[0].parameters()).device,
+                # megatron's finalize_model_grads also updates the router's expert bias (DeepSeek's
+                # aux-loss-free balancing), as Megatron-LM's training loop does
+                finalize_grads=bool(getattr(chunks[0].config, "moe_router_enable_expert_bias", False)),
+                **common,
+            )
+        memory = state_bytes(held["models"], held["optimizer"])
+        microbatches = spec.get("microbatches", 1)
+        tokens_per_step = spec["micro_batch_size"] * microbatches * parallel_state.get_data_parallel_world_size()
         tokens_per_step *= spec["size"]["seq_length"]
+        place = {  # this rank's coordinates in the dimensions in use
+            name: rank_of()
+            for name, size_of, rank_of in (
+                (
+                    "tp",
+                    parallel_state.get_tensor_model_parallel_world_size,
+                    parallel_state.get_tensor_model_parallel_rank,
+                ),
+                (
+                    "pp",
+                    parallel_state.get_pipeline_model_parallel_world_size,
+                    parallel_state.get_pipeline_model_parallel_rank,
+                ),
+                ("cp", parallel_state.get_context_parallel_world_size, parallel_state.get_context_parallel_rank),
+                ("dp", parallel_state.get_data_parallel_world_size, parallel_state.get_data_parallel_rank),
+            )
+            if size_of() > 1
+        }
     finally:
         destroy_parallel()
     times = [b - a for a, b in zip(stamps, stamps[1:])]
     return {
         "arm": spec["arm"],
         "rank": rank,
+        "place": place,
         "device": device,
         "features_on": features_on,
         "fell_back": fell_back(),

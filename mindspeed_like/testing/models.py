@@ -36,6 +36,11 @@ MODEL_DEFAULTS: dict[str, Any] = dict(
     position_embedding_type="rope",
     rotary_percent=1.0,
     share_embeddings_and_output_weights=False,
+    # pipeline stages (``vp_stage``: the virtual stage of an interleaved pipeline), as Megatron-LM's
+    # get_model builds each model chunk
+    pre_process=True,
+    post_process=True,
+    vp_stage=None,
 )
 
 
@@ -93,8 +98,9 @@ def tiny_gpt(*, wrap_float16: bool = True, transformer_impl: str = "local", **ov
 
     Overrides go to :func:`gpt_config` (TransformerConfig fields) or to GPTModel
     (``vocab_size``, ``max_sequence_length`` alias ``seq_length``, ``position_embedding_type``,
-    ``rotary_percent``, ``share_embeddings_and_output_weights``, and ``rotary_base`` except with
-    multi-latent attention, whose config holds it). Defaults: 2 layers, hidden 64, 4 heads, seq 32,
+    ``rotary_percent``, ``share_embeddings_and_output_weights``, ``pre_process`` / ``post_process`` /
+    ``vp_stage`` for a pipeline stage's chunk, and ``rotary_base`` except with multi-latent attention,
+    whose config holds it). Defaults: 2 layers, hidden 64, 4 heads, seq 32,
     vocab 256, RMSNorm, SwiGLU, RoPE, no biases, no dropout, CPU initialization.
 
     MoE with dense layers mixed in (``moe_layer_freq`` other than 1) builds megatron's decoder block

@@ -12,14 +12,14 @@ import pytest
 from mindspeed_like.cli import main
 
 TINY = ["--steps", "3", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4"]
-TINY += ["--seq-length", "16", "--micro-batch-size", "2", "--quiet"]
+TINY += ["--seq-length", "16", "--micro-batch-size", "2", "--quiet", "--repeats", "1"]
 
 
 def _compare(tmp_path, *args: str) -> dict:
     out = str(tmp_path / "out")
     assert main(["compare", *TINY, "--out", out, *args]) == 0
     with open(os.path.join(out, "compare.json")) as handle:
-        return json.load(handle)
+        return json.load(handle)["compare"]
 
 
 @pytest.fixture(scope="module")

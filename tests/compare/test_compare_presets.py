@@ -12,14 +12,14 @@ from mindspeed_like.cli import main
 from mindspeed_like.compare.presets import PRESETS
 
 TINY = ["--steps", "2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
-TINY += ["--seq-length", "16", "--micro-batch-size", "2", "--quiet"]
+TINY += ["--seq-length", "16", "--micro-batch-size", "2", "--quiet", "--repeats", "1"]
 
 
 def _compare(tmp_path, *args: str) -> dict:
     out = str(tmp_path / "out")
     assert main(["compare", *TINY, "--out", out, *args]) == 0
     with open(os.path.join(out, "compare.json")) as handle:
-        return json.load(handle)
+        return json.load(handle)["compare"]
 
 
 def test_deepseek_preset_maps_megatron_lm_flags_to_config_fields():
