@@ -145,8 +145,12 @@ class Results:
         record()
         _TABLES.append(self)
 
-    def add(self, samples: dict[str, Sequence[float]] | None = None, **row: Any) -> None:
-        """One row; the samples timed since the previous row (and ``samples``) are filed under it."""
+    def add(self, samples: Any = None, **row: Any) -> None:
+        """One row; the samples timed since the previous row (and ``samples``, a dict of label ->
+        seconds) are filed under it. A ``samples`` that is not a dict is an ordinary field (a count)."""
+        if samples is not None and not isinstance(samples, dict):
+            row = {**row, "samples": samples}
+            samples = None
         self.rows.append(row)
         case = " ".join(str(v) for k, v in row.items() if isinstance(v, str)) or f"row{len(self.rows) - 1}"
         pending = list(_PENDING) + [(label, list(values)) for label, values in (samples or {}).items()]
