@@ -137,8 +137,11 @@ def test_training_bf16_ddp_bitwise(spec):
 def test_expert_biases_fall_back_once(caplog):
     """Experts with biases keep megatron's path (an expert may return its bias to the caller) and
     the run says so once."""
-    with caplog.at_level(logging.WARNING):
+    try:
         base = _gpt_pass(False, "sequential", add_bias_linear=True)
+    except AssertionError as error:  # megatron-core 0.13: "Bias is not supported for MoE"
+        pytest.skip(f"this megatron-core builds no MoE experts with biases: {error}")
+    with caplog.at_level(logging.WARNING):
         ours = _gpt_pass(True, "sequential", add_bias_linear=True)
     _assert_same(base, ours)
     assert ours[3] == base[3]
