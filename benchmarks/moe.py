@@ -49,6 +49,12 @@ from mindspeed_like.testing import destroy_parallel, train_steps
 from mindspeed_like.testing.parity import SEED
 
 REGIONS = ("router", "permute", "experts", "unpermute", "attention")
+# issue 30's acceptance: (preset, level, column of the results table, bound, higher is better)
+TARGETS = (
+    ("moe", 1, "tokens_per_s_ratio", 1.5, True),
+    ("moe", 2, "activations_ratio", 0.3, False),
+    ("deepseek", 1, "tokens_per_s_ratio", 1.3, True),
+)
 PERMUTE = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "token_permutation")
 UNPERMUTE = ("combine_preprocess", "token_combine", "combine_postprocess", "token_unpermutation")
 
@@ -200,6 +206,18 @@ class Arm:
         }
 
 
+def print_targets(rows: list[dict[str, Any]]) -> None:
+    """Each acceptance target of issue 30 this run measured, met or missed (same-run ratios)."""
+    print()
+    for preset, level, column, bound, higher in TARGETS:
+        row = next((r for r in rows if r["preset"] == preset and r["level"] == level), None)
+        if row is None:
+            continue
+        met = row[column] >= bound if higher else row[column] <= bound
+        sign = ">=" if higher else "<="
+        print(f"target {preset} level {level} {column} {sign} {bound}: {row[column]} {'met' if met else 'MISSED'}")
+
+
 def configure(level: int) -> None:
     mindspeed_like.reset()
     mindspeed_like.configure(device="cpu", optimization_level=level)
@@ -264,6 +282,7 @@ def main() -> None:
     print()
     breakdown.print_table()
     print("(fwd / bwd: the regions' forward and backward ms in the order " + ", ".join(REGIONS) + ")")
+    print_targets(results.rows)
     results.write_json(args.json, size=size, micro_batch_size=micro, breakdown=breakdown.rows)
 
 
