@@ -6,9 +6,10 @@ Three kinds of generated region, each between an opening and a closing HTML comm
 when the markdown is rendered); everything between them is rewritten by ``make docs``:
 
 ``<!-- table: ID (make docs) -->`` ... ``<!-- /table -->``
-    a table from ``TABLES[ID]`` (this module), followed by one line per record it read saying
-    when (the record's start time), where (host, CPU count, load average at the start, torch and
-    megatron-core versions, git revision) and with which command it was measured.
+    a table from ``TABLES[ID]`` (this module; ``compare.NAME``: the compare record NAME), followed
+    by one line per record it read saying when (the record's start time), where (host, CPU count,
+    load average at the start, torch and megatron-core versions, git revision) and with which
+    command it was measured.
 ``<!-- value: QUERY -->`` ... ``<!-- /value -->``
     one figure inside prose or a hand-written table cell, QUERY being
     ``RECORD[field=value,...].FIELD [min|max|range] [FORMAT]`` (FORMAT a Python format spec,
@@ -134,8 +135,8 @@ class Col:
 
     def cell(self, row: dict[str, Any]) -> str:
         value = self.field(row) if callable(self.field) else row.get(self.field)
-        text = fmt(value, self.spec)
-        return f"{text}{self.unit}" if value is not None and self.unit else text
+        text = fmt(value, self.spec if not isinstance(value, str) else "")
+        return f"{text}{self.unit}" if isinstance(value, (int, float)) and self.unit else text
 
 
 def columns_table(rows: Sequence[dict[str, Any]], cols: Sequence[Col]) -> list[str]:
@@ -177,10 +178,12 @@ def provenance(rec: dict[str, Any]) -> str:
     started = datetime.datetime.fromisoformat(rec["started_at"]).astimezone(datetime.timezone.utc)
     load = host.get("load_average_at_start")
     load_text = f"load average {load[0]:.2f} at start" if load else "load average unknown"
+    threads = f", {host['threads']} thread{'s' if host['threads'] != 1 else ''}" if host.get("threads") else ""
+    compiled = ", torch.compile off" if host.get("torchdynamo_disable") == "1" else ""
     return (
         f"`{rec['name']}`: {started:%Y-%m-%d %H:%M} UTC on {host.get('hostname') or 'unknown host'} "
-        f"({host.get('cpu_count')} CPUs, {load_text}), torch {versions.get('torch')}, "
-        f"megatron-core {versions.get('megatron_core')}, mindspeed_like {versions.get('mindspeed_like')}: "
+        f"({host.get('cpu_count')} CPUs{threads}, {load_text}), torch {versions.get('torch')}, "
+        f"megatron-core {versions.get('megatron_core')}, mindspeed_like {versions.get('mindspeed_like')}{compiled}: "
         f"`{command(rec)}`"
     )
 
@@ -372,10 +375,94 @@ def _import_overhead(recs: Records) -> list[str]:
     )
 
 
+@table("moe_router")
+def _moe_router(recs: Records) -> list[str]:
+    return columns_table(
+        recs.rows("moe_router"),
+        [
+            Col("op", "op"),
+            Col("dtype", "dtype"),
+            Col("shape", "shape"),
+            Col("megatron eager", "megatron_eager_ms", ".2f", " ms"),
+            Col("megatron compiled", "megatron_compiled_ms", ".2f", " ms"),
+            Col("ours", "ours_ms", ".2f", " ms"),
+            Col("vs eager", "vs_eager", ".2f", "x"),
+            Col("vs compiled", "vs_compiled", ".2f", "x"),
+            Col("megatron saved", "megatron_saved_MiB", ".2f", " MiB"),
+            Col("ours saved", "ours_saved_MiB", ".2f", " MiB"),
+        ],
+    )
+
+
+@table("moe_permute")
+def _moe_permute(recs: Records) -> list[str]:
+    return columns_table(
+        recs.rows("moe_permute"),
+        [
+            Col("case", "case"),
+            Col("dtype", "dtype"),
+            Col("shape", "shape"),
+            Col("megatron ms", "megatron_ms", ".1f"),
+            Col("megatron compiled ms", lambda r: r["megatron_compiled_ms"], ".1f"),
+            Col("ours ms", "ours_ms", ".1f"),
+            Col("speedup", "speedup", ".2f", "x"),
+            Col("megatron saved MiB", "megatron_saved_MiB", ".2f"),
+            Col("ours saved MiB", "ours_saved_MiB", ".2f"),
+            Col("megatron peak MiB", "megatron_peak_MiB", ".1f"),
+            Col("ours peak MiB", "ours_peak_MiB", ".1f"),
+        ],
+    )
+
+
+_COMPARE_ROWS = (
+    ("tokens/s", "tokens_per_s", lambda v: f"{v:,.0f}"),
+    ("step time (median)", "step_time_s", lambda v: f"{v * 1e3:,.0f} ms"),
+    ("weights MiB", "weights_bytes", lambda v: f"{v / 2**20:,.1f}"),
+    ("gradients MiB", "gradients_bytes", lambda v: f"{v / 2**20:,.1f}"),
+    ("optimizer state MiB", "optimizer_bytes", lambda v: f"{v / 2**20:,.1f}"),
+    ("weights + gradients + optimizer MiB", "model_state_bytes", lambda v: f"{v / 2**20:,.1f}"),
+    ("activations MiB (saved for backward)", "activations_bytes", lambda v: f"{v / 2**20:,.1f}"),
+    ("process peak MiB", "process_peak_bytes", lambda v: f"{v / 2**20:,.1f}"),
+)
+
+
+def compare_table(recs: Records, name: str) -> list[str]:
+    """A `mindspeed-like compare` record (rows: one per metric, both paths and the ratio's median
+    with its min-max over the repeats) as the table the command prints."""
+    by_metric = {row["metric"]: row for row in recs[name]["rows"] if "metric" in row}
+    lines = []
+    for label, metric, show in _COMPARE_ROWS:
+        row = by_metric.get(metric)
+        if row is None:
+            continue
+        ratio = row.get("ratio")
+        text = "-" if ratio is None else f"{ratio:.2f}x"
+        if ratio is not None and (row.get("repeats") or 1) > 1 and row.get("ratio_min") is not None:
+            text += f" ({row['ratio_min']:.2f}-{row['ratio_max']:.2f} over {row['repeats']} repeats)"
+        lines.append((label, show(row["megatron"]), show(row["features"]), text))
+    first, final = by_metric.get("loss_first"), by_metric.get("loss_final")
+    diff = by_metric.get("loss_max_abs_diff")
+    if first and final:
+        lines.append(
+            (
+                "loss first / last",
+                f"{first['megatron']:.4f} / {final['megatron']:.4f}",
+                f"{first['features']:.4f} / {final['features']:.4f}",
+                f"max abs diff {diff['value']:.2e}" if diff else "",
+            )
+        )
+    out = markdown(("per rank", "megatron", "with features", "features / megatron"), lines)
+    reached = by_metric.get("features_reached")
+    if reached:
+        out += ["", "Features reached: " + (", ".join(reached["value"]) or "none") + "."]
+    return out
+
+
 # -- rendering a document -----------------------------------------------------------------------
 
+# a marker quoted in backticks (docs/architecture.md describing them) is text, not a region
 _REGION = re.compile(
-    r"(?P<open><!-- (?P<kind>table|value|records): (?P<arg>.*?)(?: \(make docs\))? -->)"
+    r"(?P<open>(?<!`)<!-- (?P<kind>table|value|records): (?P<arg>[^\n]*?)(?: \(make docs\))? -->)"
     r"(?P<body>.*?)"
     r"(?P<close><!-- /(?P=kind) -->)",
     re.S,
@@ -404,10 +491,14 @@ def render_region(kind: str, arg: str, recs: Records) -> str:
         return value(recs, arg)
     if kind == "records":
         return "\n".join(provenance_lines(recs, arg.split())) + "\n"
-    if arg not in TABLES:
+    if arg.startswith("compare."):  # any compare record: `compare.<record name>`
+        renderer: Renderer = lambda recs: compare_table(recs, arg.removeprefix("compare."))  # noqa: E731
+    elif arg in TABLES:
+        renderer = TABLES[arg]
+    else:
         raise RecordError(f"no table {arg!r} in mindspeed_like/toolkit/doc_tables.py (known: {', '.join(TABLES)})")
     recs.used.clear()
-    lines = TABLES[arg](recs)
+    lines = renderer(recs)
     return "\n" + "\n".join([*lines, *provenance_lines(recs, list(recs.used))]) + "\n"
 
 
