@@ -188,6 +188,8 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     group.add_argument("--use-flash-attn", action="store_true")
     group.add_argument("--use-precision-aware-optimizer", action="store_true")
     group.add_argument("--bf16", action="store_true")
+    group.add_argument("--num-experts", type=int, default=None)
+    group.add_argument("--moe-token-dispatcher-type", default="allgather")
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     args = parser.parse_args()
@@ -233,6 +235,22 @@ def test_level_2_with_megatrons_precision_aware_optimizer_steps_aside(megatron_l
     assert "reuse-fp32-param" not in runtime.current_context().enabled_names
     features = [line for line in capsys.readouterr().out.splitlines() if "features on:" in line]
     assert len(features) == 1 and "reuse-fp32-param" not in features[0] and "fused-rmsnorm" in features[0]
+
+
+def test_level_1_moe_with_the_default_allgather_dispatcher_steps_aside(megatron_lm, caplog):
+    """moe-alltoall-overlap (level 1) can only act on the alltoall dispatcher; Megatron-LM's default
+    is allgather. The level's member steps aside; asked for by name it is the error."""
+    with caplog.at_level(logging.WARNING, logger="mindspeed_like"):
+        args = megatron_lm("--optimization-level", "1", "--num-experts", "4")
+    assert args.validated and args.moe_alltoall_overlap_comm is False
+    assert STEPPED.format("moe-alltoall-overlap", 1, "--moe-token-dispatcher-type allgather") in caplog.text
+    assert "moe-alltoall-overlap" not in runtime.current_context().enabled_names
+    assert "moe-permute" in runtime.current_context().enabled_names  # the rest of the level stays
+
+
+def test_moe_alltoall_overlap_by_name_with_the_allgather_dispatcher_is_the_error(megatron_lm):
+    with pytest.raises(ConfigError, match="pass --moe-token-dispatcher-type alltoall"):
+        megatron_lm("--moe-alltoall-overlap-comm", "--num-experts", "4")
 
 
 def test_both_asked_for_on_megatrons_command_line_is_the_error(megatron_lm):

@@ -71,8 +71,12 @@ def patches(ctx: Context) -> list[Patch]:
 @contextlib.contextmanager
 def megatron_args_check(args) -> Iterator[None]:
     """validate_args hook: on Megatron-LM's command line a MoE model with another dispatcher is
-    a configuration error (the feature would never act); EP=1 is said once at the first layer."""
-    yield
+    a conflict (the feature would never act); EP=1 is said once at the first layer.
+
+    Checked BEFORE megatron's validation runs (both values are the parser's): a conflict raised
+    there lets the feature step aside when only ``--optimization-level`` switched it on (the
+    MoE examples' default allgather dispatcher at level 1), and is the error when it was asked for
+    by name. Raised after validation it could only be an error."""
     dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
     if getattr(args, "num_experts", None) and dispatcher != "alltoall":
         raise LevelConflict(
@@ -82,6 +86,7 @@ def megatron_args_check(args) -> Iterator[None]:
             f"--moe-token-dispatcher-type {dispatcher}: pass --moe-token-dispatcher-type alltoall, or drop "
             "--moe-alltoall-overlap-comm / --moe-permutation-async-comm",
         )
+    yield
 
 
 FEATURE = Feature(
