@@ -24,6 +24,15 @@ Backends (``mindspeed_like.kernels.backend.backend_for``):
   * a per-expert loop of ``torch.mm(..., out=slice)`` into the one buffer otherwise (odd sizes,
     fp16, older torch). Zero-token experts get zero weight-gradient slices.
 
+  bf16/fp16 on a CPU without bf16 dot-product instructions (no ``avx512_bf16`` / ``amx_bf16`` in
+  /proc/cpuinfo, e.g. AVX2-only hosts): the inputs are upcast to fp32, the GEMM runs in fp32 and
+  the result is rounded once to the input dtype (:func:`fp32_compute`). The bf16 kernels there
+  also multiply exactly and accumulate in fp32, only in another order, so the results agree
+  within fp32 rounding (a bf16 output differs by one ulp where the fp32 sum sits at a rounding
+  boundary); the fp32 GEMM is 10-50x faster there (measured on this host's AVX2 CPU: the
+  fc1 input gradient [1024, 1408] x [8, 1408, 256] 8.6 s bf16 -> 0.17 s fp32 under load 60; the
+  bf16 kernels' per-expert ``mm`` was 84-89% of a moe-preset training step's self time).
+
   With ``accumulate_into`` (megatron's gradient-accumulation-fusion semantics) the weight
   gradient is added per expert straight into the parameter's fp32 ``main_grad`` instead of
   materialising a separate ``[E, K, N]`` gradient.
@@ -32,6 +41,7 @@ Backends (``mindspeed_like.kernels.backend.backend_for``):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -78,6 +88,24 @@ def check_gmm_args(a: torch.Tensor, b: torch.Tensor, counts: list[int], trans_b:
         )
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_has_bf16_gemm() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16): then torch's
+    bf16 GEMM is fast and is used as is. Read from /proc/cpuinfo; where it cannot be read (not
+    Linux), assumed present (the bf16 kernels unchanged)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = {word for line in info if line.startswith("flags") for word in line.split()}
+    except OSError:
+        return True
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def fp32_compute(t: torch.Tensor) -> bool:
+    """Whether a portable GEMM on ``t`` runs in fp32 on upcast inputs (see the module docstring)."""
+    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and not cpu_has_bf16_gemm()
+
+
 def _mat(b_e: torch.Tensor, trans_b: bool) -> torch.Tensor:
     return b_e.t() if trans_b else b_e
 
@@ -102,6 +130,8 @@ def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _forward_portable(a, b, counts, trans_b, engine):
+    if fp32_compute(a):
+        return _forward_portable(a.float(), b.float(), counts, trans_b, engine).to(a.dtype)
     if engine == "grouped_mm":
         return torch._grouped_mm(a, b.transpose(1, 2) if trans_b else b, offs=_offsets(counts, a.device))
     n = b.shape[1] if trans_b else b.shape[2]
@@ -115,6 +145,8 @@ def _forward_portable(a, b, counts, trans_b, engine):
 
 
 def _grad_a_portable(grad, b, counts, trans_b, engine):
+    if fp32_compute(grad):
+        return _grad_a_portable(grad.float(), b.float(), counts, trans_b, engine).to(grad.dtype)
     if engine == "grouped_mm":
         return torch._grouped_mm(grad, b if trans_b else b.transpose(1, 2), offs=_offsets(counts, grad.device))
     k = b.shape[2] if trans_b else b.shape[1]
@@ -130,6 +162,8 @@ def _grad_a_portable(grad, b, counts, trans_b, engine):
 
 def _grad_b_portable(a, grad, counts, trans_b, engine):
     """dB_e = A_e^T dY_e ([K, N]), or its transpose dY_e^T A_e for a transposed b."""
+    if fp32_compute(a):
+        return _grad_b_portable(a.float(), grad.float(), counts, trans_b, engine).to(a.dtype)
     if engine == "grouped_mm":
         offs = _offsets(counts, a.device)
         if trans_b:
@@ -165,6 +199,8 @@ def _accumulate_grad_b(main_grad, a, grad, counts, trans_b):
             left, right = (g.t(), x) if trans_b else (x.t(), g)
             if a.dtype == main_grad.dtype:
                 main_grad[e].addmm_(left, right)
+            elif fp32_compute(a):  # the bf16 weight gradient from an fp32 GEMM (module docstring)
+                main_grad[e].add_(torch.mm(left.float(), right.float()).to(a.dtype))
             else:
                 main_grad[e].add_(torch.mm(left, right))
         start += count

@@ -278,3 +278,53 @@ def test_emulator_documented_calls_and_no_autograd():
     torch.testing.assert_close(y1, y)
     assert y.grad_fn is None  # torch_npu has no autograd for this op: the caller writes the backward
     assert dw.shape == (3, 4, 6) and torch.count_nonzero(dw[1]) == 0
+
+
+@pytest.mark.parametrize("fp32", [False, True], ids=["bf16-kernels", "fp32-compute"])
+@pytest.mark.parametrize("engine", [None, "loop"], ids=["auto", "loop"])
+def test_bf16_fp32_compute_path(monkeypatch, fp32, engine):
+    """bf16 on a CPU without bf16 dot-product units runs each GEMM in fp32 on the upcast inputs and
+    rounds once: within the bf16 tolerance of float64 like torch's bf16 kernels, and each result
+    is exactly the fp32 GEMM rounded to bf16 (forward, dA, dB). Both paths are forced here,
+    whatever this host's CPU has."""
+    gg.cpu_has_bf16_gemm.cache_clear()
+    monkeypatch.setattr(gg, "cpu_has_bf16_gemm", lambda: not fp32)
+    counts, k, n = [24, 0, 40, 8], 32, 48
+    a, b, grad = _inputs(counts, k, n, torch.bfloat16, True, 11)
+    assert gg.fp32_compute(a) is fp32 and not gg.fp32_compute(a.float())
+    out = gmm(a, b, counts, trans_b=True, engine=engine)
+    out.backward(grad)
+    ref, da, db = _reference64(a, b, counts, grad, True)
+    torch.testing.assert_close(out.double(), ref, **_tol(torch.bfloat16, k))
+    torch.testing.assert_close(a.grad.double(), da, **_tol(torch.bfloat16, n))
+    torch.testing.assert_close(b.grad.double(), db, **_tol(torch.bfloat16, max(counts)))
+    if fp32:
+        pieces = torch.split(a.detach().float(), counts)
+        grads = torch.split(grad.float(), counts)
+        w = b.detach().float()
+        assert torch.equal(out, torch.cat([p @ w[e].t() for e, p in enumerate(pieces)]).bfloat16())
+        assert torch.equal(a.grad, torch.cat([g @ w[e] for e, g in enumerate(grads)]).bfloat16())
+        for e in range(len(counts)):
+            assert torch.equal(b.grad[e], (grads[e].t() @ pieces[e]).bfloat16())
+
+
+def test_cpu_bf16_gemm_probe_reads_cpuinfo(monkeypatch, tmp_path):
+    """The probe reads /proc/cpuinfo's flags; unreadable means "assume bf16 units" (kernels unchanged)."""
+    import builtins
+
+    real_open = builtins.open
+    for flags, expected in (("fpu avx2 fma", False), ("fpu avx512f avx512_bf16", True), ("fpu amx_bf16", True)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(
+            builtins,
+            "open",
+            lambda path, *a, _i=info, **kw: real_open(_i if path == "/proc/cpuinfo" else path, *a, **kw),
+        )
+        gg.cpu_has_bf16_gemm.cache_clear()
+        assert gg.cpu_has_bf16_gemm() is expected
+    monkeypatch.setattr(builtins, "open", lambda *a, **kw: (_ for _ in ()).throw(OSError("no cpuinfo")))
+    gg.cpu_has_bf16_gemm.cache_clear()
+    assert gg.cpu_has_bf16_gemm() is True
+    monkeypatch.undo()
+    gg.cpu_has_bf16_gemm.cache_clear()
