@@ -458,6 +458,30 @@ def compare_table(recs: Records, name: str) -> list[str]:
     return out
 
 
+@table("moe")
+def _moe(recs: Records) -> list[str]:
+    return columns_table(
+        recs.rows("moe", table="moe"),
+        [
+            Col("preset", "preset"),
+            Col("level", "level"),
+            Col("megatron tokens/s", "megatron_tokens_per_s", ".1f"),
+            Col("ours", "ours_tokens_per_s", ".1f"),
+            Col("tokens/s ratio", "tokens_per_s_ratio", ".2f", "x"),
+            Col("activations ratio", "activations_ratio", ".2f", "x"),
+        ],
+    )
+
+
+@table("moe.breakdown")
+def _moe_breakdown(recs: Records) -> list[str]:
+    regions = ("step", "router", "permute", "experts", "unpermute", "attention", "other")
+    return columns_table(
+        recs.rows("moe", table="moe time per step (forward + backward, ms)"),
+        [Col("preset", "preset"), Col("arm", "arm"), *(Col(region, region, ".0f") for region in regions)],
+    )
+
+
 # -- rendering a document -----------------------------------------------------------------------
 
 # a marker quoted in backticks (docs/architecture.md describing them) is text, not a region
