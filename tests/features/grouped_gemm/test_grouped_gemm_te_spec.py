@@ -27,3 +27,19 @@ def test_te_spec_experts_are_served_by_the_te_backend(cpu_config, caplog):
     assert served().get("grouped-gemm") == "te-backend"
     assert caplog.text.count("grouped-gemm: the TE spec's grouped experts") == 1  # said once
     assert on == off  # a pass-through: the same grouped GEMMs either way
+
+
+def test_te_spec_served_line_is_said_by_rank_zero_only(cpu_config, caplog, monkeypatch):
+    """A Megatron-LM run at EP=2 printed the line once per process; ranks other than 0 record
+    "served by te-backend" for the report and say nothing."""
+    import torch
+
+    forget_logged()
+    cpu_config(grouped_gemm="on")
+    init_parallel(seed=SEED)
+    model = tiny_gpt(**MODEL)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *args, **kwargs: 1)
+    with caplog.at_level(logging.WARNING, logger="mindspeed_like"):
+        train_steps(model, 1, seed=SEED)
+    assert served().get("grouped-gemm") == "te-backend"
+    assert "grouped-gemm: the TE spec's grouped experts" not in caplog.text
