@@ -40,15 +40,17 @@ test-compile: $(STAMP)
 # versions, host with the load average at start, every figure, each repeat's raw seconds) in the
 # mode the docs quote, torch.compile on as users run megatron; `make docs` renders the docs' tables
 # from results/ (results/ is committed, so `make docs` alone works on a fresh clone).
-# Durations: see BENCH_SET's comment. Run it on an idle machine: the records say the load average.
+# The set and its durations: benchmarks/bench_set.txt (BENCH_SET=file for another list). Run it on
+# an idle machine: each record says the load average at its start.
+BENCH_SET ?= benchmarks/bench_set.txt
 bench: $(STAMP)
 	@set -e; start=$$(date +%s); \
 	while IFS= read -r cmd; do \
 		case "$$cmd" in ''|'#'*) continue ;; esac; \
 		echo "== $$cmd (load $$(cut -d' ' -f1 /proc/loadavg))"; t=$$(date +%s); \
-		TORCHDYNAMO_DISABLE=0 $(PY) $$cmd; \
+		TORCHDYNAMO_DISABLE=0 $(PY) $$cmd < /dev/null; \
 		echo "== $$(( $$(date +%s) - t )) s: $$cmd"; \
-	done < benchmarks/bench_set.txt; \
+	done < $(BENCH_SET); \
 	echo "== make bench: $$(( $$(date +%s) - start )) s"
 
 # The docs' numeric tables and quoted figures, re-rendered from results/ (`--check`: `make test`'s

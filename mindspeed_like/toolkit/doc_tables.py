@@ -437,8 +437,9 @@ def compare_table(recs: Records, name: str) -> list[str]:
             continue
         ratio = row.get("ratio")
         text = "-" if ratio is None else f"{ratio:.2f}x"
-        if ratio is not None and (row.get("repeats") or 1) > 1 and row.get("ratio_min") is not None:
-            text += f" ({row['ratio_min']:.2f}-{row['ratio_max']:.2f} over {row['repeats']} repeats)"
+        low, high = row.get("ratio_min"), row.get("ratio_max")
+        if ratio is not None and (row.get("repeats") or 1) > 1 and low is not None and f"{low:.2f}" != f"{high:.2f}":
+            text += f" ({low:.2f}-{high:.2f} over {row['repeats']} repeats)"
         lines.append((label, show(row["megatron"]), show(row["features"]), text))
     first, final = by_metric.get("loss_first"), by_metric.get("loss_final")
     diff = by_metric.get("loss_max_abs_diff")
