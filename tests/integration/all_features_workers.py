@@ -14,8 +14,9 @@ EXERCISED_ELSEWHERE: dict[str, str] = {
     "moe-alltoall-overlap": "tests/features/moe_alltoall_overlap/test_moe_alltoall_overlap_distributed.py (EP=2, "
     "stacked with grouped GEMM): it acts only at expert_model_parallel_size > 1 with the alltoall dispatcher, and "
     "these runs are TP=2 with EP=1 (strict would turn its said-once fallback into an error)",
-    "moe-zero-memory": "tests/features/moe_alltoall_overlap/test_moe_alltoall_overlap_distributed.py: it recomputes "
-    "inside moe-alltoall-overlap's pipeline, which needs EP > 1",
+    "moe-zero-memory": "tests/features/moe_zero_memory/test_moe_zero_memory.py (EP=1: the experts call recomputed "
+    "whole, with recompute-activation-function) and tests/features/moe_alltoall_overlap/"
+    "test_moe_alltoall_overlap_distributed.py (EP=2: per chunk inside moe-alltoall-overlap's pipeline)",
 }
 """Accelerations the shared TP=2 runs cannot exercise (megatron's own config switches them on, or
 they act only under a parallelism these runs do not have), and the test that runs them with
