@@ -312,9 +312,11 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
     from mindspeed_like.compare import report
     from mindspeed_like.compare.worker import FEATURES, MEGATRON, run_arm
     from mindspeed_like.demo_data import megatron_source_bytes, sample_windows
+    from mindspeed_like.run_arguments import quiet_expected_warnings
     from mindspeed_like.testing import run_distributed
     from mindspeed_like.testing.distributed import DistributedError
 
+    quiet_expected_warnings()  # megatron's config, built here by the checks, says TE/Apex are absent
     check_arguments(args, flag_values)
     record = report.start_record(args, flag_values)  # the load average before anything runs
     flags = feature_flags(flag_values)

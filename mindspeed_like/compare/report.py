@@ -267,7 +267,8 @@ def table(result: dict[str, Any]) -> str:
         "weights": "weights MiB",
         "gradients": "gradients MiB",
         "optimizer": "optimizer state MiB",
-        "activations": "activations MiB (saved for bwd" + (", per microbatch)" if len(m["places"]) > 1 else ")"),
+        "activations": "activations MiB (saved for bwd"
+        + (", per microbatch)" if result["parallel"]["pipeline_model_parallel_size"] > 1 else ")"),
         "model_state": "  weights + gradients + optimizer",
         "process_peak": "process peak MiB" + (" (RSS)" if m["device"] == "cpu" else ""),
     }
