@@ -106,6 +106,8 @@ class Record:
         self.rows: list[dict[str, Any]] = []
         self.samples: dict[str, list[float]] = {}
         self.extra: dict[str, Any] = {}  # figures that are not rows (targets met, verdicts, curves)
+        # read at the start too: the revision that ran, not the one checked out when the run ended
+        self.versions: dict[str, str | None] = versions()
 
     def add_row(self, **row: Any) -> None:
         self.rows.append(row)
@@ -128,7 +130,7 @@ class Record:
             "started_at": self.started_at,
             "finished_at": _now(),
             "host": self.host,
-            "versions": versions(),
+            "versions": self.versions,
             "options": self.options,
             "rows": self.rows,
             "samples": self.samples,
