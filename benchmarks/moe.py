@@ -257,6 +257,8 @@ def main() -> None:
         for arm in arms:
             s = summaries[arm.name]
             if arm.level:
+                common.add_samples("megatron", arms[0].step_times)  # each timed step of both arms, in the record
+                common.add_samples(arm.name, arm.step_times)
                 results.add(
                     preset=preset,
                     level=arm.level,
