@@ -369,7 +369,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _defaults() -> dict[str, Any]:
-    from mindspeed_like.compare import add_compare_arguments
+    from mindspeed_like.compare.arguments import add_compare_arguments
 
     parser = argparse.ArgumentParser(add_help=False)
     add_compare_arguments(parser)

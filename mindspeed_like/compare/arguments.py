@@ -1,0 +1,82 @@
+"""compare's command-line arguments (its own options; the feature flags are added by the CLI).
+
+Its own module so that the report (which names a record after the options not at their
+defaults) and the package root both read them without importing each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mindspeed_like.compare.presets import PRESETS
+
+DEFAULT_LEVEL = 2
+DEFAULT_REPEATS = 3
+# flags both arms run with: the context-parallel algorithm is megatron's only CP attention on this host
+SHARED_FLAGS = ("device", "strict", "context_parallel_algo", "ulysses_degree_in_cp")
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    from mindspeed_like.run_arguments import add_model_arguments
+
+    group = parser.add_argument_group("compare")
+    group.add_argument("--preset", choices=sorted(PRESETS), default="llama", help="model family (default llama)")
+    add_model_arguments(
+        group, steps=8, num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256, micro_batch_size=4
+    )
+    group.add_argument("--fp32", action="store_true", help="train in fp32 (default: bf16 with fp32 masters)")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages (megatron's 1F1B schedule; PP microbatches per step)",
+    )
+    group.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="virtual pipeline stages (megatron's interleaved schedule): layers per model chunk",
+    )
+    group.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="sequence split over ranks; the attention algorithm is --context-parallel-algo (both arms: it is "
+        "the only CP attention megatron has without TransformerEngine)",
+    )
+    group.add_argument("--data-parallel-size", type=int, default=1)
+    group.add_argument(
+        "--expert-model-parallel-size", type=int, default=1, help="MoE presets: experts over DP x CP ranks"
+    )
+    group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument(
+        "--transformer-impl",
+        choices=TRANSFORMER_IMPLS,
+        default="transformer_engine",
+        help="the layer spec both arms build: megatron's TE spec (Megatron-LM's default; without TransformerEngine "
+        "on the te-backend, which megatron's arm runs with no acceleration on) or its local spec",
+    )
+    group.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help=f"runs of each arm, alternating (default {DEFAULT_REPEATS}): ratios are the median of the per-repeat "
+        "ratios, with their min-max",
+    )
+    group.add_argument("--out", default="compare-out", help="directory for compare.json and compare.png")
+    group.add_argument(
+        "--record",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="NAME",
+        help="also write the record to results/NAME.json (default name: compare-<preset>[-<non-default options>])",
+    )
+    group.add_argument("--timeout", type=float, default=3600, help="seconds per arm before its processes are killed")
+    group.add_argument("--quiet", action="store_true", help="no progress line per step")
+    group.add_argument(
+        "--threads", type=int, default=0, help="CPU threads per process (default: the host's cores / processes)"
+    )
