@@ -377,7 +377,8 @@ class PatchEngine:
                     f"feature '{feature}': patch target '{patch.target}' holds the plain value {original!r}, whose "
                     "copies in other modules cannot be told apart by identity; declare update_aliases=False"
                 )
-        wrapper = patch.new if self.calls is None else _CountingWrapper(patch.new, self.calls, feature)
+        counted = self.calls is not None and patch.counts_as_reached
+        wrapper = _CountingWrapper(patch.new, self.calls, feature) if counted else patch.new
         installed = wrapt.FunctionWrapper(original, wrapper) if patch.kind is Kind.WRAP else resolved(patch.new)
         setattr(owner, attr, installed)
         aliases = isinstance(owner, types.ModuleType) and patch.update_aliases

@@ -102,6 +102,10 @@ class Patch:
         must declare their order on at least one side; otherwise the engine refuses the second.
     placeholder: PROVIDE only: tells the stand-in objects a module binds in place of what its
         absent dependency would have given (e.g. ``unittest.mock.MagicMock`` instances).
+    counts_as_reached: WRAP only: a call into this wrapper counts as megatron reaching the feature
+        (what ``mindspeed-like compare`` and ``testing.reach`` report). False for a hook that runs
+        for every model whether or not the feature has work there (a config check), so that a
+        dense model does not list an MoE feature as reached.
     """
 
     target: str
@@ -117,6 +121,7 @@ class Patch:
     after: tuple[str, ...] = ()
     before: tuple[str, ...] = ()
     placeholder: Callable[[Any], bool] | None = None
+    counts_as_reached: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, Kind):

@@ -239,6 +239,23 @@ def test_wrap_calls_through_and_keeps_wrapped(fakemeg, engine):
     assert funcs.f is original and user.f is original
 
 
+def test_calls_count_as_reached_unless_the_patch_says_it_is_a_hook_for_every_model(fakemeg, engine):
+    """compare's "features reached" list: a config hook that runs for every model (moe-permute's
+    TransformerConfig check) must not make a dense model list the feature as reached."""
+    import collections
+
+    funcs = importlib.import_module(f"{PKG}.core.funcs")
+
+    def through(wrapped, instance, args, kwargs):
+        return wrapped(*args, **kwargs)
+
+    engine.calls = collections.Counter()
+    engine.apply("worker", [Patch(f"{PKG}.core.funcs.f", Kind.WRAP, through)])
+    engine.apply("hook", [Patch(f"{PKG}.core.funcs.helper", Kind.WRAP, through, counts_as_reached=False)])
+    assert funcs.f(1) == 2 and funcs.helper() == "helper"
+    assert engine.calls == collections.Counter({"worker": 1})
+
+
 def test_wrap_methods_static_and_class_methods(fakemeg, engine):
     funcs = importlib.import_module(f"{PKG}.core.funcs")
     raw = {name: vars(funcs.C)[name] for name in ("m", "s", "cm")}

@@ -52,6 +52,7 @@ def patches(ctx: Context) -> list[Patch]:
             ConfigPostInit(),
             why="moe_permute_fusion's check imports TE's names from moe_utils (absent without TE): skipped",
             after=("te-backend",),
+            counts_as_reached=False,  # runs for every model, MoE or not
         )
     )
     result += [
