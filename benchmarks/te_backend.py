@@ -12,10 +12,11 @@ first step of every round (optimizer build, compile) is not timed.
 
 Both specs run the same aten ops with the same shapes, strides and dtypes at levels 0 and 1 (the
 same flash kernel at level 1); the TE spec adds only its wrappers' Python calls (~25 per layer and
-step). The default size is chosen to finish in a few minutes on a 2-core CPU host: bf16 matmuls
+step). The default size is chosen to finish in about a minute on a 2-core CPU host: bf16 matmuls
 there have no native kernel (AVX2: 1-20 GFLOP/s by operand layout against 30-65 in fp32), so the
 earlier default (4 layers, hidden 512, seq 1024: ~190 GFLOP a step) took minutes per step and the
-100 steps of a run hours. Here: 2 layers, hidden 256, seq 256, ~2 s a step, 80 steps.
+100 steps of a run hours. Here: 2 layers, hidden 256, seq 256, micro-batch 2, 3 timed steps per
+round and spec (~60-70 ms a step idle); `make bench` runs 15 rounds (45 steps per spec and level).
 
     python benchmarks/te_backend.py [--quick] [--repeats N] [--preset llama|moe] [--json out.json]
 """

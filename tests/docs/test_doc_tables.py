@@ -1,0 +1,99 @@
+"""The docs' measured numbers are what results/ renders (``make docs``); a hand edit fails here,
+naming the file, the line and the row. No benchmark runs: the records are read from results/."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mindspeed_like.toolkit import doc_tables, records
+
+
+def test_every_generated_region_matches_the_records() -> None:
+    differences = doc_tables.run(doc_tables.doc_files(), check=True)
+    assert not differences, "\n".join(str(d) for d in differences)
+
+
+def test_the_docs_have_generated_regions() -> None:
+    """The check above must not pass vacuously: the docs carry tables rendered from records."""
+    kinds = [kind for path in doc_tables.doc_files() for kind, _ in doc_tables.regions(path.read_text())]
+    assert kinds.count("table") >= 3 and "value" in kinds
+
+
+def test_a_hand_edited_number_is_caught_with_file_and_row(tmp_path: Path) -> None:
+    """A digit changed in the first data row of a rendered markdown table (a temp copy of the doc)."""
+    source, match = next(
+        (path, m)
+        for path in doc_tables.doc_files()
+        for m in doc_tables._REGION.finditer(path.read_text())
+        if m["kind"] == "table" and "\n|---" in m["body"]
+    )
+    copy = tmp_path / source.name
+    shutil.copy(source, copy)
+    text = copy.read_text()
+    first_row = text.index("\n", text.index("\n|---", match.start("body")) + 1) + 1
+    digit = re.compile(r"\d").search(text, first_row)
+    assert digit is not None
+    edited = text[: digit.start()] + str((int(digit.group()) + 1) % 10) + text[digit.end() :]
+    copy.write_text(edited)
+    differences = doc_tables.run([copy], check=True)
+    assert len(differences) == 1
+    message = str(differences[0])
+    row = edited.splitlines()[differences[0].line - 1]
+    assert f"{copy}:{differences[0].line}:" in message or f"{copy.name}:{differences[0].line}:" in message
+    assert f"in the doc: {row}" in message and row != differences[0].expected
+    # and `make docs` (check=False) puts the rendered row back
+    assert doc_tables.run([copy], check=False) and copy.read_text() == text
+
+
+def _record(folder: Path, name: str, rows: list[dict], **extra: object) -> None:
+    rec = records.Record(name, command=["benchmarks/x.py", "--repeats", "3"])
+    rec.rows = rows
+    rec.extra.update(extra)
+    rec.write(folder / f"{name}.json")
+
+
+def test_value_queries(tmp_path: Path) -> None:
+    _record(
+        tmp_path,
+        "bench",
+        [
+            {"table": "t", "dtype": "float32", "s": 4096, "speedup": 4.234},
+            {"table": "t", "dtype": "bfloat16", "s": 4096, "speedup": 3.731},
+            {"table": "u", "dtype": "float32", "s": 1024, "speedup": 1.5},
+        ],
+        verdict="met",
+    )
+    recs = doc_tables.Records(tmp_path)
+    assert doc_tables.value(recs, "bench[dtype=float32,s=4096].speedup .1f") == "4.2"
+    assert doc_tables.value(recs, "bench[table=t].speedup range .2f") == "3.73-4.23"
+    assert doc_tables.value(recs, "bench.speedup max .1f") == "4.2"
+    assert doc_tables.value(recs, "bench.extra.verdict") == "met"
+    with pytest.raises(doc_tables.RecordError, match="2 rows match"):
+        doc_tables.value(recs, "bench[s=4096].speedup")
+    with pytest.raises(doc_tables.RecordError, match="no record 'missing'"):
+        doc_tables.value(recs, "missing.speedup")
+
+
+def test_render_names_the_region_and_the_record_it_lacks(tmp_path: Path) -> None:
+    _record(tmp_path, "bench", [{"dtype": "float32", "speedup": 2.0}])
+    text = "x <!-- value: bench[dtype=float32].speedup .1f -->9.9<!-- /value --> y\n"
+    rendered, differences = doc_tables.render(text, doc_tables.Records(tmp_path), tmp_path / "doc.md")
+    assert rendered == text.replace("9.9", "2.0")
+    assert [d.found for d in differences] == ["9.9"] and differences[0].line == 1
+    table = "<!-- table: nope (make docs) -->\n<!-- /table -->\n"
+    with pytest.raises(doc_tables.RecordError, match=r"doc.md:1: .*no table 'nope'"):
+        doc_tables.render(table, doc_tables.Records(tmp_path), tmp_path / "doc.md")
+
+
+def test_records_folder_is_complete() -> None:
+    """Every record a doc names exists in results/ and is readable (a fresh clone renders)."""
+    recs = doc_tables.Records()
+    for path in doc_tables.doc_files():
+        doc_tables.render(path.read_text(), recs, path)
+    assert recs.read
+    for name in recs.read:
+        assert records.read(recs.folder / f"{name}.json")["rows"], name
