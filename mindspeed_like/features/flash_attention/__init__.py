@@ -22,7 +22,9 @@ SPARSE_MODES = (0, 2, 3, 4)
 def patches(ctx: Context) -> list[Patch]:
     shape = CausalShape(ctx["sparse_mode"], ctx["pre_tockens"], ctx["next_tockens"])
     forward = FlashAttentionForward(
-        shape, ctx.fallback(NAME, FlashAttentionUnsupported, "using megatron's DotProductAttention")
+        shape,
+        ctx.fallback(NAME, FlashAttentionUnsupported, "using megatron's DotProductAttention"),
+        pad_value_head=not ctx["mla_fa_without_pad"],
     )
     return [
         Patch(
@@ -78,6 +80,14 @@ FEATURE = Feature(
         ),
         Flag("pre_tockens", int, 65536, "flash attention, causal layers: keys visible before the diagonal"),
         Flag("next_tockens", int, 0, "flash attention, --sparse-mode 4: keys visible after the diagonal"),
+        Flag(
+            "mla_fa_without_pad",
+            bool,
+            False,
+            "flash attention, multi-latent attention on CPU (V head dim != q/k's): run the unpadded blocked kernel "
+            "instead of zero-padding to one head dim for torch's fused flash kernel (faster, the default); NPU "
+            "never pads (npu_fusion_attention takes the two head dims)",
+        ),
     ),
     backend=kernel_backend,
     validate=validate,

@@ -152,6 +152,7 @@ class FlashAttentionForward:
 
     shape: CausalShape
     fall_back: Fallback
+    pad_value_head: bool = True  # CPU, V head dim != q/k's: pad for the fused kernel (False: blocked kernel)
 
     def __call__(self, wrapped, instance, args, kwargs):
         from mindspeed_like.kernels.flash_attention import flash_attention
@@ -178,4 +179,6 @@ class FlashAttentionForward:
 
             fork = tensor_parallel.get_cuda_rng_tracker().fork()
         with fork:
-            return flash_attention(query, key, value, scale=scale, dropout_p=p, **kernel_args)
+            return flash_attention(
+                query, key, value, scale=scale, dropout_p=p, pad_value_head=self.pad_value_head, **kernel_args
+            )

@@ -115,13 +115,19 @@ def test_kernel_matches_float64(backend, dtype, s, case):
 V_HEAD_DIM_CASES = ("causal", "full", "gqa_causal", "mask_and_causal", "causal_sk_longer")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "backend, pad",
+    [("portable", True), ("portable", False), ("npu", True)],
+    ids=["portable-padded", "portable-blocked", "npu"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", V_HEAD_DIM_CASES)
-def test_kernel_with_a_smaller_value_head_dim_matches_float64(backend, dtype, case):
-    """Multi-latent attention: V's head dim (12) differs from q/k's (16); V is not padded (the CPU
-    flash kernel refuses it, so the blocked kernel runs; npu: BNSD names each head dim)."""
-    spec = dict(KERNEL_CASES[case])
+def test_kernel_with_a_smaller_value_head_dim_matches_float64(backend, pad, dtype, case):
+    """Multi-latent attention: V's head dim (12) differs from q/k's (16). The CPU flash kernel
+    refuses that: by default V is zero-padded for it (the output sliced back), with
+    ``pad_value_head=False`` (``--mla-fa-without-pad``) the unpadded blocked kernel runs; npu:
+    BNSD names each head dim, never padded."""
+    spec = dict(KERNEL_CASES[case], pad_value_head=pad)
     s = 33
     nk, sk = spec.pop("nk", 4), s + spec.pop("extra_k", 0)
     (q, k, _), (rq, rk, _) = _qkv(s, sk, 2, 4, nk, 16, dtype, ("dv", case, str(dtype)))
@@ -139,8 +145,10 @@ def test_kernel_with_a_smaller_value_head_dim_matches_float64(backend, dtype, ca
         assert_close_to_reference(g, rg, dtype, what=f"d{name}", floor=1.0)
 
 
-def test_portable_cpu_value_head_dim_saves_no_score_matrix():
-    """The blocked kernel runs for d_v != d_qk on CPU: nothing of size s x s is saved for backward."""
+@pytest.mark.parametrize("pad", [True, False], ids=["padded", "blocked"])
+def test_portable_cpu_value_head_dim_saves_no_score_matrix(pad):
+    """d_v != d_qk on CPU, padded for the fused kernel or through the blocked kernel: nothing of
+    size s x s is saved for backward."""
     s = 256
     q, k = (torch.randn(1, 2, s, 16, requires_grad=True) for _ in range(2))
     v = torch.randn(1, 2, s, 8, requires_grad=True)
@@ -151,7 +159,7 @@ def test_portable_cpu_value_head_dim_saves_no_score_matrix():
         return t
 
     with force_backend("portable"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        flash_attention(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), scale=0.25, band=CAUSAL)
+        flash_attention(*(t.permute(2, 0, 1, 3) for t in (q, k, v)), scale=0.25, band=CAUSAL, pad_value_head=pad)
     assert sizes and max(sizes) < s * s, sizes
 
 

@@ -144,3 +144,20 @@ def test_mla_plain_rope_attention_equals_megatron(transformer_impl):
     actual = run_attention(transformer_impl, "rope", **FEATURES["flash+fused-rope"])
     assert actual["calls"].get(FLASH, 0) > 0 and actual["calls"].get(FUSED_ROPE, 0) > 0
     assert_same_attention(actual, reference)
+
+
+@pytest.mark.parametrize("without_pad", [False, True], ids=["padded", "mla-fa-without-pad"])
+def test_mla_value_head_padding_choice_reaches_the_kernel(monkeypatch, without_pad):
+    """CPU: the V head dim (12) differs from q/k's (24). By default V is zero-padded for torch's
+    fused flash kernel; ``--mla-fa-without-pad`` (MindSpeed's flag) runs the unpadded blocked
+    kernel instead. Either way megatron's attention within fp32 rounding."""
+    from mindspeed_like.kernels import flash_attention as kernel
+
+    blocked_calls = []
+    original = kernel.blocked_attention
+    monkeypatch.setattr(kernel, "blocked_attention", lambda *a, **k: blocked_calls.append(1) or original(*a, **k))
+    reference = run_attention("local", "yarn")
+    actual = run_attention("local", "yarn", use_flash_attn=True, mla_fa_without_pad=without_pad)
+    assert actual["calls"].get(FLASH, 0) > 0
+    assert bool(blocked_calls) is without_pad
+    assert_same_attention(actual, reference)
