@@ -47,21 +47,15 @@ def _load_average() -> list[float] | None:
 
 def _source_revision() -> str:
     """The git commit of this checkout (with ``+dirty`` when it has changes), else the installed version."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(_REPO_ROOT), *args], capture_output=True, text=True, timeout=10, check=True
+        )
+        return done.stdout.strip()
+
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(_REPO_ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(_REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        commit, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
         return commit + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         from importlib.metadata import PackageNotFoundError, version
