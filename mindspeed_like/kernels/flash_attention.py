@@ -151,7 +151,7 @@ def _cpu_flash_refuses(q: torch.Tensor, v: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.shape[-1] != v.shape[-1]
 
 
-def _one_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def _one_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v zero-padded to one head dim for the CPU flash kernel (the caller slices the output
     back to V's). Zeros add nothing to q.k (the scale is the caller's, explicit) nor to P.V's kept
     columns, so the result is the unpadded attention's; the price is a padded copy of the smaller
@@ -190,8 +190,9 @@ def _portable_bnsd(
     if refused and not pad_value_head and dropout_p == 0.0:
         out = blocked_attention(q, k, v, scale=scale, keep=keep, causal=is_causal)
     else:
+        # without padding and with dropout (the blocked kernel has none) SDPA's math kernel takes the two dims
         dv = v.shape[-1]
-        qp, kp, vp = _one_head_dim(q, k, v) if refused else (q, k, v)
+        qp, kp, vp = _one_head_dim(q, k, v) if refused and pad_value_head else (q, k, v)
         out = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=nq != nk
         )

@@ -145,6 +145,31 @@ def test_kernel_with_a_smaller_value_head_dim_matches_float64(backend, pad, dtyp
         assert_close_to_reference(g, rg, dtype, what=f"d{name}", floor=1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_portable_larger_value_head_dim_pads_q_and_k_and_matches_float64(dtype):
+    """d_v (20) > d_qk (16) on CPU: q and k are zero-padded for the fused kernel (zeros add nothing
+    to q.k under the caller's explicit scale); output and gradients as float64's, nothing s x s saved."""
+    s = 33
+    (q, k, _), (rq, rk, _) = _qkv(s, s, 2, 4, 2, 16, dtype, ("dv-larger", str(dtype)))
+    v64 = torch.randn(s, 2, 2, 20, generator=_gen("dv-larger-v", str(dtype)))
+    v, rv = (v64.to(t).detach().clone().requires_grad_(True) for t in (dtype, torch.float64))
+    grad = torch.randn(s, 2, 4 * 20, generator=_gen("dv-larger-grad", str(dtype)))
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, grads, _ = _fwd_bwd("portable", [q, k, v], grad, scale=0.25, band=CAUSAL)
+    ref, ref_grads, _ = _fwd_bwd("reference", [rq, rk, rv], grad, scale=0.25, band=CAUSAL)
+    assert out.shape == ref.shape == (s, 2, 80)
+    assert max(sizes) < 2 * 4 * s * s, sizes
+    assert_close_to_reference(out, ref, dtype, what="out")
+    for name, g, rg in zip("qkv", grads, ref_grads):
+        assert_close_to_reference(g, rg, dtype, what=f"d{name}", floor=1.0)
+
+
 @pytest.mark.parametrize("pad", [True, False], ids=["padded", "blocked"])
 def test_portable_cpu_value_head_dim_saves_no_score_matrix(pad):
     """d_v != d_qk on CPU, padded for the fused kernel or through the blocked kernel: nothing of
