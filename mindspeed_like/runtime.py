@@ -41,6 +41,7 @@ _megatron_args: dict[str, Any] = {}
 _current: Context | None = None
 _warned_version = False
 _stepped_aside: dict[str, str] = {}  # level member -> the explicit flag it yielded to (see levels.py)
+_activated: set[str] = set()  # features whose activate() ran and that have not been switched off since
 
 
 def flags() -> list[Flag]:
@@ -222,7 +223,14 @@ def apply(code: Mapping[str, Any] | None = None) -> Config:
             raise ConfigError(f"{error}") from error
         applied = {record.feature for record in ENGINE.report()}
         _report_switch_after_construction(ctx, applied)
-        _before_switch_off([name for name, patches in plan.items() if not patches and name in applied])
+        enabled_now = set(ctx.enabled_names)
+        _before_switch_off(
+            [
+                name
+                for name, patches in plan.items()
+                if (not patches and name in applied) or (name in _activated and name not in enabled_now)
+            ]
+        )
         if code:
             _code_overrides.update(config_mod.normalize_names(flags(), code, "configure()"))
         for name, patches in plan.items():
@@ -232,6 +240,7 @@ def apply(code: Mapping[str, Any] | None = None) -> Config:
             try:
                 if feature.activate is not None:
                     feature.activate(ctx)
+                    _activated.add(feature.name)
                 ENGINE.apply(feature.name, plan[feature.name])
             except Exception:
                 ENGINE.remove(feature.name)  # all or nothing per feature
@@ -267,15 +276,18 @@ def _report_switch_after_construction(ctx: Context, applied: set[str]) -> None:
 
 
 def _before_switch_off(names: list[str]) -> None:
-    """Each feature about to lose its patches brings the state built with them back to
-    megatron's form, or refuses (ConfigError) before anything changes."""
+    """Each feature about to lose its patches (or, for one without patches, whose ``activate``
+    ran and that is now off) brings the state built with them back to megatron's form, or
+    refuses (ConfigError) before anything changes."""
     for name in names:
         try:
             feature = registry.feature_by_name(name)
         except KeyError:
+            _activated.discard(name)
             continue
         if feature.before_switch_off is not None:
-            feature.before_switch_off()
+            feature.before_switch_off()  # may refuse (ConfigError): the feature then stays activated
+        _activated.discard(name)
 
 
 def set_megatron_args(values: Mapping[str, Any]) -> Context:
@@ -308,7 +320,7 @@ def reset() -> None:
     already logged: the state of a fresh import."""
     global _current
     with _lock:
-        _before_switch_off(sorted({record.feature for record in ENGINE.report()}))
+        _before_switch_off(sorted({record.feature for record in ENGINE.report()} | _activated))
         ENGINE.remove_all()
         built_models.forget()
         _code_overrides.clear()

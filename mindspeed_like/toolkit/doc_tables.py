@@ -268,6 +268,7 @@ for _name in (
     "moe_alltoall_overlap",
     "moe_permute",
     "moe_router",
+    "host_allocator",
 ):
     _printed_table(f"{_name}.printed", _name)
 

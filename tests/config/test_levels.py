@@ -14,6 +14,7 @@ LEVEL_1 = {
     "fused-rotary-pos-emb",
     "fused-swiglu",
     "grouped-gemm",
+    "host-allocator",
     "moe-alltoall-overlap",
     "moe-permute",
     "moe-router",
