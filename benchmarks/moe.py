@@ -3,15 +3,19 @@ against ours at levels 1 and 2, in the same process and run: training tokens/s, 
 saved for backward, and where a step's time goes in BOTH arms (router, permute, experts,
 unpermute, attention, the rest).
 
-The models are `mindspeed-like compare`'s (compare/worker.py ``_build_model``: the preset at the
-given size, bf16, the same weights in every arm; on the local spec megatron's arm runs its expert
-loop, ours the grouped experts). Rounds alternate the arms (``reset()`` + ``configure()`` before
-each arm's steps, so every arm runs under its own patches) so machine noise hits all alike; each
-round's first step (optimizer build) is untimed, and a first 2-step pass per arm (torch.compile of
-megatron's jit_fuser functions, stays ON unless TORCHDYNAMO_DISABLE is set) measures the
-activation bytes (``SavedBytesMeter`` over the last forward, parameters and masters excluded).
-Each pass wraps the model in a new DDP: reuse-fp32-param acts in the first pass only (later ones
-find the parameters already views into a grad buffer, keep megatron's masters and say so).
+Each arm runs in a FRESH PROCESS (this script with ``--arm``), alternating over the repeats
+(megatron, level 1, level 2, megatron, ...): arms sharing one process measured each other's
+allocator state (glibc's heap and adaptive mmap threshold carry over between arms, and the
+host-allocator feature, part of level 1, changes them for the whole process), which biased two
+identically configured arms by up to 14% against each other on this host. In each process: the
+model of `mindspeed-like compare` (compare/worker.py ``_build_model``: the preset at the given
+size, bf16, the same weights in every arm; on the local spec megatron's arm runs its expert loop,
+ours the grouped experts); a first 2-step pass (torch.compile of megatron's jit_fuser functions,
+ON unless TORCHDYNAMO_DISABLE is set) that measures the activation bytes (``SavedBytesMeter`` over
+the last forward, parameters and masters excluded); then one round whose first step (optimizer
+build) is untimed and whose next ``--steps`` steps are timed. Each pass wraps the model in a new
+DDP: reuse-fp32-param acts in the first pass only (later ones find the parameters already views
+into a grad buffer, keep megatron's masters and say so).
 
 Time breakdown, forward + backward per region, without the profiler: the MODULE INSTANCES'
 methods are wrapped (not megatron's classes, so the features' class-level patches still run
@@ -28,7 +32,7 @@ first), so the difference is the region's backward (recomputation inside it incl
 the step time minus the regions: embeddings, norms, q/k/v and output projections, dense MLPs,
 the loss, the optimizer step.
 
-    python benchmarks/moe.py [--quick] [--repeats N] [--presets moe qwen3-moe deepseek]
+    python benchmarks/moe.py [--quick] [--repeats N] [--steps N] [--presets moe qwen3-moe deepseek]
         [--transformer-impl transformer_engine|local] [--num-layers L] [--hidden-size H]
         [--num-attention-heads N] [--seq-length S] [--json out.json] [--record NAME]
 
@@ -39,7 +43,12 @@ were set at the size of its first measurement, ``--num-layers 4 --hidden-size 51
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -192,23 +201,67 @@ class Arm:
         self.timer.active = False
         self.step_times += [b - a for a, b in zip(stamps, stamps[1:])]
 
-    def summary(self) -> dict[str, Any]:
-        step = statistics.median(self.step_times)
-        n = len(self.step_times)
-        backward = self.timer.backward()
-        per_region = {r: (self.timer.forward.get(r, 0.0) + backward.get(r, 0.0)) / n for r in REGIONS}
-        mean_step = sum(self.step_times) / n
+    def measured(self) -> dict[str, Any]:
+        """What the parent merges over the arm's processes: every timed step, the regions' summed
+        forward and backward seconds, the activation bytes."""
         return {
-            "tokens_per_s": self.micro * self.seq / step,
-            "step_s": step,
+            "step_times": self.step_times,
+            "fwd": dict(self.timer.forward),
+            "bwd": dict(self.timer.backward()),
             "activations": self.activations,
-            "ms": {r: 1000 * v for r, v in per_region.items()},
-            "fwd_ms": {r: 1000 * self.timer.forward.get(r, 0.0) / n for r in REGIONS},
-            "bwd_ms": {r: 1000 * backward.get(r, 0.0) / n for r in REGIONS},
-            "other_ms": 1000 * (mean_step - sum(per_region.values())),
-            "mean_step_ms": 1000 * mean_step,
-            "steps": n,
         }
+
+
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm's processes together (their timed steps and region sums)."""
+    out: dict[str, Any] = {"step_times": [], "fwd": defaultdict(float), "bwd": defaultdict(float), "activations": []}
+    for run in runs:
+        out["step_times"] += run["step_times"]
+        for key in ("fwd", "bwd"):
+            for region, seconds in run[key].items():
+                out[key][region] += seconds
+        out["activations"].append(run["activations"])
+    return out
+
+
+def summary(run: dict[str, Any], micro: int, seq: int) -> dict[str, Any]:
+    steps = run["step_times"]
+    step = statistics.median(steps)
+    n = len(steps)
+    per_region = {r: (run["fwd"].get(r, 0.0) + run["bwd"].get(r, 0.0)) / n for r in REGIONS}
+    mean_step = sum(steps) / n
+    return {
+        "tokens_per_s": micro * seq / step,
+        "step_s": step,
+        "activations": statistics.median(run["activations"]),
+        "ms": {r: 1000 * v for r, v in per_region.items()},
+        "fwd_ms": {r: 1000 * run["fwd"].get(r, 0.0) / n for r in REGIONS},
+        "bwd_ms": {r: 1000 * run["bwd"].get(r, 0.0) / n for r in REGIONS},
+        "other_ms": 1000 * (mean_step - sum(per_region.values())),
+        "mean_step_ms": 1000 * mean_step,
+        "steps": n,
+    }
+
+
+def run_arm(name: str, level: int, preset: str, size: dict, impl: str, micro: int, steps: int) -> dict[str, Any]:
+    """One arm in this process: build, the activation pass, one timed round."""
+    arm = Arm(name, level, preset, size, impl, micro)
+    arm.warm_up_and_measure_activations()
+    arm.timer.clear()
+    arm.timed_round(steps)
+    destroy_parallel()
+    mindspeed_like.reset()
+    return arm.measured()
+
+
+def spawn_arm(level: int, preset: str, size: dict, impl: str, steps: int) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--arm", str(level), "--preset", preset, "--steps", str(steps)]
+    command += ["--size", json.dumps(size), "--transformer-impl", impl, "--json", os.devnull]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ARM ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"level {level} arm ({preset}) failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1][4:])
 
 
 def print_targets(rows: list[dict[str, Any]]) -> None:
@@ -239,39 +292,45 @@ def main() -> None:
     p.add_argument("--hidden-size", type=int, help="default 256 (--quick: 64)")
     p.add_argument("--num-attention-heads", type=int, help="default 8 (--quick: 4)")
     p.add_argument("--seq-length", type=int, help="default 256 (--quick: 64)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per arm process")
+    p.add_argument("--arm", type=int, help=argparse.SUPPRESS)  # a worker: this level's arm (0: megatron)
+    p.add_argument("--preset", help=argparse.SUPPRESS)
+    p.add_argument("--size", help=argparse.SUPPRESS)
     p.set_defaults(repeats=2)
     args = p.parse_args()
+    micro = 2
+    if args.arm is not None:
+        name = "megatron" if args.arm == 0 else f"level {args.arm}"
+        size = json.loads(args.size)
+        result = run_arm(name, args.arm, args.preset, size, args.transformer_impl, micro, args.steps)
+        print("ARM " + json.dumps(result), flush=True)
+        return
     size = (
         dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64)
         if args.quick
         else dict(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=256)
     )
     size.update({key: getattr(args, key) for key in size if getattr(args, key) is not None})
-    micro, steps = 2, 2
     results = common.Results("moe")
     breakdown = common.Results("moe time per step (forward + backward, ms)")
     for preset in args.presets:
-        arms = [Arm("megatron", 0, preset, size, args.transformer_impl, micro)]
-        arms += [Arm(f"level {level}", level, preset, size, args.transformer_impl, micro) for level in args.levels]
-        for arm in arms:
-            arm.timer.clear()
-            arm.warm_up_and_measure_activations()
-        for arm in arms:
-            arm.timer.clear()
+        levels = [0, *args.levels]
+        runs: dict[int, list[dict[str, Any]]] = {level: [] for level in levels}
         for _ in range(args.repeats):
-            for arm in arms:
-                arm.timed_round(steps)
-        destroy_parallel()
-        summaries = {arm.name: arm.summary() for arm in arms}
-        base = summaries["megatron"]
-        for arm in arms:
-            s = summaries[arm.name]
-            if arm.level:
-                common.add_samples("megatron", arms[0].step_times)  # each timed step of both arms, in the record
-                common.add_samples(arm.name, arm.step_times)
+            for level in levels:
+                runs[level].append(spawn_arm(level, preset, size, args.transformer_impl, args.steps))
+        merged = {level: merge(runs[level]) for level in levels}
+        summaries = {level: summary(merged[level], micro, size["seq_length"]) for level in levels}
+        base = summaries[0]
+        for level in levels:
+            s = summaries[level]
+            name = "megatron" if level == 0 else f"level {level}"
+            if level:
+                common.add_samples("megatron", merged[0]["step_times"])  # each timed step of both arms, in the record
+                common.add_samples(name, merged[level]["step_times"])
                 results.add(
                     preset=preset,
-                    level=arm.level,
+                    level=level,
                     megatron_tokens_per_s=round(base["tokens_per_s"], 1),
                     ours_tokens_per_s=round(s["tokens_per_s"], 1),
                     tokens_per_s_ratio=round(s["tokens_per_s"] / base["tokens_per_s"], 3),
@@ -279,17 +338,16 @@ def main() -> None:
                     megatron_activations_mib=round(base["activations"] / 2**20, 1),
                     steps_timed=s["steps"],
                 )
-            print(f"{preset} {arm.name}: {s['tokens_per_s']:.1f} tokens/s", flush=True)
+            print(f"{preset} {name}: {s['tokens_per_s']:.1f} tokens/s", flush=True)
             breakdown.add(
                 preset=preset,
-                arm=arm.name,
+                arm=name,
                 step=round(s["mean_step_ms"]),
                 **{r: round(s["ms"][r], 1) for r in REGIONS},
                 other=round(s["other_ms"], 1),
                 fwd=" ".join(f"{s['fwd_ms'][r]:.0f}" for r in REGIONS),
                 bwd=" ".join(f"{s['bwd_ms'][r]:.0f}" for r in REGIONS),
             )
-    mindspeed_like.reset()
     results.print_table()
     print()
     breakdown.print_table()
