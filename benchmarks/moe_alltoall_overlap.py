@@ -8,7 +8,9 @@ time of one forward+backward equals the experts' own compute time in it (communi
 computation), as benchmarks/tp_overlap.py does for TP.
 
 The block is megatron's MoELayer (local spec, SequentialMLP experts, alltoall dispatcher, top-2)
-at EP=2, forward + backward, for 2 and 4 experts per rank (= chunks of the pipeline); for each
+at EP=2, forward + backward, for 2 and 4 experts per rank (= chunks of the pipeline), and for 2
+with shared experts under megatron's ``moe_shared_expert_overlap`` (on a host megatron runs them
+in program order; the pipeline runs them under its in-flight all-to-alls); for each
 size megatron's dispatcher and --moe-alltoall-overlap-comm are measured in the same run, in
 interleaved rounds (``--repeats``), each path's fastest step kept (the least disturbed run on a
 shared machine), the maximum over ranks.
@@ -32,7 +34,8 @@ import torch
 from common import Results, parser  # benchmarks/ is the script directory (as in tp_overlap.py)
 
 EP = 2
-LOCAL_EXPERTS = (2, 4)
+# (experts per rank, shared experts under megatron's moe_shared_expert_overlap)
+CASES = ((2, False), (4, False), (2, True))
 TARGET_HIDDEN = 0.60
 TARGET_AT = 4
 
@@ -56,13 +59,17 @@ def _agree(value: float) -> float:
     return float(tensor.item())
 
 
-def predicted_hidden(chunks: int | None) -> float:
-    """With C = M per pass: megatron's blocking all-to-alls hide nothing; the pipeline leaves the
-    first dispatch and the last combine, 2 of its 2N equal transfers, exposed."""
-    return 0.0 if chunks is None else 1.0 - 1.0 / chunks
+def predicted_hidden(chunks: int | None, shared: bool = False) -> float:
+    """With C = M per pass: megatron's blocking all-to-alls hide nothing (on a host its shared
+    experts run in program order too); the pipeline leaves the first dispatch and the last
+    combine, 2 of its 2N equal transfers, exposed; with shared experts (computed under the first
+    dispatch, forward and backward) only the last combine."""
+    if chunks is None:
+        return 0.0
+    return 1.0 - 1.0 / (2 * chunks) if shared else 1.0 - 1.0 / chunks
 
 
-def _moe_layer(shape: dict, local_experts: int):
+def _moe_layer(shape: dict, local_experts: int, shared: bool = False):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
@@ -76,6 +83,7 @@ def _moe_layer(shape: dict, local_experts: int):
         num_moe_experts=local_experts * EP,
         moe_router_topk=2,
         moe_token_dispatcher_type="alltoall",
+        **(dict(moe_shared_expert_intermediate_size=shape["ffn"], moe_shared_expert_overlap=True) if shared else {}),
     )
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     return build_module(spec.submodules.mlp, config=config)
@@ -127,11 +135,11 @@ def rank_worker(quick: bool, repeats: int) -> list[dict]:
         return original(*args, **kwargs)
 
     pipeline.run_forward = counting
-    for local_experts in LOCAL_EXPERTS:
+    for local_experts, shared in CASES:
         mindspeed_like.reset()
         mindspeed_like.configure(device="cpu")
         init_parallel(ep=EP)
-        layer = _moe_layer(shape, local_experts)
+        layer = _moe_layer(shape, local_experts, shared)
         x = torch.randn(shape["seq"], shape["batch"], shape["hidden"], requires_grad=True)
 
         def step(layer=layer, x=x):
@@ -167,13 +175,13 @@ def rank_worker(quick: bool, repeats: int) -> list[dict]:
             best_link = _agree(min(link[on]))
             rows.append(
                 dict(
-                    path=("overlap" if on else "megatron") + f" E={local_experts}",
+                    path=("overlap" if on else "megatron") + f" E={local_experts}" + (" +shared" if shared else ""),
                     step_nolink_ms=1e3 * _agree(min(nolink[on])),
                     step_link_ms=1e3 * best_link,
                     link_time_ms=1e3 * transfer[on],
                     exposed_ms=1e3 * exposed,
                     hidden=1.0 - exposed / transfer[on],
-                    predicted=predicted_hidden(local_experts if on else None),
+                    predicted=predicted_hidden(local_experts if on else None, shared),
                     vs_megatron=best_link / base_link,
                     samples={"step_nolink": nolink[on], "step_link": link[on], "blocked": blocked[on]},  # rank 0's
                 )
@@ -196,9 +204,11 @@ def main() -> None:
     run(args, results)
     results.print_table()
     by_path = {row["path"]: row for row in results.rows}
-    for local in LOCAL_EXPERTS:
-        row, base = by_path[f"overlap E={local}"], by_path[f"megatron E={local}"]
-        print(f"{local} experts per rank: step time with link {row['vs_megatron']:.3f}x megatron's, hidden "
+    for local, shared in CASES:
+        tail = " +shared" if shared else ""
+        row, base = by_path[f"overlap E={local}{tail}"], by_path[f"megatron E={local}{tail}"]
+        what = f"{local} experts per rank" + (" and shared experts" if shared else "")
+        print(f"{what}: step time with link {row['vs_megatron']:.3f}x megatron's, hidden "
               f"{row['hidden']:.0%} (model {row['predicted']:.0%}; megatron's own {base['hidden']:.0%})")  # fmt: skip
     hidden = by_path[f"overlap E={TARGET_AT}"]["hidden"]
     verdict = "met" if hidden >= TARGET_HIDDEN else "missed"

@@ -112,7 +112,8 @@ def _deepseek(num_layers: int, hidden_size: int, num_attention_heads: int) -> di
       ``moe_router_*`` fields: 8 experts (256 there) in 4 groups (8), the best 2 groups (4) kept,
       top-2 (8) experts; expert ffn ~hidden/4 (2048/7168) rounded up to 16.
     - ``--moe-shared-expert-intermediate-size`` -> one shared expert as wide as a routed one
-      (``--moe-shared-expert-overlap`` is not set: nothing overlaps on a host, Megatron-LM turns it off).
+      (``--moe-shared-expert-overlap`` is not set: the presets run at EP=1, where a host has no
+      all-to-all for the shared experts to overlap with).
     - ``--moe-layer-freq ([0]+[1]*(L-1))`` -> ``moe_layer_freq``: the first layer dense (3 of 61
       there; ffn ~8/3 hidden like llama's), the rest MoE. With one layer it is MoE (the preset's point).
     - ``--mtp-num-layers 1 --mtp-loss-scaling-factor 0.1`` -> one multi-token-prediction layer.

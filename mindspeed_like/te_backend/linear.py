@@ -205,6 +205,7 @@ class TEColumnParallelLinear(TELinear, ColumnParallelLinear):
             self.bias.partition_stride = stride
 
     def forward(self, *args: Any, **kwargs: Any):
+        _no_tp_comm_when_unset(self)
         return ColumnParallelLinear.forward(self, *args, **kwargs)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
@@ -220,6 +221,15 @@ class TEColumnParallelLinear(TELinear, ColumnParallelLinear):
 
     def __repr__(self) -> str:
         return ColumnParallelLinear.__repr__(self)
+
+
+def _no_tp_comm_when_unset(linear: Any) -> None:
+    """TE's ``parallel_mode=None`` means "no tensor-parallel communication"; megatron sets it on a
+    built TE linear to do the communication itself (its shared experts under
+    ``moe_shared_expert_overlap``: ``pre_forward_comm`` / ``post_forward_comm``). megatron's parallel
+    linears say the same with ``explicit_expert_comm``."""
+    if linear.parallel_mode is None:
+        linear.explicit_expert_comm = True
 
 
 class TERowParallelLinear(TELinear, RowParallelLinear):
@@ -261,6 +271,7 @@ class TERowParallelLinear(TELinear, RowParallelLinear):
         self._tp_group = self.tp_group
 
     def forward(self, *args: Any, **kwargs: Any):
+        _no_tp_comm_when_unset(self)
         return RowParallelLinear.forward(self, *args, **kwargs)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):

@@ -10,6 +10,12 @@ Targets (megatron/core/transformer/moe, 0.13-0.16):
   becomes a numpy array, exactly what the CUDA path returns; everything else is unchanged.
 * ``token_dispatcher.MoEAlltoAllTokenDispatcher.__init__`` and ``._maybe_dtoh_and_synchronize``:
   create and use ``torch.cuda.Stream()``; host twins (no-op streams/events).
+* ``shared_experts.SharedExpertMLP``: with megatron's ``moe_shared_expert_overlap`` the shared
+  experts' pieces (``pre_forward_comm`` ... ``get_output``, called by the alltoall dispatcher)
+  run on a second ``torch.cuda.Stream`` made in ``__init__`` (0.19: also ``wait_current_stream``
+  and ``_BackwardStreamWait.backward``); host twins run them in program order (one host stream),
+  so megatron's flag trains as megatron computes it. What overlaps them with the all-to-alls on a
+  host is moe-alltoall-overlap's pipeline (asynchronous collectives).
 * ``router.TopKRouter.__init__``, ``router.Router.gating``: buffers/weights on
   ``torch.cuda.current_device()``; ``moe_utils.track_moe_metrics`` (optional): ``'cuda'``
   metric tensors; host twins.
@@ -18,10 +24,11 @@ Targets (megatron/core/transformer/moe, 0.13-0.16):
 from __future__ import annotations
 
 from mindspeed_like.adapters.cpu.devices import on_host
-from mindspeed_like.adapters.cpu.host_view import host_wrapper
+from mindspeed_like.adapters.cpu.host_view import host_wrapper, run_on_host
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.binding import Call
-from mindspeed_like.toolkit.targets import MOE
+from mindspeed_like.toolkit.fallback import Fallback
+from mindspeed_like.toolkit.targets import CORE, MOE
 
 _without_te = host_wrapper(missing_globals={"te_general_gemm": None})
 
@@ -32,6 +39,22 @@ def _host_numbers(wrapped, instance, args, kwargs):
     if as_numpy and hasattr(tensor, "is_cuda") and tensor.device.type == "cpu":
         return tensor.numpy()
     return wrapped(*args, **kwargs)
+
+
+SHARED_OVERLAP_ON_HOST = (
+    "moe_shared_expert_overlap on a host: megatron's second CUDA stream does not exist, so its shared-expert "
+    "pieces run in program order (same results); what overlaps them with the dispatcher's all-to-alls here is "
+    "moe-alltoall-overlap's pipeline (--moe-alltoall-overlap-comm, alltoall dispatcher, EP > 1), which runs them "
+    "under its asynchronous all-to-alls; without it nothing overlaps"
+)
+
+
+def _shared_experts_init(wrapped, instance, args, kwargs):
+    """``SharedExpertMLP.__init__`` as its host twin, saying once what the overlap flag does here."""
+    result = run_on_host(wrapped, instance, args, kwargs)
+    if getattr(instance.config, "moe_shared_expert_overlap", False):
+        Fallback("cpu-adapter", strict=False).once("moe_shared_expert_overlap", SHARED_OVERLAP_ON_HOST)
+    return result
 
 
 PATCHES = [
@@ -60,6 +83,28 @@ PATCHES = [
     on_host(
         "transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
         "cuda streams and events",
+        optional=True,
+    ),
+    Patch(
+        f"{CORE}.transformer.moe.shared_experts.SharedExpertMLP.__init__",
+        Kind.WRAP,
+        _shared_experts_init,
+        why="moe_shared_expert_overlap makes a torch.cuda.Stream() (host twin; what the flag does here, said once)",
+    ),
+    *[
+        on_host(f"transformer.moe.shared_experts.SharedExpertMLP.{name}", why, optional=optional)
+        for name, why, optional in (
+            ("pre_forward_comm", "runs on the shared experts' CUDA stream", False),
+            ("linear_fc1_forward_and_act", "runs on the shared experts' CUDA stream", False),
+            ("linear_fc2_forward", "runs on the shared experts' CUDA stream", False),
+            ("post_forward_comm", "runs on the shared experts' CUDA stream", False),
+            ("get_output", "runs on the shared experts' CUDA stream", False),
+            ("wait_current_stream", "waits on torch.cuda.current_stream() (0.19)", True),
+        )
+    ],
+    on_host(
+        "transformer.moe.shared_experts._BackwardStreamWait.backward",
+        "waits on torch.cuda.current_stream() (0.19)",
         optional=True,
     ),
     on_host("transformer.moe.router.TopKRouter.__init__", "buffers on torch.cuda.current_device()"),

@@ -62,10 +62,6 @@ def host_defaults(args) -> list[str]:
         change("masked_softmax_fusion", False, "needs the scaled_masked_softmax_cuda extension")
     if not _installed("apex"):
         change("no_persist_layer_norm", True, "persistent LayerNorm needs apex")
-    if getattr(args, "moe_shared_expert_overlap", False):
-        # megatron overlaps the shared experts with the dispatcher on a second CUDA stream; a host
-        # has one stream (work runs in program order), so the overlap path could hide nothing
-        change("moe_shared_expert_overlap", False, "no CUDA streams on a host: nothing would overlap")
     parallel = getattr(args, "tensor_model_parallel_size", 1) > 1 or getattr(args, "context_parallel_size", 1) > 1
     if parallel and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
         # Megatron asserts this for TP/CP on GPUs (kernel ordering across streams). A host runs

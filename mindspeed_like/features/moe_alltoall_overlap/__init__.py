@@ -17,6 +17,7 @@ from mindspeed_like.features.moe_alltoall_overlap.dispatcher import (
     RoutedExpertsCompute,
     TokenCombine,
     TokenDispatch,
+    shared_fc2_done,
 )
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 from mindspeed_like.toolkit.errors import LevelConflict
@@ -64,6 +65,13 @@ def patches(ctx: Context) -> list[Patch]:
             Kind.WRAP,
             TokenCombine(),
             why="megatron's blocking combine all-to-all: after the pipeline the rows are already back",
+        ),
+        Patch(
+            f"{MOE}.shared_experts.SharedExpertMLP.linear_fc2_forward",
+            Kind.WRAP,
+            shared_fc2_done,
+            why="moe_shared_expert_overlap: the pipeline ran the shared experts' fc2 under the all-to-alls",
+            after=("cpu-adapter",),  # around the host twin: a pipelined call skips it
         ),
     ]
 

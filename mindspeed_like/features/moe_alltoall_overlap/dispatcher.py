@@ -17,18 +17,31 @@ Targets, the same three roles in 0.13-0.19 (method names checked in 0.13.1, 0.16
 
 Everything before (router, ``dispatch_preprocess``: counts and permutation) and after
 (``combine_postprocess``: unpermute) is megatron's own code.
+
+Shared experts under megatron's ``moe_shared_expert_overlap`` (the dispatcher holds them): megatron
+splits their forward over the dispatcher's methods (``pre_forward_comm`` in
+``dispatch_preprocess``; ``linear_fc1_forward_and_act`` after the dispatch all-to-all, in
+``dispatch_postprocess`` or, 0.19, ``token_dispatch``; ``linear_fc2_forward`` +
+``post_forward_comm`` in ``combine_postprocess`` or, 0.19, ``token_combine``; ``get_output`` in
+``combine_postprocess``) to run them on a second CUDA stream. The pipeline takes the calls it
+replaces: fc1 and fc2 run as one piece under the in-flight dispatch all-to-alls (and their
+backward under the gradient all-to-alls), from what ``pre_forward_comm`` cached; megatron's later
+``linear_fc2_forward`` call is then a no-op (``SharedFc2Done``, a WRAP of
+``SharedExpertMLP.linear_fc2_forward``), and where megatron's ``token_combine`` made the fc2 and
+``post_forward_comm`` calls (0.19), the short-circuited ``token_combine`` makes them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mindspeed_like.features.moe_alltoall_overlap.pipeline import ChunkPlan, overlapped_experts
+from mindspeed_like.features.moe_alltoall_overlap.pipeline import ChunkPlan, SharedPart, overlapped_experts
 from mindspeed_like.toolkit.binding import Call
 from mindspeed_like.toolkit.errors import FeatureUnsupported
 from mindspeed_like.toolkit.fallback import Fallback
@@ -37,6 +50,7 @@ from mindspeed_like.toolkit.recompute import whole_recompute
 FEATURE_NAME = "moe-alltoall-overlap"
 PENDING = "_mindspeed_like_a2a_overlap_pending"  # on the dispatcher: token_dispatch was deferred
 COMBINED = "_mindspeed_like_a2a_overlap_combined"  # on the dispatcher: token_combine has nothing to do
+FC2_DONE = "_mindspeed_like_a2a_overlap_fc2_done"  # on the shared experts: the pipeline ran their fc2
 
 
 class MoeAlltoAllOverlapUnsupported(FeatureUnsupported):
@@ -57,8 +71,6 @@ def why_not(dispatcher: Any) -> str | None:
         )
     if dispatcher.drop_and_pad:
         return "moe_pad_expert_input_to_capacity: padded capacity layouts keep megatron's path"
-    if getattr(dispatcher, "shared_experts", None) is not None:
-        return "moe_shared_expert_overlap: megatron already overlaps the shared expert with these all-to-alls"
     if getattr(config, "gradient_accumulation_fusion", False):
         return "gradient_accumulation_fusion: the experts' fused wgrad into main_grad is not verified chunked"
     if getattr(config, "delay_wgrad_compute", False) or getattr(
@@ -128,11 +140,47 @@ def run_pipeline(layer: Any, tokens: torch.Tensor, probs: torch.Tensor, recomput
         return out
 
     params = [p for p in experts.parameters() if p.requires_grad]
-    out = overlapped_experts(
-        plan, _async_all_to_all(dispatcher.ep_group), run_expert, tokens, probs, params, recompute=recompute
-    )
+    exchange = _async_all_to_all(dispatcher.ep_group)
+    shared_module = getattr(dispatcher, "shared_experts", None)
+    if shared_module is None:
+        out = overlapped_experts(plan, exchange, run_expert, tokens, probs, params, recompute=recompute)
+    else:
+        shared, shared_input = _shared_part(shared_module)
+        out, shared_out = overlapped_experts(
+            plan, exchange, run_expert, tokens, probs, params, recompute, shared, shared_input
+        )
+        shared_module.cached_fc2_output = shared_out  # what megatron's linear_fc2_forward leaves
+        setattr(shared_module, FC2_DONE, True)
     setattr(dispatcher, COMBINED, True)
     return out
+
+
+def _shared_part(shared: Any) -> tuple[SharedPart, torch.Tensor]:
+    """megatron's overlapped shared experts (``moe_shared_expert_overlap``) as the pipeline's
+    :class:`SharedPart`, on the input their ``pre_forward_comm`` cached."""
+    shared_input = shared.cached_fc1_input
+    if shared_input is None:
+        raise RuntimeError(
+            f"{FEATURE_NAME}: the shared experts have no cached input (megatron's dispatch_preprocess did not run "
+            "their pre_forward_comm); switch the feature off"
+        )
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        shared.cached_fc1_input = x
+        shared.linear_fc1_forward_and_act()
+        shared.linear_fc2_forward()
+        y, shared.cached_fc2_output = shared.cached_fc2_output, None
+        return y
+
+    params = tuple(p for linear in (shared.linear_fc1, shared.linear_fc2) for p in linear.parameters())
+    return SharedPart(run, params), shared_input
+
+
+def _calls(function: Any, name: str) -> bool:
+    """Whether megatron's ``function`` (patches unwrapped) names ``name``: where this version
+    makes a call is read from the installed code, not from a version table."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    return code is not None and name in code.co_names
 
 
 @dataclass(frozen=True)
@@ -144,6 +192,9 @@ class TokenDispatch:
     def __call__(self, wrapped, instance, args, kwargs):
         instance.__dict__.pop(PENDING, None)
         instance.__dict__.pop(COMBINED, None)
+        shared = getattr(instance, "shared_experts", None)
+        if shared is not None:
+            shared.__dict__.pop(FC2_DONE, None)  # a mark left by a pipelined call whose megatron skipped it
         reason = why_not(instance)
         if reason is not None:
             self.fall_back(reason)
@@ -234,9 +285,24 @@ def _shared_experts(layer: Any, residual: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class TokenCombine:
-    """WRAP of ``MoEAlltoAllTokenDispatcher.token_combine``: after the pipeline, the rows are back."""
+    """WRAP of ``MoEAlltoAllTokenDispatcher.token_combine``: after the pipeline, the rows are back.
+    Where megatron's ``token_combine`` also runs the overlapped shared experts' fc2 and
+    ``post_forward_comm`` (0.19), those two calls are made here (the fc2 is the pipeline's)."""
 
     def __call__(self, wrapped, instance, args, kwargs):
         if instance.__dict__.pop(COMBINED, False):
-            return Call(wrapped, args, kwargs)["hidden_states"]
+            rows = Call(wrapped, args, kwargs)["hidden_states"]
+            shared = getattr(instance, "shared_experts", None)
+            if shared is not None and _calls(type(instance).token_combine, "post_forward_comm"):
+                shared.linear_fc2_forward(rows)
+                shared.post_forward_comm()
+            return rows
         return wrapped(*args, **kwargs)
+
+
+def shared_fc2_done(wrapped, instance, args, kwargs):
+    """WRAP of ``SharedExpertMLP.linear_fc2_forward``: a no-op once the pipeline ran the fc2 (its
+    output is already in ``cached_fc2_output``); megatron's call otherwise."""
+    if instance.__dict__.pop(FC2_DONE, False):
+        return None
+    return wrapped(*args, **kwargs)

@@ -17,6 +17,11 @@ gives it, in megatron's order (its rows from source rank 0, then rank 1, ...: wh
 megatron. Results are bitwise megatron's; cutting an expert's rows in pieces would sum its
 weight gradient in pieces (rounding-level differences).
 
+Shared experts (megatron's ``moe_shared_expert_overlap``): their whole forward runs right after
+the dispatch all-to-alls are issued, before the first chunk is waited for, and their backward
+right after the combine's gradient all-to-alls are issued: on a host without a second stream,
+the asynchronous collectives are what they overlap with (:class:`SharedPart`).
+
 Layout: this rank's permuted tokens are sorted by global expert ``g = d * E + e`` (destination
 rank ``d``, local expert ``e``, ``E`` experts per rank); ``send_counts[e][d]`` rows of
 segment ``g`` go out in chunk ``e``; ``recv_counts[e][r]`` rows arrive from source rank ``r``.
@@ -43,6 +48,17 @@ thread rendezvous in the single-process tests); returns something to ``wait()`` 
 RunExpert = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 """``run_expert(e, tokens, probs)``: local expert ``e`` on its rows (megatron's experts module
 called with all other experts' token counts at 0)."""
+
+
+@dataclass(frozen=True)
+class SharedPart:
+    """The shared experts as one piece of the pipeline: ``run(x)`` is their forward on ``x``
+    (what megatron's dispatcher would run on its second stream), ``params`` the parameters it
+    uses. Computed under the in-flight dispatch all-to-alls, with its graph kept inside the
+    pipeline's node, so its backward runs under the in-flight gradient all-to-alls."""
+
+    run: Callable[[torch.Tensor], torch.Tensor]
+    params: tuple[torch.nn.Parameter, ...]
 
 
 @dataclass(frozen=True)
@@ -113,16 +129,23 @@ def _exchange(exchange: AllToAll, data: torch.Tensor, out_splits: Sequence[int],
 
 
 def run_forward(
-    plan: ChunkPlan, exchange: AllToAll, run_expert: RunExpert, tokens: torch.Tensor, probs: torch.Tensor
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    """The forward pipeline; returns the combined rows (permuted order) and per chunk
+    plan: ChunkPlan,
+    exchange: AllToAll,
+    run_expert: RunExpert,
+    tokens: torch.Tensor,
+    probs: torch.Tensor,
+    in_flight: Callable[[], Any] | None = None,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], Any]:
+    """The forward pipeline; returns the combined rows (permuted order), per chunk
     ``(expert input, expert probs, expert output)`` (the graph a backward needs when run under
-    grad mode with inputs that require grad)."""
+    grad mode with inputs that require grad), and what ``in_flight()`` returned: the work run
+    while every dispatch all-to-all is on the link (the shared experts)."""
     dispatched = []
     for e in range(plan.chunks):  # every dispatch first: chunk e + 1 travels under expert e
         x, wx = _exchange(exchange, plan.gather_chunk(tokens, e), plan.recv_counts[e], plan.send_counts[e])
         p, wp = _exchange(exchange, plan.gather_chunk(probs, e), plan.recv_counts[e], plan.send_counts[e])
         dispatched.append((x, wx, p, wp))
+    beside = in_flight() if in_flight is not None else None
     graphs, combined = [], []
     for e, (x, wx, p, wp) in enumerate(dispatched):
         wx.wait()
@@ -134,7 +157,7 @@ def run_forward(
         combined.append(_exchange(exchange, y.detach(), plan.send_counts[e], plan.recv_counts[e]))
     for _, work in combined:
         work.wait()
-    return plan.scatter_chunks([out for out, _ in combined]), graphs
+    return plan.scatter_chunks([out for out, _ in combined]), graphs, beside
 
 
 class OverlappedExperts(torch.autograd.Function):
@@ -150,12 +173,37 @@ class OverlappedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, plan: ChunkPlan, exchange: AllToAll, run_expert: RunExpert, recompute: bool, tokens, probs, *params
+        ctx,
+        plan: ChunkPlan,
+        exchange: AllToAll,
+        run_expert: RunExpert,
+        recompute: bool,
+        shared: SharedPart | None,
+        tokens,
+        probs,
+        shared_input,
+        *params,
     ):
+        # params: the experts' trainable parameters, then (with ``shared``) the shared experts'
+        shared_graph: list = []
+
+        def shared_forward() -> torch.Tensor:
+            with torch.enable_grad():  # its graph stays inside this node (backward below)
+                x = shared_input.detach().requires_grad_(shared_input.requires_grad)
+                y = shared.run(x)
+            shared_graph.extend((x, y))
+            return y.detach()
+
         # recompute (moe-zero-memory): the experts run without a graph now; backward runs each
         # chunk's forward again from the kept dispatched rows (bitwise the same: same rows, same ops)
         with torch.set_grad_enabled(not recompute):
-            out, graphs = run_forward(plan, exchange, run_expert, tokens, probs)
+            out, graphs, shared_out = run_forward(
+                plan, exchange, run_expert, tokens, probs, shared_forward if shared is not None else None
+            )
+        n_shared = len(shared.params) if shared is not None else 0
+        ctx.shared_graph = tuple(shared_graph) or None
+        ctx.shared_params = params[len(params) - n_shared :]
+        params = params[: len(params) - n_shared]
         if recompute:  # saved through autograd (so saved-tensor hooks and meters see them)
             ctx.save_for_backward(*[t for x, p, _ in graphs for t in (x.detach(), p.detach())])
             graphs = None
@@ -163,10 +211,12 @@ class OverlappedExperts(torch.autograd.Function):
         ctx.run_expert, ctx.recompute = run_expert, recompute
         ctx.grad_flags = (tokens.requires_grad, probs.requires_grad)
         ctx.shapes = (tokens.shape, probs.shape)
-        return out.detach()
+        if shared is None:
+            return out.detach()
+        return out.detach(), shared_out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_shared=None):
         plan, exchange, graphs, params = ctx.plan, ctx.exchange, ctx.graphs, ctx.params
         ctx.graphs = None
         if ctx.recompute:
@@ -178,6 +228,7 @@ class OverlappedExperts(torch.autograd.Function):
             _exchange(exchange, plan.gather_chunk(grad_out, e), plan.recv_counts[e], plan.send_counts[e])
             for e in range(plan.chunks)
         ]
+        shared_grads = _shared_backward(ctx, grad_shared)  # under the gradient all-to-alls just issued
         param_grads: list[torch.Tensor | None] = [None] * len(params)
         returning = []
         for e, (grad_y, work) in enumerate(arriving):
@@ -215,7 +266,33 @@ class OverlappedExperts(torch.autograd.Function):
             wp.wait()
         grad_tokens = plan.scatter_chunks([gx for (gx, _), _ in returning]).view(ctx.shapes[0])
         grad_probs = plan.scatter_chunks([gp for _, (gp, _) in returning]).view(ctx.shapes[1])
-        return (None, None, None, None, grad_tokens, grad_probs, *param_grads)
+        grad_shared_input, *grad_shared_params = shared_grads
+        return (
+            None,
+            None,
+            None,
+            None,
+            None,
+            grad_tokens,
+            grad_probs,
+            grad_shared_input,
+            *param_grads,
+            *grad_shared_params,
+        )
+
+
+def _shared_backward(ctx, grad_shared: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The shared experts' input and parameter gradients (their graph was kept in forward)."""
+    graph, params = ctx.shared_graph, ctx.shared_params
+    ctx.shared_graph = None
+    if graph is None:
+        return [None]
+    x, y = graph
+    inputs = [t for t in (x, *params) if t.requires_grad]
+    if grad_shared is None or not y.requires_grad or not inputs:
+        return [None] * (1 + len(params))
+    by_input = dict(zip(map(id, inputs), torch.autograd.grad(y, inputs, grad_shared, allow_unused=True)))
+    return [by_input.get(id(t)) for t in (x, *params)]
 
 
 def overlapped_experts(
@@ -226,8 +303,12 @@ def overlapped_experts(
     probs: torch.Tensor,
     params: Sequence[torch.nn.Parameter],
     recompute: bool = False,
-) -> torch.Tensor:
-    """The experts' combined output for this rank's permuted ``tokens`` (rows in permuted order).
+    shared: SharedPart | None = None,
+    shared_input: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The experts' combined output for this rank's permuted ``tokens`` (rows in permuted order);
+    with ``shared``, also the shared experts' output on ``shared_input`` (computed under the
+    dispatch all-to-alls).
 
     With grad mode on, one :class:`OverlappedExperts` node (the pipeline also in backward);
     without it (inference, the first pass of an activation checkpoint) the forward pipeline
@@ -235,8 +316,17 @@ def overlapped_experts(
     backward and run the experts' forward again there (moe-zero-memory)."""
     if plan.local_rows != tokens.shape[0]:
         raise ValueError(f"the plan covers {plan.local_rows} rows, the dispatcher permuted {tokens.shape[0]}")
+    if (shared is None) != (shared_input is None):
+        raise ValueError("the shared experts need both their part and their input")
     trainable = [p for p in params if p.requires_grad]
-    if torch.is_grad_enabled() and (tokens.requires_grad or probs.requires_grad or trainable):
-        return OverlappedExperts.apply(plan, exchange, run_expert, recompute, tokens, probs, *trainable)
-    out, _ = run_forward(plan, exchange, run_expert, tokens, probs)
-    return out
+    shared_trainable = [p for p in shared.params if p.requires_grad] if shared is not None else []
+    needs_graph = tokens.requires_grad or probs.requires_grad or trainable or shared_trainable
+    if torch.is_grad_enabled() and (needs_graph or (shared_input is not None and shared_input.requires_grad)):
+        if shared is not None:
+            shared = SharedPart(shared.run, tuple(shared_trainable))
+        return OverlappedExperts.apply(
+            plan, exchange, run_expert, recompute, shared, tokens, probs, shared_input, *trainable, *shared_trainable
+        )
+    in_flight = (lambda: shared.run(shared_input)) if shared is not None else None
+    out, _, shared_out = run_forward(plan, exchange, run_expert, tokens, probs, in_flight)
+    return out if shared is None else (out, shared_out)

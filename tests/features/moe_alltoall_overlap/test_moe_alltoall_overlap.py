@@ -14,7 +14,7 @@ import torch
 
 from mindspeed_like.features.moe_alltoall_overlap import megatron_args_check
 from mindspeed_like.features.moe_alltoall_overlap.dispatcher import MoeAlltoAllOverlapUnsupported, why_not
-from mindspeed_like.features.moe_alltoall_overlap.pipeline import ChunkPlan, overlapped_experts
+from mindspeed_like.features.moe_alltoall_overlap.pipeline import ChunkPlan, SharedPart, overlapped_experts
 from mindspeed_like.toolkit.errors import ConfigError
 
 RANKS, EXPERTS, HIDDEN = 2, 3, 8  # 3 local experts per rank: 3 chunks
@@ -207,6 +207,104 @@ def test_schedule_keeps_the_next_chunk_in_flight_under_each_expert():
         assert waits[0] < issued_back[0] < bwd.index(("wait", first + 1))  # chunk 0 back before chunk 1's wait
 
 
+def _shared_weights(seed: int) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        tuple(torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN, generator=gen)) for _ in range(2)) for _ in range(RANKS)
+    ]
+
+
+def _shared_expert(w, x):
+    return torch.relu(x @ w[0]) @ w[1]
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["overlap", "zero_memory"])
+def test_shared_experts_in_the_pipeline_equal_computing_them_apart(recompute):
+    """The shared experts as the pipeline's piece (megatron's moe_shared_expert_overlap): their
+    output and every gradient (input, their weights) bitwise what they give on their own, and
+    the routed experts' results unchanged."""
+    routing, weights, shared_w = _routing(11), _weights(12), _shared_weights(13)
+    ref_tokens, ref_probs, ref_out = _reference(routing, weights)
+    inputs = [torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(20 + r)) for r in range(RANKS)]
+    ref_inputs = [x.clone().requires_grad_() for x in inputs]
+    ref_shared = [_shared_expert(shared_w[r], ref_inputs[r]) for r in range(RANKS)]
+    grads_out = [torch.randn_like(o) for o in ref_out]
+    grads_shared = [torch.randn_like(o) for o in ref_shared]
+    torch.autograd.backward([*ref_out, *ref_shared], [*grads_out, *grads_shared])
+    plans, group = _plans(routing), FakeGroup(RANKS)
+    mine = [[torch.nn.Parameter(w.detach().clone()) for w in ws] for ws in weights]
+    mine_shared = [tuple(torch.nn.Parameter(w.detach().clone()) for w in ws) for ws in shared_w]
+
+    def rank(r):
+        tokens = routing[r][1].clone().requires_grad_()
+        probs = routing[r][2].clone().requires_grad_()
+        x = inputs[r].clone().requires_grad_()
+        part = SharedPart(lambda h: _shared_expert(mine_shared[r], h), mine_shared[r])
+        out, shared = overlapped_experts(
+            plans[r],
+            group.exchange_for(r),
+            lambda e, t, p: _expert(mine[r], e, t, p),
+            tokens,
+            probs,
+            mine[r],
+            recompute,
+            part,
+            x,
+        )
+        torch.autograd.backward([out, shared], [grads_out[r], grads_shared[r]])
+        return out.detach(), shared.detach(), tokens.grad, probs.grad, x.grad
+
+    for r, (out, shared, g_tokens, g_probs, g_x) in enumerate(_run_ranks(rank)):
+        assert torch.equal(out, ref_out[r].detach()) and torch.equal(shared, ref_shared[r].detach())
+        assert torch.equal(g_tokens, ref_tokens[r].grad) and torch.equal(g_probs, ref_probs[r].grad)
+        assert torch.equal(g_x, ref_inputs[r].grad)
+        for mine_w, ref_w in zip(mine_shared[r], shared_w[r]):
+            assert torch.equal(mine_w.grad, ref_w.grad), f"rank {r}: shared expert weight grad"
+        for e in range(EXPERTS):
+            assert torch.equal(mine[r][e].grad, weights[r][e].grad), f"rank {r} expert {e} weight grad"
+
+
+def test_shared_experts_run_while_the_all_to_alls_are_in_flight():
+    """Forward: the shared experts run after every dispatch all-to-all is issued and before the
+    first is waited for; backward: after every combine-gradient all-to-all is issued and before
+    the first is waited for (on a host, what they overlap with)."""
+    routing, weights, shared_w = _routing(3), _weights(4), _shared_weights(5)
+    plans, group = _plans(routing), FakeGroup(RANKS)
+
+    def rank(r):
+        tokens = routing[r][1].clone().requires_grad_()
+        probs = routing[r][2].clone().requires_grad_()
+        x = torch.randn(4, HIDDEN, requires_grad=True)
+
+        class Logged(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, h):
+                group.events[r].append(("shared forward",))
+                return h.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                group.events[r].append(("shared backward",))
+                return g
+
+        part = SharedPart(lambda h: _shared_expert(shared_w[r], Logged.apply(h)), shared_w[r])
+        out, shared = overlapped_experts(
+            plans[r], group.exchange_for(r), lambda e, t, p: _expert(weights[r], e, t, p), tokens, probs,
+            weights[r], False, part, x,
+        )  # fmt: skip
+        group.events[r].append(("backward",))
+        (out.sum() + shared.sum()).backward()
+
+    _run_ranks(rank)
+    n = EXPERTS
+    for r in range(RANKS):
+        ev = group.events[r]
+        assert ev[: 2 * n + 1] == [*[("issue", i) for i in range(2 * n)], ("shared forward",)]
+        assert ev.index(("shared forward",)) < ev.index(("wait", 0))
+        bwd = ev[ev.index(("backward",)) + 1 :]
+        assert bwd[: n + 1] == [*[("issue", 3 * n + e) for e in range(n)], ("shared backward",)]
+
+
 def test_zero_memory_keeps_exactly_the_dispatched_rows_and_probs():
     """moe-zero-memory's recompute: saved for backward = each chunk's received rows and probs,
     nothing of the experts' activations (which the plain pipeline keeps, as megatron does)."""
@@ -258,7 +356,6 @@ def _dispatcher(**overrides):
         (dict(tp_size=2), "expert_tensor_parallel_size"),
         (dict(num_local_experts=1), "one expert per EP rank"),
         (dict(drop_and_pad=True), "moe_pad_expert_input_to_capacity"),
-        (dict(shared_experts=object()), "moe_shared_expert_overlap"),
         (dict(gradient_accumulation_fusion=True), "gradient_accumulation_fusion"),
         (dict(delay_wgrad_compute=True), "delay_wgrad_compute"),
         (dict(cuda_graph_impl="local"), "CUDA graphs"),

@@ -16,6 +16,12 @@ CASES = {
     "sequential": ({}, dict(num_moe_experts=4)),
     "sequential_top1_8experts": ({}, dict(num_moe_experts=8, moe_router_topk=1, moe_router_pre_softmax=True)),
     "zero_memory": (dict(moe_zero_memory="level0"), dict(num_moe_experts=4)),
+    # megatron's moe_shared_expert_overlap: off, its pieces run in program order (host twins of its
+    # stream code); on, the pipeline runs them under the all-to-alls
+    "shared_overlap": (
+        {},
+        dict(num_moe_experts=4, moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True),
+    ),
 }
 if megatron_core_version() < Version("0.17"):  # GroupedMLP was deleted in 0.17
     CASES["grouped"] = ({}, dict(num_moe_experts=4, moe_grouped_gemm=True))
