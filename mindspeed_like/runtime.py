@@ -241,6 +241,9 @@ def apply(code: Mapping[str, Any] | None = None) -> Config:
                 if feature.activate is not None:
                     feature.activate(ctx)
                     _activated.add(feature.name)
+                    if not plan[feature.name] and ENGINE.calls is not None:
+                        # a feature made of its activate() alone acts here, not in a call megatron makes
+                        ENGINE.calls[feature.name] += 1
                 ENGINE.apply(feature.name, plan[feature.name])
             except Exception:
                 ENGINE.remove(feature.name)  # all or nothing per feature

@@ -116,7 +116,8 @@ class PatchEngine:
         self.calls: collections.Counter | None = None
         """Calls into WRAP patches per feature, when a Counter is set here before the features
         are applied (`mindspeed-like compare` does, to tell a feature that ran from one that
-        was on but never reached); None (default): nothing is counted."""
+        was on but never reached); None (default): nothing is counted. A feature without patches,
+        made of its ``activate`` alone, is counted once each time the runtime activates it."""
 
     # ------------------------------------------------------------------ public API
     def applicable(self, patches: Iterable[Patch]) -> list[Patch]:
