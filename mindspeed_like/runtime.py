@@ -318,6 +318,12 @@ def report() -> list[PatchRecord]:
     return ENGINE.report()
 
 
+def activated() -> list[str]:
+    """The features whose ``activate`` ran and that are still on (a feature made of its
+    ``activate`` alone has no patch record in :func:`report`)."""
+    return sorted(_activated)
+
+
 def reset() -> None:
     """Remove every patch, forget configure() and Megatron-args values and the fallback lines
     already logged: the state of a fresh import."""

@@ -12,7 +12,7 @@ Targets (megatron/core/transformer/moe, 0.13-0.16):
   create and use ``torch.cuda.Stream()``; host twins (no-op streams/events).
 * ``shared_experts.SharedExpertMLP``: with megatron's ``moe_shared_expert_overlap`` the shared
   experts' pieces (``pre_forward_comm`` ... ``get_output``, called by the alltoall dispatcher)
-  run on a second ``torch.cuda.Stream`` made in ``__init__`` (0.19: also ``wait_current_stream``
+  run on a second ``torch.cuda.Stream`` made in ``__init__`` (0.18+: also ``wait_current_stream``
   and ``_BackwardStreamWait.backward``); host twins run them in program order (one host stream),
   so megatron's flag trains as megatron computes it. What overlaps them with the all-to-alls on a
   host is moe-alltoall-overlap's pipeline (asynchronous collectives).
@@ -92,20 +92,24 @@ PATCHES = [
         why="moe_shared_expert_overlap makes a torch.cuda.Stream() (host twin; what the flag does here, said once)",
     ),
     *[
-        on_host(f"transformer.moe.shared_experts.SharedExpertMLP.{name}", why, optional=optional)
-        for name, why, optional in (
-            ("pre_forward_comm", "runs on the shared experts' CUDA stream", False),
-            ("linear_fc1_forward_and_act", "runs on the shared experts' CUDA stream", False),
-            ("linear_fc2_forward", "runs on the shared experts' CUDA stream", False),
-            ("post_forward_comm", "runs on the shared experts' CUDA stream", False),
-            ("get_output", "runs on the shared experts' CUDA stream", False),
-            ("wait_current_stream", "waits on torch.cuda.current_stream() (0.19)", True),
+        on_host(f"transformer.moe.shared_experts.SharedExpertMLP.{name}", "runs on the shared experts' CUDA stream")
+        for name in (
+            "pre_forward_comm",
+            "linear_fc1_forward_and_act",
+            "linear_fc2_forward",
+            "post_forward_comm",
+            "get_output",
         )
     ],
     on_host(
+        "transformer.moe.shared_experts.SharedExpertMLP.wait_current_stream",
+        "waits on torch.cuda.current_stream()",
+        versions=">=0.18",
+    ),
+    on_host(
         "transformer.moe.shared_experts._BackwardStreamWait.backward",
-        "waits on torch.cuda.current_stream() (0.19)",
-        optional=True,
+        "waits on torch.cuda.current_stream()",
+        versions=">=0.18",
     ),
     on_host("transformer.moe.router.TopKRouter.__init__", "buffers on torch.cuda.current_device()"),
     on_host("transformer.moe.router.Router.gating", "moves gate weights to torch.cuda.current_device()"),
