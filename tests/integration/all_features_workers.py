@@ -57,15 +57,22 @@ def off_flags() -> dict:
     return {name: False for f in accelerations() for name, value in f.switch_on.items() if isinstance(value, bool)}
 
 
-def _train(flags: dict, seed: int, **model_overrides) -> tuple[list[float], set[str]]:
+def applied_features() -> set[str]:
+    """The features acting now: those with applied patches, and those made of an ``activate()``
+    alone (host-allocator) that ran it."""
     import mindspeed_like
     from mindspeed_like import runtime
+
+    return {r.feature for r in mindspeed_like.report() if r.status == "applied"} | set(runtime.activated())
+
+
+def _train(flags: dict, seed: int, **model_overrides) -> tuple[list[float], set[str]]:
+    import mindspeed_like
     from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt, train_steps
 
     mindspeed_like.reset()
     mindspeed_like.configure(device="cpu", **flags)
-    # applied patches, and the features made of an activate() alone (host-allocator) that ran it
-    applied = {r.feature for r in mindspeed_like.report() if r.status == "applied"} | set(runtime.activated())
+    applied = applied_features()
     init_parallel(tp=2, seed=seed)
     try:
         losses = train_steps(tiny_gpt(sequence_parallel=True, **model_overrides), STEPS, seed=seed, lr=1e-3)

@@ -9,7 +9,7 @@ them together; the baselines are the same models with every feature off.
 
 from __future__ import annotations
 
-from all_features_workers import BF16_ONLY, EXERCISED_ELSEWHERE, accelerations, off_flags, on_flags
+from all_features_workers import BF16_ONLY, EXERCISED_ELSEWHERE, accelerations, applied_features, off_flags, on_flags
 
 from mindspeed_like.testing.parity import SEED
 
@@ -31,7 +31,7 @@ def _train(flags: dict, seed: int, model: str) -> tuple[list[float], set[str], i
 
     mindspeed_like.reset()
     mindspeed_like.configure(device="cpu", **flags)
-    applied = {r.feature for r in mindspeed_like.report() if r.status == "applied"}
+    applied = applied_features()
     init_parallel(tp=2, seed=seed)
     try:
         losses = train_steps(tiny_gpt(sequence_parallel=True, **MODELS[model]), STEPS, seed=seed, lr=1e-3)
