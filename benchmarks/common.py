@@ -16,7 +16,10 @@ writes the record."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -105,6 +108,28 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1, label: 
     times = timed(fn, repeats, warmup)
     add_samples(label or f"timing{len(_PENDING)}", times)
     return statistics.median(times)
+
+
+WORKER_LINE = "ARM "
+"""How a worker process's one-line JSON result starts (the rest of its output is megatron's logs)."""
+
+
+def in_fresh_process(script: str, args: Sequence[str], what: str) -> dict[str, Any]:
+    """``script`` run with ``args`` (the benchmark's own worker mode) in a new Python process; the
+    result it printed with :func:`to_parent`. Arms that share a process measure each other's
+    allocator state (benchmarks/host_allocator.py), so the MoE and allocator benchmarks give each
+    arm its own. The worker's record goes nowhere (``--json`` /dev/null): the parent writes it."""
+    command = [sys.executable, script, *args, "--json", os.devnull]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(WORKER_LINE)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{what} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1][len(WORKER_LINE) :])
+
+
+def to_parent(result: dict[str, Any]) -> None:
+    """A worker's result, one line on stdout for :func:`in_fresh_process`."""
+    print(WORKER_LINE + json.dumps(result), flush=True)
 
 
 def add_samples(label: str, seconds: Sequence[float]) -> None:

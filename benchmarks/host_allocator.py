@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -103,13 +100,8 @@ def run_arm(index: int, preset: str, size: dict, micro: int, steps: int) -> dict
 
 
 def spawn_arm(index: int, preset: str, size: dict, micro: int, steps: int) -> dict:
-    command = [sys.executable, __file__, "--arm", str(index), "--preset", preset, "--steps", str(steps)]
-    command += ["--size", json.dumps(size), "--json", os.devnull]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ARM ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"arm {ARMS[index][0]} ({preset}) failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1][4:])
+    args = ["--arm", str(index), "--preset", preset, "--steps", str(steps), "--size", json.dumps(size)]
+    return common.in_fresh_process(__file__, args, f"arm {ARMS[index][0]} ({preset})")
 
 
 def main() -> None:
@@ -127,8 +119,7 @@ def main() -> None:
     args = p.parse_args()
     micro = 2
     if args.arm is not None:  # a worker: one arm, printed for the parent
-        result = run_arm(args.arm, args.preset, json.loads(args.size), micro, args.steps)
-        print("ARM " + json.dumps(result), flush=True)
+        common.to_parent(run_arm(args.arm, args.preset, json.loads(args.size), micro, args.steps))
         return
     size = (
         dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64)

@@ -45,10 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -255,13 +252,8 @@ def run_arm(name: str, level: int, preset: str, size: dict, impl: str, micro: in
 
 
 def spawn_arm(level: int, preset: str, size: dict, impl: str, steps: int) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--arm", str(level), "--preset", preset, "--steps", str(steps)]
-    command += ["--size", json.dumps(size), "--transformer-impl", impl, "--json", os.devnull]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("ARM ")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"level {level} arm ({preset}) failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return json.loads(lines[-1][4:])
+    args = ["--arm", str(level), "--preset", preset, "--steps", str(steps), "--size", json.dumps(size)]
+    return common.in_fresh_process(__file__, [*args, "--transformer-impl", impl], f"level {level} arm ({preset})")
 
 
 def print_targets(rows: list[dict[str, Any]]) -> None:
@@ -302,8 +294,7 @@ def main() -> None:
     if args.arm is not None:
         name = "megatron" if args.arm == 0 else f"level {args.arm}"
         size = json.loads(args.size)
-        result = run_arm(name, args.arm, args.preset, size, args.transformer_impl, micro, args.steps)
-        print("ARM " + json.dumps(result), flush=True)
+        common.to_parent(run_arm(name, args.arm, args.preset, size, args.transformer_impl, micro, args.steps))
         return
     size = (
         dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64)
