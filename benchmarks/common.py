@@ -110,6 +110,24 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1, label: 
     return statistics.median(times)
 
 
+QUICK_MODEL_SIZE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64)
+
+
+def add_model_size_options(p: argparse.ArgumentParser, default: dict[str, int]) -> None:
+    """``--num-layers``, ``--hidden-size``, ``--num-attention-heads``, ``--seq-length`` of a
+    preset model (``default``; ``--quick``: :data:`QUICK_MODEL_SIZE`)."""
+    for key in default:
+        help_text = f"default {default[key]} (--quick: {QUICK_MODEL_SIZE[key]})"
+        p.add_argument("--" + key.replace("_", "-"), type=int, help=help_text)
+
+
+def model_size(args: argparse.Namespace, default: dict[str, int]) -> dict[str, int]:
+    """The size these arguments ask for (see :func:`add_model_size_options`)."""
+    size = dict(QUICK_MODEL_SIZE if args.quick else default)
+    size.update({key: getattr(args, key) for key in size if getattr(args, key) is not None})
+    return size
+
+
 WORKER_LINE = "ARM "
 """How a worker process's one-line JSON result starts (the rest of its output is megatron's logs)."""
 

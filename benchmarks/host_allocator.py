@@ -34,6 +34,8 @@ from mindspeed_like.features import host_allocator
 from mindspeed_like.testing import destroy_parallel, train_steps
 from mindspeed_like.testing.parity import SEED
 
+DEFAULT_SIZE = dict(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=1024)
+
 ARMS = (  # name, optimization level, tune_host_allocator
     ("megatron", 0, False),
     ("megatron + host-allocator", 0, True),
@@ -107,10 +109,7 @@ def spawn_arm(index: int, preset: str, size: dict, micro: int, steps: int) -> di
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", choices=("llama", "moe", "qwen3-moe", "deepseek"), default=["llama", "moe"])
-    p.add_argument("--num-layers", type=int, help="default 4 (--quick: 2)")
-    p.add_argument("--hidden-size", type=int, help="default 512 (--quick: 64)")
-    p.add_argument("--num-attention-heads", type=int, help="default 8 (--quick: 4)")
-    p.add_argument("--seq-length", type=int, help="default 1024 (--quick: 64)")
+    common.add_model_size_options(p, DEFAULT_SIZE)
     p.add_argument("--steps", type=int, default=3, help="timed steps per process")
     p.add_argument("--arm", type=int, help=argparse.SUPPRESS)
     p.add_argument("--preset", help=argparse.SUPPRESS)
@@ -121,12 +120,7 @@ def main() -> None:
     if args.arm is not None:  # a worker: one arm, printed for the parent
         common.to_parent(run_arm(args.arm, args.preset, json.loads(args.size), micro, args.steps))
         return
-    size = (
-        dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64)
-        if args.quick
-        else dict(num_layers=4, hidden_size=512, num_attention_heads=8, seq_length=1024)
-    )
-    size.update({key: getattr(args, key) for key in size if getattr(args, key) is not None})
+    size = common.model_size(args, DEFAULT_SIZE)
     results = common.Results("host-allocator")
     for preset in args.presets:
         runs: list[dict[str, list]] = [{"step_times": [], "faults": [], "system": [], "peaks": []} for _ in ARMS]

@@ -59,6 +59,8 @@ from mindspeed_like.compare.worker import _build_model
 from mindspeed_like.testing import destroy_parallel, train_steps
 from mindspeed_like.testing.parity import SEED
 
+DEFAULT_SIZE = dict(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=256)
+
 REGIONS = ("router", "permute", "experts", "unpermute", "attention")
 # issue 30's acceptance: (preset, level, column of the results table, bound, higher is better)
 TARGETS = (
@@ -280,10 +282,7 @@ def main() -> None:
     )
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2])
     p.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default="transformer_engine")
-    p.add_argument("--num-layers", type=int, help="default 2")
-    p.add_argument("--hidden-size", type=int, help="default 256 (--quick: 64)")
-    p.add_argument("--num-attention-heads", type=int, help="default 8 (--quick: 4)")
-    p.add_argument("--seq-length", type=int, help="default 256 (--quick: 64)")
+    common.add_model_size_options(p, DEFAULT_SIZE)
     p.add_argument("--steps", type=int, default=3, help="timed steps per arm process")
     p.add_argument("--arm", type=int, help=argparse.SUPPRESS)  # a worker: this level's arm (0: megatron)
     p.add_argument("--preset", help=argparse.SUPPRESS)
@@ -296,12 +295,7 @@ def main() -> None:
         size = json.loads(args.size)
         common.to_parent(run_arm(name, args.arm, args.preset, size, args.transformer_impl, micro, args.steps))
         return
-    size = (
-        dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64)
-        if args.quick
-        else dict(num_layers=2, hidden_size=256, num_attention_heads=8, seq_length=256)
-    )
-    size.update({key: getattr(args, key) for key in size if getattr(args, key) is not None})
+    size = common.model_size(args, DEFAULT_SIZE)
     results = common.Results("moe")
     breakdown = common.Results("moe time per step (forward + backward, ms)")
     for preset in args.presets:
