@@ -1,8 +1,8 @@
 """host-allocator (``--tune-host-allocator``): on a CPU host, glibc malloc keeps the blocks a
 training step frees for the next step instead of unmapping them, so a step stops paying for fresh
 pages (page faults, system time). Process-wide and numerics-free; see ``glibc.py`` for why and
-what is set. No patches: ``activate`` sets it, switching the feature off (or ``reset()``) restores
-glibc's defaults."""
+what is set. No patches: ``activate`` sets it; switching the feature off (or ``reset()``) gives
+glibc mmap back, with the thresholds its own adaptation settles at, and trims the heap."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ splits their forward over the dispatcher's methods (``pre_forward_comm`` in
 ``combine_postprocess``) to run them on a second CUDA stream. The pipeline takes the calls it
 replaces: fc1 and fc2 run as one piece under the in-flight dispatch all-to-alls (and their
 backward under the gradient all-to-alls), from what ``pre_forward_comm`` cached; megatron's later
-``linear_fc2_forward`` call is then a no-op (``SharedFc2Done``, a WRAP of
+``linear_fc2_forward`` call is then a no-op (``shared_fc2_done``, a WRAP of
 ``SharedExpertMLP.linear_fc2_forward``), and where megatron's ``token_combine`` made the fc2 and
 ``post_forward_comm`` calls (0.19), the short-circuited ``token_combine`` makes them.
 """
