@@ -36,8 +36,9 @@ Targets, and why each is the right symbol:
   compute the same activation).
 
 Not covered: ``GroupedMLP`` (megatron-core < 0.17) builds its own ``glu`` closure;
-``SharedExpertMLP``'s stream-overlap branch needs CUDA streams. Their fused branches go through
-the wrapped functions.
+``SharedExpertMLP``'s stream-overlap branch (``moe_shared_expert_overlap``, run on a host too)
+computes its GLU inline in ``linear_fc1_forward_and_act``. Their fused branches go through the
+wrapped functions.
 """
 
 from __future__ import annotations
