@@ -34,6 +34,7 @@ backward under the gradient all-to-alls), from what ``pre_forward_comm`` cached;
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -176,11 +177,13 @@ def _shared_part(shared: Any) -> tuple[SharedPart, torch.Tensor]:
     return SharedPart(run, params), shared_input
 
 
-def _calls(function: Any, name: str) -> bool:
-    """Whether megatron's ``function`` (patches unwrapped) names ``name``: where this version
-    makes a call is read from the installed code, not from a version table."""
-    code = getattr(inspect.unwrap(function), "__code__", None)
-    return code is not None and name in code.co_names
+@functools.cache
+def _combine_runs_shared_experts(dispatcher_type: type) -> bool:
+    """Whether this megatron's ``token_combine`` (patches unwrapped) makes the overlapped shared
+    experts' ``post_forward_comm`` call (0.19): read from the installed code, not a version table;
+    once per dispatcher class."""
+    code = getattr(inspect.unwrap(dispatcher_type.token_combine), "__code__", None)
+    return code is not None and "post_forward_comm" in code.co_names
 
 
 @dataclass(frozen=True)
@@ -293,7 +296,7 @@ class TokenCombine:
         if instance.__dict__.pop(COMBINED, False):
             rows = Call(wrapped, args, kwargs)["hidden_states"]
             shared = getattr(instance, "shared_experts", None)
-            if shared is not None and _calls(type(instance).token_combine, "post_forward_comm"):
+            if shared is not None and _combine_runs_shared_experts(type(instance)):
                 shared.linear_fc2_forward(rows)
                 shared.post_forward_comm()
             return rows
