@@ -52,6 +52,19 @@ def vocab_columns(chunk_tokens: int, vocab_local: int, tokens: int) -> int:
     return max(1, min(vocab_local, chunk_tokens * vocab_local // max(1, tokens)))
 
 
+def _subtract_onehot(probs: torch.Tensor, targets: torch.Tensor, lo: int, hi: int) -> None:
+    """``probs[t, targets[t] - lo] -= 1`` for the tokens whose target lies in ``[lo, hi)``.
+
+    A scatter of ``-1`` (holders) or ``-0.0`` (everyone else, at a clamped column) instead of
+    ``nonzero()`` + advanced indexing: same values bit for bit (``x + (-1) == x - 1`` and
+    ``x + (-0.0) == x`` for every float, signed zeros included), but no data-dependent shape, so
+    no host synchronisation per vocabulary slice on an accelerator."""
+    inside = (targets >= lo) & (targets < hi)
+    columns = (targets - lo).clamp_(0, hi - lo - 1).long().unsqueeze(-1)
+    delta = torch.where(inside, -1.0, -0.0).to(probs.dtype).unsqueeze(-1)
+    probs.scatter_add_(1, columns, delta)
+
+
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
@@ -123,8 +136,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             block = weight[lo:hi]
             probs = torch.matmul(hidden, block.t()).float()
             probs.sub_(log_norm).exp_()
-            holders = ((targets >= lo) & (targets < hi)).nonzero().squeeze(-1)
-            probs[holders, (targets[holders] - lo).long()] -= 1.0
+            _subtract_onehot(probs, targets, lo, hi)
             grad_logits = probs.mul_(scale).to(hidden.dtype)
             if hidden.dtype == torch.float32:
                 grad_hidden.addmm_(grad_logits, block)
