@@ -8,7 +8,13 @@ megatron's score buffer (``GlobalMemoryBuffer``, which it keeps between calls) i
 the profiled pass so it is counted. Targets (checked here, at s = 4096): >= 10x less peak
 attention memory, >= 2x faster in fp32.
 
-    python benchmarks/attention.py [--quick] [--repeats N] [--json out.json]
+On a GPU (``--device cuda``) the anchors are torch's own SDPA kernels on the same q, k, v (as
+``[b, n, s, d]``, ``is_causal=True``), each forced with ``torch.nn.attention.sdpa_kernel``: flash,
+cuDNN, memory-efficient and math (``sdpa_<backend>_ms``; a backend that refuses the shape or dtype
+says so in its column, e.g. flash has no fp32). Ours is SDPA too on CUDA (kernels/flash_attention.py,
+the portable backend) with torch's own choice of kernel, behind megatron's layout.
+
+    python benchmarks/attention.py [--quick] [--repeats N] [--device cuda] [--json out.json]
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import common  # benchmarks/ is the script directory (as in fused_ops_swiglu.py)
 import torch
 
 import mindspeed_like
-from mindspeed_like.kernels.backend import force_backend
 from mindspeed_like.testing import destroy_parallel, gpt_config, init_parallel
 
 MiB = 2**20
@@ -56,24 +61,70 @@ def _step(module, q, k, v, grad):
     return run
 
 
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
+
+
+def _sdpa_step(backend: str, q, k, v, grad):
+    """torch's SDPA with one kernel forced, on views of the same q, k, v as ``[b, n, s, d]``."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernel = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[backend]
+    grad_bnsd = grad.view(grad.shape[0], grad.shape[1], HEADS, HEAD_DIM).permute(1, 2, 0, 3)
+
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        with sdpa_kernel([kernel]):
+            out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
+        out.backward(grad_bnsd)
+
+    return run
+
+
+def _sdpa_anchors(q, k, v, grad, repeats: int) -> dict:
+    """Each SDPA kernel's ms (on an accelerator), or why it did not run."""
+    if not common.on_accelerator():
+        return {}
+    columns = {}
+    for backend in SDPA_BACKENDS:
+        step = _sdpa_step(backend, q, k, v, grad)
+        refused = common.anchor_fails(step)
+        columns[f"sdpa_{backend}_ms"] = (
+            refused.replace("failed: ", "refused: ")[:60]
+            if refused
+            else common.median_seconds(step, repeats, label=f"sdpa_{backend}", inner=common.calls_per_sample()) * 1e3
+        )
+    return columns
+
+
 def run(args, results: common.Results) -> None:
     mindspeed_like.reset()
-    mindspeed_like.configure(device="cpu")
+    common.configure()
+    common.init_process_group()
     init_parallel(seed=0)
+    device = common.device()
     try:
         lengths = args.lengths or ((256, 512) if args.quick else (1024, 2048, 4096))
         for dtype in (torch.float32, torch.bfloat16):
-            module = _module(dtype)
+            module = _module(dtype).to(device)
             for s in lengths:
                 gen = torch.Generator().manual_seed(s)
-                q, k, v = (torch.randn(s, 1, HEADS, HEAD_DIM, generator=gen).to(dtype).requires_grad_() for _ in "qkv")
-                grad = torch.randn(s, 1, HEADS * HEAD_DIM, generator=gen).to(dtype)
+                q, k, v = (
+                    torch.randn(s, 1, HEADS, HEAD_DIM, generator=gen).to(device, dtype).requires_grad_() for _ in "qkv"
+                )
+                grad = torch.randn(s, 1, HEADS * HEAD_DIM, generator=gen).to(device, dtype)
                 step = _step(module, q, k, v, grad)
                 figures = {}
                 for name, on in (("megatron", False), ("ours", True)):
                     mindspeed_like.configure(use_flash_attn=on)
-                    with force_backend("portable"):
-                        seconds = common.median_seconds(step, args.repeats, label=name)
+                    with common.users_backend():
+                        seconds = common.median_seconds(step, args.repeats, label=name, inner=common.calls_per_sample())
                         if not on:
                             _fresh_megatron_buffer()
                         figures[name] = (seconds, common.peak_bytes(step))
@@ -87,6 +138,7 @@ def run(args, results: common.Results) -> None:
                     megatron_peak_MiB=base_b / MiB,
                     ours_peak_MiB=ours_b / MiB,
                     memory_ratio=base_b / max(ours_b, 1),
+                    **_sdpa_anchors(q, k, v, grad, args.repeats),
                 )
                 print("measured:", results.rows[-1], flush=True)  # long runs: progress before the table
     finally:

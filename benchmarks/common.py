@@ -4,8 +4,18 @@ when the run started, every printed row, and each timed repeat's seconds for bot
 
 Where the record goes: ``results/<script>.json`` (the records the docs' tables are rendered from,
 ``make docs``); ``results/<script>-quick.json`` with ``--quick`` (a smoke run never replaces a
-documented record); ``--record NAME`` picks another name, ``--json PATH`` another file. Ratios are
-always against megatron's own path measured in the same run, never against numbers from another run.
+documented record); on an accelerator the device type is appended (``results/<script>-cuda.json``,
+beside the CPU record); ``--record NAME`` picks another name, ``--json PATH`` another file. Ratios
+are always against megatron's own path measured in the same run, never against numbers from another
+run.
+
+The device: ``--device auto|cpu|cuda|npu`` (every script; ``auto``: an NPU, else a GPU, else the
+CPU, as ``mindspeed-like compare`` picks). :func:`device` is where a script puts its tensors and
+models; :func:`timed` synchronises the device before starting and after each call (host clocks
+around a drained queue), after ``warmup`` untimed calls; :func:`peak_bytes` counts that device's
+bytes. A script that measures something only a CPU host has (glibc's allocator, a simulated link
+between host processes) says which devices it acts on (``parser(..., devices=("cpu",), why=...)``):
+asked for another, it prints one line saying why and exits 0 without a record.
 
 How a script uses it: ``common.parser(...).parse_args()`` starts the record (so the load average is
 the one at the start of the run); ``common.median_seconds(fn, repeats, label="ours")`` (or
@@ -16,6 +26,7 @@ writes the record."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,6 +50,8 @@ from mindspeed_like.toolkit import records  # noqa: E402
 _RECORD: records.Record | None = None
 _TABLES: list[Results] = []
 _PENDING: list[tuple[str, list[float]]] = []
+_DEVICE: torch.device | None = None
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "npu")
 
 
 def script_name() -> str:
@@ -47,18 +60,34 @@ def script_name() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Parsing the arguments is where a benchmark run starts: the record is created there."""
+    """Parsing the arguments is where a benchmark run starts: the device is resolved and the
+    record is created there."""
+
+    devices: tuple[str, ...] = ("cpu", "cuda", "npu")
+    why: str = ""
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         parsed, rest = super().parse_known_args(args, namespace)
         if _RECORD is None:
-            name = parsed.record or (script_name() + ("-quick" if getattr(parsed, "quick", False) else ""))
+            resolved = use_device(parsed.device)
+            parsed.device = resolved.type
+            if resolved.type not in self.devices:
+                print(f"{script_name()}: not run on {resolved.type}: {self.why}", flush=True)
+                raise SystemExit(0)
+            name = parsed.record or records.device_record_name(
+                script_name() + ("-quick" if getattr(parsed, "quick", False) else ""), resolved.type
+            )
             start(name, options=vars(parsed))
         return parsed, rest
 
 
-def parser(description: str) -> argparse.ArgumentParser:
+def parser(description: str, devices: Sequence[str] | None = None, why: str = "") -> argparse.ArgumentParser:
+    """The benchmark's argument parser: ``--json``, ``--record``, ``--repeats``, ``--quick``,
+    ``--device``. ``devices``: where the script can act (default: all); ``why``: the one line a run
+    elsewhere prints before exiting 0."""
     p = _Parser(description=description, allow_abbrev=False)
+    if devices is not None:
+        p.devices, p.why = tuple(devices), why
     p.add_argument("--json", metavar="PATH", help="write the record to this file instead of results/<record>.json")
     p.add_argument(
         "--record",
@@ -67,13 +96,105 @@ def parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per case (the median is reported)")
     p.add_argument("--quick", action="store_true", help="smaller shapes, for a smoke run")
+    p.add_argument(
+        "--device",
+        choices=DEVICE_CHOICES,
+        default="auto",
+        help="where tensors and models run (default auto: npu, else cuda, else cpu)",
+    )
     return p
+
+
+def use_device(requested: str = "auto") -> torch.device:
+    """Resolve ``--device`` (``auto``: npu, else cuda, else cpu) and make it this run's device."""
+    global _DEVICE
+    from mindspeed_like.adapters.detect import detect_device
+
+    kind = detect_device(requested)
+    if kind == "npu":
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    if kind in ("cuda", "npu") and not getattr(torch, kind).is_available():
+        raise SystemExit(f"{script_name()}: --device {kind}, but torch sees no {kind} device here")
+    _DEVICE = torch.device(kind, getattr(torch, kind).current_device()) if kind != "cpu" else torch.device("cpu")
+    return _DEVICE
+
+
+def device() -> torch.device:
+    """This run's device (``--device``; the CPU when a script never parsed arguments)."""
+    return _DEVICE if _DEVICE is not None else torch.device("cpu")
+
+
+def on_accelerator() -> bool:
+    return device().type != "cpu"
+
+
+def sync() -> None:
+    """Wait for the device's queued work (a no-op on a CPU): a host clock then measures it."""
+    kind = device().type
+    if kind != "cpu":
+        getattr(torch, kind).synchronize()
+
+
+def calls_per_sample() -> int:
+    """Calls per timed sample: 1 on a CPU; 10 on an accelerator, where one fused op takes tens of
+    microseconds and a synchronisation per call would weigh on every path alike."""
+    return 1 if device().type == "cpu" else 10
+
+
+def users_backend() -> contextlib.AbstractContextManager:
+    """The kernel backend a user's run gets on this device: the portable one, forced on a CPU (as
+    these benchmarks always did), the one the tensor's device picks elsewhere."""
+    if device().type != "cpu":
+        return contextlib.nullcontext()
+    from mindspeed_like.kernels.backend import force_backend
+
+    return force_backend("portable")
+
+
+def anchor_columns(name: str, anchor_ms: float | None, ours_ms: float, missing: str | None) -> dict[str, Any]:
+    """An anchor's two columns (another library's kernel on the same tensors): ``<name>_ms`` and
+    ``vs_<name>`` (its time / ours: >= 1 when ours is at least as fast), or why it did not run."""
+    if anchor_ms is None:
+        return {f"{name}_ms": missing or "not run", f"vs_{name}": "-"}
+    return {f"{name}_ms": anchor_ms, f"vs_{name}": anchor_ms / ours_ms}
+
+
+def anchor_fails(fn: Callable[[], Any]) -> str | None:
+    """Run an anchor's step once: None when it works, else the error in a few words (its column
+    says so and the benchmark goes on: another library's kernel never stops our measurement)."""
+    try:
+        fn()
+        sync()
+    except Exception as error:
+        text = f"failed: {type(error).__name__}: {error}".splitlines()[0][:160]
+        print(f"anchor {text}", flush=True)
+        return text
+    return None
+
+
+def init_process_group() -> None:
+    """This process's one-rank default group with the device's collective backend (nccl on a GPU,
+    hccl on an NPU; gloo on a CPU), before ``testing.init_parallel`` (which keeps an existing one):
+    megatron's collectives then act on device tensors."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = {"cuda": "nccl", "npu": "hccl"}.get(device().type, "gloo")
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def configure(**flags: Any) -> None:
+    """``mindspeed_like.configure`` for this run's device (the CPU adapter on a CPU only)."""
+    import mindspeed_like
+
+    mindspeed_like.configure(device=device().type, **flags)
 
 
 def start(name: str, options: dict[str, Any] | None = None) -> records.Record:
     """Start this run's record (the load average is read now); the parser calls it."""
     global _RECORD
-    _RECORD = records.Record(name)
+    _RECORD = records.Record(name, device=device().type)
     _RECORD.options.update({k: v for k, v in (options or {}).items() if k not in ("json", "record")})
     return _RECORD
 
@@ -88,24 +209,33 @@ def rename(name: str) -> None:
     record().name = name
 
 
-def timed(fn: Callable[[], Any], repeats: int, warmup: int = 1, label: str | None = None) -> list[float]:
-    """Seconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls; with a
-    ``label`` they are kept for the next ``Results.add`` row's samples."""
+def timed(
+    fn: Callable[[], Any], repeats: int, warmup: int = 1, label: str | None = None, inner: int = 1
+) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls, the device
+    synchronised before each start and before each stop (``inner`` > 1: each sample is the mean of
+    that many calls between the two synchronisations); with a ``label`` they are kept for the next
+    ``Results.add`` row's samples."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
+        sync()
         begin = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - begin)
+        for _ in range(inner):
+            fn()
+        sync()
+        times.append((time.perf_counter() - begin) / inner)
     if label is not None:
         add_samples(label, times)
     return times
 
 
-def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1, label: str | None = None) -> float:
+def median_seconds(
+    fn: Callable[[], Any], repeats: int, warmup: int = 1, label: str | None = None, inner: int = 1
+) -> float:
     """Median of ``timed``; every repeat is kept in the record (under ``label``, or ``timing<n>``)."""
-    times = timed(fn, repeats, warmup)
+    times = timed(fn, repeats, warmup, inner=inner)
     add_samples(label or f"timing{len(_PENDING)}", times)
     return statistics.median(times)
 
@@ -155,15 +285,34 @@ def add_samples(label: str, seconds: Sequence[float]) -> None:
     _PENDING.append((label, [float(s) for s in seconds]))
 
 
+_PEAK_FALLBACK_SAID: list[str] = []
+
+
 def peak_bytes(fn: Callable[[], Any]) -> int:
-    """Peak of (bytes created - bytes destroyed) while ``fn`` runs, from the profiler's memory
-    timeline. Only tensors created inside ``fn`` count: freeing an older tensor (last step's
-    gradients) must not lower the figure."""
-    with profile(profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        fn()
+    """Peak of (bytes created - bytes destroyed) on this run's device while ``fn`` runs, from the
+    profiler's memory timeline. Only tensors created inside ``fn`` count: freeing an older tensor
+    (last step's gradients) must not lower the figure. On an accelerator where the profiler's
+    timeline fails, the allocator's peak above what was allocated before ``fn`` (said once)."""
+    kind = device().type
+    try:
+        with profile(profile_memory=True, record_shapes=True, with_stack=True) as prof:
+            fn()
+            sync()
+        timeline = prof._memory_profile().timeline
+    except Exception as error:
+        if kind == "cpu":
+            raise
+        if not _PEAK_FALLBACK_SAID:
+            _PEAK_FALLBACK_SAID.append(str(error))
+            print(
+                f"peak bytes: the profiler's memory timeline failed on {kind} ({error}); the allocator's peak instead"
+            )
+        return _allocator_peak_bytes(fn)
     current = peak = 0
     created: set = set()
-    for _, action, (key, _version), size in prof._memory_profile().timeline:
+    for _, action, (key, _version), size in timeline:
+        if getattr(key, "device", None) is not None and key.device.type != kind:
+            continue  # the host's bytes of an accelerator run (and the other way round)
         if action == Action.CREATE:
             created.add(key)
             current += size
@@ -172,6 +321,16 @@ def peak_bytes(fn: Callable[[], Any]) -> int:
             current -= size
         peak = max(peak, current)
     return peak
+
+
+def _allocator_peak_bytes(fn: Callable[[], Any]) -> int:
+    module = getattr(torch, device().type)
+    sync()
+    before = module.memory_allocated()
+    module.reset_peak_memory_stats()
+    fn()
+    sync()
+    return int(module.max_memory_allocated() - before)
 
 
 def host() -> dict[str, Any]:

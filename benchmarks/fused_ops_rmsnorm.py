@@ -6,7 +6,12 @@ for backward (saved-tensor hooks). Ours runs as configured (``--portable-kernels
 compiled where the host can, i.e. unless TORCHDYNAMO_DISABLE is set); ``ours_eager_ms`` is the
 eager portable kernel.
 
-    python benchmarks/fused_ops_rmsnorm.py [--quick] [--json out.json]
+On a GPU (``--device cuda``) Liger-Kernel's Triton RMSNorm runs on the same tensors as the anchor
+(``liger_ms``; ``vs_liger`` = Liger's time / ours, >= 1 when ours is at least as fast; the column
+says why where Liger cannot run: benchmarks/liger_anchor.py), timed in the same alternation, and a
+larger shape is added (a micro batch of 4 x 4096 tokens at Llama-8B's hidden size).
+
+    python benchmarks/fused_ops_rmsnorm.py [--quick] [--device cuda] [--json out.json]
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ import time
 from collections.abc import Callable
 
 import common  # benchmarks/ is the script directory (as in import_overhead.py)
+import liger_anchor
 import torch
 
 from mindspeed_like.features.fused_rmsnorm import FusedRMSNorm
 from mindspeed_like.kernels import compiled
-from mindspeed_like.kernels.backend import force_backend
 from mindspeed_like.testing import SavedBytesMeter
 
 MiB = 2**20
@@ -36,6 +41,15 @@ def _step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Calla
     return step
 
 
+def _liger_step(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        x.grad = None
+        module.weight.grad = None
+        liger_anchor.rms_norm(x, module.weight, module.eps).backward(grad)
+
+    return step
+
+
 def _saved_mib(module: torch.nn.Module, x: torch.Tensor) -> float:
     with SavedBytesMeter() as meter:
         out = module(x)
@@ -43,51 +57,62 @@ def _saved_mib(module: torch.nn.Module, x: torch.Tensor) -> float:
     return meter.bytes / MiB
 
 
-def _interleaved_ms(
-    first: Callable[[], None], second: Callable[[], None], repeats: int, labels: tuple[str, str]
-) -> tuple[float, float]:
-    """Median ms of each, timed alternately so that load from other processes (this host is
-    shared) hits both alike. Each repeat's seconds go to the record under ``labels``."""
-    first()
-    second()
-    times: tuple[list[float], list[float]] = ([], [])
+def _interleaved_ms(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median ms of each step, timed alternately so that load from other processes (this host is
+    shared) hits all alike; on an accelerator each sample is the mean of a few calls between two
+    device synchronisations. Each repeat's seconds go to the record under the step's label."""
+    inner = common.calls_per_sample()
+    for fn in steps.values():
+        fn()
+    times: dict[str, list[float]] = {label: [] for label in steps}
     for _ in range(repeats):
-        for fn, sink in ((first, times[0]), (second, times[1])):
+        for label, fn in steps.items():
+            common.sync()
             start = time.perf_counter()
-            fn()
-            sink.append(time.perf_counter() - start)
-    common.add_samples(f"{labels[0]}", times[0])
-    common.add_samples(f"{labels[1]}", times[1])
-    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
+            for _ in range(inner):
+                fn()
+            common.sync()
+            times[label].append((time.perf_counter() - start) / inner)
+    for label, seconds in times.items():
+        common.add_samples(label, seconds)
+    return {label: statistics.median(seconds) * 1e3 for label, seconds in times.items()}
+
+
+def shapes(quick: bool) -> list[tuple[int, int]]:
+    if quick:
+        return [(1024, 1024)]
+    return [(4096, 4096), (16384, 4096)] if common.on_accelerator() else [(4096, 4096)]
 
 
 def run(args: argparse.Namespace, results: common.Results) -> None:
-    shapes = [(1024, 1024)] if args.quick else [(4096, 4096)]
+    device = common.device()
+    liger_missing = liger_anchor.unavailable(device)
     for dtype in (torch.float32, torch.bfloat16):
-        for tokens, hidden in shapes:
+        for tokens, hidden in shapes(args.quick):
             torch.manual_seed(0)
-            x = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)
-            grad = torch.randn(tokens, hidden, dtype=dtype)
-            megatron = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=dtype)  # what WrappedTorchNorm builds
-            ours = FusedRMSNorm(hidden, eps=1e-5, dtype=dtype)
-            with force_backend("portable"):
-                megatron_ms, ours_ms = _interleaved_ms(
-                    _step(megatron, x, grad), _step(ours, x, grad), args.repeats, ("megatron", "ours")
-                )
+            x = torch.randn(tokens, hidden, dtype=dtype, device=device, requires_grad=True)
+            grad = torch.randn(tokens, hidden, dtype=dtype, device=device)
+            megatron = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=dtype, device=device)  # what WrappedTorchNorm builds
+            ours = FusedRMSNorm(hidden, eps=1e-5, dtype=dtype, device=device)
+            steps = {"megatron": _step(megatron, x, grad), "ours": _step(ours, x, grad)}
+            missing = liger_missing or common.anchor_fails(_liger_step(ours, x, grad))
+            if missing is None:
+                steps["liger"] = _liger_step(ours, x, grad)
+            with common.users_backend():
+                ms = _interleaved_ms(steps, args.repeats)
                 megatron_mib, ours_mib = _saved_mib(megatron, x), _saved_mib(ours, x)
                 compiled.set_mode("eager")
-                _, eager_ms = _interleaved_ms(
-                    _step(megatron, x, grad), _step(ours, x, grad), args.repeats, ("megatron_2", "ours_eager")
-                )
+                eager = _interleaved_ms({"megatron_2": steps["megatron"], "ours_eager": steps["ours"]}, args.repeats)
                 compiled.set_mode(None)
             results.add(
                 op="rmsnorm",
                 dtype=str(dtype).removeprefix("torch."),
                 shape=f"{tokens}x{hidden}",
-                megatron_ms=megatron_ms,
-                ours_ms=ours_ms,
-                ours_eager_ms=eager_ms,
-                speedup=megatron_ms / ours_ms,
+                megatron_ms=ms["megatron"],
+                ours_ms=ms["ours"],
+                ours_eager_ms=eager["ours_eager"],
+                speedup=ms["megatron"] / ms["ours"],
+                **common.anchor_columns("liger", ms.get("liger"), ms["ours"], missing),
                 megatron_saved_MiB=megatron_mib,
                 ours_saved_MiB=ours_mib,
             )

@@ -11,7 +11,13 @@ and are not counted). Targets (checked here): peak memory of the block >= 4x low
 128k; time <= 1.2x megatron's. Then the whole-model check: a GPT with a 128k vocabulary, one
 training forward+backward, peak with and without the flag.
 
-    python benchmarks/linear_cross_entropy.py [--quick] [--tokens N] [--hidden H] [--repeats N] [--json out.json]
+On a GPU (``--device cuda``): TP=1 (one process per device; a TP size larger than the device count
+is skipped, saying so), and Liger-Kernel's Triton fused linear cross-entropy on the same hidden
+states, weight and labels as the anchor (``liger_ms``, ``vs_liger`` = Liger's time / ours: >= 1 when
+ours is at least as fast, ``liger_peak_MiB``; its column says why where it cannot run,
+benchmarks/liger_anchor.py).
+
+    python benchmarks/linear_cross_entropy.py [--quick] [--tokens N] [--hidden H] [--repeats N] [--device cuda]
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import statistics
 from types import SimpleNamespace
 
 import common  # benchmarks/ is the script directory
+import liger_anchor
 import torch
 
 import mindspeed_like
@@ -68,30 +75,47 @@ def _our_step(layer, hidden, labels, chunk_tokens: int):
     return step
 
 
+def _liger_step(layer, hidden, labels):
+    flat_hidden = hidden.detach().reshape(-1, hidden.shape[-1]).requires_grad_()
+    flat_labels = labels.reshape(-1)
+
+    def step():
+        layer.weight.grad = flat_hidden.grad = None
+        liger_anchor.fused_linear_cross_entropy(flat_hidden, layer.weight, flat_labels).backward()
+
+    return step
+
+
 def measure(tp: int, vocabs: tuple[int, ...], tokens: int, hidden_size: int, dtype_name: str, repeats: int) -> list:
     """One rank's figures per vocabulary (run in each process of a TP group)."""
     import torch.distributed as dist
 
     dtype = getattr(torch, dtype_name)
+    device = common.device()
     mindspeed_like.reset()
-    mindspeed_like.configure(device="cpu")
+    common.configure()
+    if tp == 1:
+        common.init_process_group()
     init_parallel(tp=tp, seed=0)
+    liger_missing = liger_anchor.unavailable(device) if tp == 1 else "TP=1 only"
     rows = []
     try:
         for vocab in vocabs:
-            layer = _output_layer(vocab, hidden_size, dtype)
+            layer = _output_layer(vocab, hidden_size, dtype).to(device)
             gen = torch.Generator().manual_seed(vocab)
-            hidden = torch.randn(tokens, 1, hidden_size, generator=gen).to(dtype).requires_grad_()
-            labels = torch.randint(0, vocab, (tokens, 1), generator=gen)
+            hidden = torch.randn(tokens, 1, hidden_size, generator=gen).to(device, dtype).requires_grad_()
+            labels = torch.randint(0, vocab, (tokens, 1), generator=gen).to(device)
             figures = {}
             samples = {}
-            for name, step in (
-                ("megatron", _megatron_step(layer, hidden, labels)),
-                ("ours", _our_step(layer, hidden, labels, 0)),
-            ):
+            steps = [("megatron", _megatron_step(layer, hidden, labels)), ("ours", _our_step(layer, hidden, labels, 0))]
+            missing = liger_missing or common.anchor_fails(_liger_step(layer, hidden, labels))
+            if missing is None:
+                steps.append(("liger", _liger_step(layer, hidden, labels)))
+            for name, step in steps:
                 samples[name] = common.timed(step, repeats)
                 figures[name] = (statistics.median(samples[name]), common.peak_bytes(step))
             (base_s, base_b), (ours_s, ours_b) = figures["megatron"], figures["ours"]
+            liger_s, liger_b = figures.get("liger", (None, None))
             rows.append(
                 dict(
                     tp=tp,
@@ -105,6 +129,8 @@ def measure(tp: int, vocabs: tuple[int, ...], tokens: int, hidden_size: int, dty
                     megatron_peak_MiB=base_b / MiB,
                     ours_peak_MiB=ours_b / MiB,
                     memory_ratio=base_b / max(ours_b, 1),
+                    **common.anchor_columns("liger", None if liger_s is None else liger_s * 1e3, ours_s * 1e3, missing),
+                    liger_peak_MiB="-" if liger_b is None else liger_b / MiB,
                     samples=samples,  # each repeat's seconds: the record's samples, not a printed column
                 )
             )
@@ -120,17 +146,19 @@ def measure(tp: int, vocabs: tuple[int, ...], tokens: int, hidden_size: int, dty
 def whole_model(vocab: int, seq: int, hidden: int) -> dict:
     """A GPT (2 layers, flash attention) with a large vocabulary: peak of one training forward+backward."""
     peaks = {}
+    device = common.device()
     for on in (False, True):
         mindspeed_like.reset()
         # flash attention in both runs: megatron's own attention keeps s x s scores per head, which
         # at these lengths would hide what the output layer costs
-        mindspeed_like.configure(device="cpu", use_flash_attn=True, use_fused_linear_cross_entropy=on)
+        common.configure(use_flash_attn=True, use_fused_linear_cross_entropy=on)
+        common.init_process_group()
         init_parallel(seed=0)
         model = tiny_gpt(
             wrap_float16=False, vocab_size=vocab, seq_length=seq, hidden_size=hidden, num_attention_heads=8
-        )
-        ids = torch.randint(0, vocab, (1, seq))
-        positions = torch.arange(seq).unsqueeze(0)
+        ).to(device)
+        ids = torch.randint(0, vocab, (1, seq), device=device)
+        positions = torch.arange(seq, device=device).unsqueeze(0)
 
         def step(model=model, ids=ids, positions=positions):
             model.zero_grad(set_to_none=True)
@@ -180,7 +208,11 @@ def main() -> None:
     vocabs = tuple(args.vocabs or ((8192, TARGET_VOCAB) if args.quick else VOCABS))
     tokens = 256 if args.quick else args.tokens
     results = common.Results("linear_cross_entropy")
+    devices = torch.cuda.device_count() if common.device().type == "cuda" else None
     for tp in [] if args.whole_model_only else args.tp:
+        if common.on_accelerator() and tp > (devices or 1):
+            print(f"TP={tp}: not run on {common.device().type} here (one process per device, {devices or 1} device(s))")
+            continue
         if tp == 1:
             rows = measure(1, vocabs, tokens, args.hidden, args.dtype, args.repeats)
         else:

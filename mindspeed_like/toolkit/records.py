@@ -5,11 +5,19 @@ One record is one JSON object::
 
     {"schema": 1, "name": "te_backend", "command": [...], "started_at": "...", "finished_at": "...",
      "host": {"load_average_at_start": [1.1, 2.0, 2.5], "cpu_count": 2, "threads": 1, "device": "cpu", ...},
-     "versions": {"python": ..., "torch": ..., "megatron_core": ..., "mindspeed_like": <git commit or version>},
+     "versions": {"python": ..., "torch": ..., "megatron_core": ..., "triton": ...,
+                  "mindspeed_like": <git commit or version>},
      "options": {...}, "rows": [{...}, ...], "samples": {"<case>/<path>": [seconds, ...]}}
 
 The load average is read when the record is *created* (the start of the run): a figure taken
 while something else loaded the host says so in its own record.
+
+A record measured on an accelerator names it: ``host.device`` is its type (``cuda``, ``npu``),
+``host.device_name`` what the driver calls it (``torch.cuda.get_device_name()``, e.g. ``NVIDIA
+H100 80GB HBM3``), ``host.device_count``, and ``host.cuda`` / ``host.cudnn`` the builds torch uses. Its
+default name ends in the device type (:func:`device_record_name`: ``attention-cuda``), so the CPU
+record and the GPU record of one benchmark live side by side in results/ and the docs render them
+beside each other.
 """
 
 from __future__ import annotations
@@ -66,11 +74,42 @@ def _source_revision() -> str:
             return "unknown"
 
 
+ACCELERATORS = ("cuda", "npu")
+
+
+def device_record_name(name: str, device: str) -> str:
+    """``name`` as the record of a run on ``device``: unchanged on a CPU, ``<name>-<device>`` on an
+    accelerator (``attention`` -> ``attention-cuda``), so a GPU run never replaces a CPU record."""
+    if device in ACCELERATORS and not name.endswith(f"-{device}"):
+        return f"{name}-{device}"
+    return name
+
+
+def device_info(device: str) -> dict[str, Any]:
+    """What a record says about the device it ran on: its type, and on an accelerator its name as
+    the driver reports it, how many there are, and the CUDA / cuDNN builds torch runs with."""
+    info: dict[str, Any] = {"device": device}
+    if device not in ACCELERATORS:
+        return info
+    try:
+        import torch
+
+        module = getattr(torch, device)
+        if not module.is_available():
+            return dict(info, device_name=f"{device} (not available in this process)")
+        info.update(device_name=module.get_device_name(module.current_device()), device_count=module.device_count())
+        if device == "cuda":
+            info.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
+    except Exception as error:  # a record is written whatever the driver says
+        info["device_name"] = f"{device} (name unknown: {type(error).__name__}: {error})"
+    return info
+
+
 def versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
     found: dict[str, str | None] = {"python": platform.python_version()}
-    for key, dist in (("torch", "torch"), ("megatron_core", "megatron-core")):
+    for key, dist in (("torch", "torch"), ("megatron_core", "megatron-core"), ("triton", "triton")):
         try:
             found[key] = version(dist)
         except PackageNotFoundError:
@@ -92,7 +131,7 @@ class Record:
             "cpu_count": os.cpu_count(),
             "cpu": platform.processor() or platform.machine(),
             "platform": platform.platform(),
-            "device": device,
+            **device_info(device),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "torchdynamo_disable": os.environ.get("TORCHDYNAMO_DISABLE"),
         }
@@ -102,6 +141,12 @@ class Record:
         self.extra: dict[str, Any] = {}  # figures that are not rows (targets met, verdicts, curves)
         # read at the start too: the revision that ran, not the one checked out when the run ended
         self.versions: dict[str, str | None] = versions()
+
+    def set_device(self, device: str) -> None:
+        """The run turned out to be on ``device`` (compare learns it from its arms)."""
+        for key in ("device_name", "device_count", "cuda", "cudnn"):
+            self.host.pop(key, None)
+        self.host.update(device_info(device))
 
     def add_row(self, **row: Any) -> None:
         self.rows.append(row)
@@ -144,7 +189,7 @@ class Record:
 def format_table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> list[str]:
     """Rows as a benchmark prints them (aligned columns, floats to 4 significant digits): the
     benchmarks' console output and ``make docs``' rendering of it are the same function."""
-    columns = list(columns or (rows[0].keys() if rows else []))
+    columns = list(columns or dict.fromkeys(key for row in rows for key in row))  # every row's fields, in order
     cells = [[format_value(row.get(c, "")) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
     lines = [f"== {title} ==", "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
