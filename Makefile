@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all test-compile lint bench docs megatron-lm-smoke megatron-lm-smoke-versions megatron-bridge-smoke test-versions clean
+.PHONY: install demo test test-all test-compile test-cuda lint bench docs megatron-lm-smoke megatron-lm-smoke-versions megatron-bridge-smoke test-versions clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,19 @@ test-all: $(STAMP)
 # GPT parity with megatron's compiled fusions, alone and together (tests marked `compile`).
 test-compile: $(STAMP)
 	TORCHDYNAMO_DISABLE=0 $(PY) -m pytest -q -m compile
+
+# The CUDA lane (tests/cuda): every acceleration's kernels against float64 and its GPT parity with
+# megatron's own path on one GPU, torch.compile on as users run (under ~2.5 min on an H100); without
+# a GPU its tests are skipped with the reason. LANE_DEVICE=cpu runs the same lane on the CPU (the
+# self-check of the lane's logic). Its record (device name, versions, every test's outcome and each
+# parity case's measured difference) goes to LANE_RECORD, a JUnit report to build/. On a GPU machine
+# without make or .venv: `TORCHDYNAMO_DISABLE=0 MINDSPEED_LIKE_TEST_DEVICE=cuda
+# MINDSPEED_LIKE_LANE_RECORD=results/test-cuda.json python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/cuda`.
+LANE_DEVICE ?= cuda
+LANE_RECORD ?= results/test-cuda$(if $(filter cpu,$(LANE_DEVICE)),-cpu).json
+test-cuda: $(STAMP)
+	TORCHDYNAMO_DISABLE=0 MINDSPEED_LIKE_TEST_DEVICE=$(LANE_DEVICE) MINDSPEED_LIKE_LANE_RECORD=$(LANE_RECORD) \
+		$(PY) -m pytest -q -rs -p no:cacheprovider -m cuda tests/cuda --junitxml=build/test-cuda-$(LANE_DEVICE).xml
 
 # The numbers the docs quote: each benchmark below writes results/<name>.json (its record: command,
 # versions, host with the load average at start, every figure, each repeat's raw seconds) in the
