@@ -239,6 +239,39 @@ def feature_flags(flag_values: dict[str, Any]) -> dict[str, Any]:
     return chosen
 
 
+def flops_plan(args: argparse.Namespace, layout: dict[str, Any], sequences: int, device: str) -> dict[str, Any]:
+    """Model FLOPs a step (compare/flops.py: the formula) and, on an accelerator in bf16, the
+    device's bf16 matmul peak measured here, once, before the arms start (compare/peak.py). A peak
+    that cannot be measured leaves MFU out and says why; it never stops the comparison."""
+    from mindspeed_like.compare.flops import FORMULA, model_flops
+    from mindspeed_like.compare.peak import ACCELERATORS, bf16_matmul_peak
+
+    model = PRESETS[args.preset].model_args(**layout["size"])
+    counted = model_flops(model)
+    plan: dict[str, Any] = {
+        "model_flops_per_step": counted.per_step(sequences),
+        "sequences_per_step": sequences,
+        "forward_flops_per_token_by_part": counted.parts,
+        "attention_forward_flops_per_sequence": counted.per_sequence,
+        "formula": FORMULA,
+        "devices": world_size(args),
+        "peak": None,
+    }
+    if device not in ACCELERATORS:
+        plan["peak_skipped"] = f"no peak is claimed on a {device}: achieved FLOP/s only"
+    elif args.fp32:
+        plan["peak_skipped"] = "--fp32: the measured peak is bf16's"
+    else:
+        if not args.quiet:
+            print("measuring the device's bf16 matmul peak (8192^3 GEMM) for model FLOP utilisation", flush=True)
+        try:
+            plan["peak"] = bf16_matmul_peak(device)
+        except Exception as error:  # MFU is a reading of the run, not a reason to stop it
+            plan["peak_skipped"] = f"the peak could not be measured: {type(error).__name__}: {error}"
+            print(f"compare: {plan['peak_skipped']}; no model FLOP utilisation in this run", flush=True)
+    return plan
+
+
 def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[str, Any]:
     """Run both arms ``--repeats`` times, alternately, and return the result (also written to
     ``args.out``, and to results/ with ``--record``)."""
@@ -251,6 +284,7 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
     from mindspeed_like.run_arguments import quiet_expected_warnings
     from mindspeed_like.testing import run_distributed
     from mindspeed_like.testing.distributed import DistributedError
+    from mindspeed_like.toolkit.records import device_record_name
 
     quiet_expected_warnings()  # megatron's config, built here by the checks, says TE/Apex are absent
     check_arguments(args, flag_values)
@@ -268,6 +302,10 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
                 "--no-te-backend switched off; drop --no-te-backend or use --transformer-impl local"
             )
     device = config["device"]
+    resolved = ctx.device  # "auto" resolved: what the arms will run on
+    # a run on an accelerator is its own record (results/compare-...-cuda.json), beside the CPU one
+    record.name = device_record_name(record.name, resolved)
+    record.set_device(resolved)
     world = world_size(args)
     layout = _spec_layout(args)
     global_batch = args.micro_batch_size * layout["microbatches"] * args.data_parallel_size
@@ -289,6 +327,7 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
         repeats=args.repeats,
         shared_flags={k: v for k, v in flag_values.items() if k in SHARED_FLAGS and k not in ("device", "strict")},
     )
+    flops = flops_plan(args, layout, global_batch, resolved)
     backend = {"cuda": "nccl", "npu": "hccl"}.get(runtime.context_for(config).device, "gloo")
     runs: dict[str, list[dict[str, Any]]] = {MEGATRON: [], FEATURES: []}
     for repeat in range(args.repeats):
@@ -307,6 +346,6 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
             except DistributedError as error:
                 raise CompareFailed(f"the {arm} run failed:\n{error}") from error
             runs[arm].append(report.merge_ranks(ranks))
-    result = report.build(args, flags, runs)
+    result = report.build(args, flags, runs, flops)
     result["files"] = report.write(result, args.out, record, to_results=args.record)
     return result

@@ -59,7 +59,13 @@ class Preset:
             position_embedding_type="rope",
             num_query_groups=_query_groups(num_attention_heads),
         )
-        if self.name == "moe":  # Mixtral: 8 experts, top-2 routing, each expert a SwiGLU MLP
+        if self.name == "llama3":
+            # Llama-3-8B's block: ffn 3.5 x hidden (14336 at 4096, as Megatron-LM's
+            # examples/llama/train_llama3_8b_h100_fp8.sh), 4 query heads per KV head (8 groups at 32
+            # heads), rotary base 500000 (the model's rope_theta; that example sets 1e6); the
+            # vocabulary stays the byte-level 256 of every preset
+            llama.update(ffn_hidden_size=_round_up(3.5 * hidden_size, 64), rotary_base=500_000)
+        elif self.name == "moe":  # Mixtral: 8 experts, top-2 routing, each expert a SwiGLU MLP
             llama.update(
                 num_moe_experts=8,
                 moe_router_topk=2,
@@ -169,6 +175,10 @@ def _query_groups(heads: int) -> int:
 
 PRESETS: dict[str, Preset] = {
     "llama": Preset("llama", "Llama: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases"),
+    "llama3": Preset(
+        "llama3",
+        "Llama-3-8B-shaped: the llama block with ffn 3.5x hidden (14336 at hidden 4096) and rotary base 500000",
+    ),
     "moe": Preset(
         "moe", "Mixtral-like MoE: the llama block with 8 SwiGLU experts, top-2 routing", moe=True, num_experts=8
     ),

@@ -137,7 +137,30 @@ def _spread(ours: list[float], theirs: list[float]) -> dict[str, float | None]:
     return {"ratio": statistics.median(known), "ratio_min": min(known), "ratio_max": max(known)}
 
 
-def build(args: argparse.Namespace, flags: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def flops_result(
+    plan: dict[str, Any] | None, megatron: dict[str, Any], features: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Achieved model FLOP/s of each arm (model FLOPs a step / its median step time, over all its
+    devices) and, with a measured peak, model FLOP utilisation per device: achieved / (devices x peak)."""
+    if plan is None:
+        return None
+    out = dict(plan)
+    peak = (plan.get("peak") or {}).get("flops_per_s")
+    for name, arm in (("megatron", megatron), ("features", features)):
+        achieved = plan["model_flops_per_step"] / arm["step_time"]["median_s"]
+        out[name] = {
+            "achieved_flops_per_s": achieved,
+            "mfu": achieved / (plan["devices"] * peak) if peak else None,
+        }
+    return out
+
+
+def build(
+    args: argparse.Namespace,
+    flags: dict[str, Any],
+    runs: dict[str, list[dict[str, Any]]],
+    flops: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     megatron, features = _arm(runs["megatron"]), _arm(runs["features"])
     diffs = [abs(a - b) for a, b in zip(features["losses"], megatron["losses"])]
     baseline_features = set(megatron["features_on"])
@@ -208,6 +231,7 @@ def build(args: argparse.Namespace, flags: dict[str, Any], runs: dict[str, list[
         },
         "megatron": megatron,
         "with_features": features,
+        "flops": flops_result(flops, megatron, features),
         "ratios": {name: spread["ratio"] for name, spread in per_repeat.items()},
         "ratio_spread": per_repeat,
         "loss": {
@@ -310,6 +334,7 @@ def table(result: dict[str, Any]) -> str:
                 f"WARNING: the {arm_name} arm's losses differ between repeats (same seed and data): its runs are "
                 "not deterministic, so the two arms' losses cannot be compared step for step"
             )
+    lines += flops_lines(result.get("flops"))
     features = result["features"]
     lines.append(
         "features reached (megatron called their patched code; each acts where it applies): "
@@ -322,6 +347,39 @@ def table(result: dict[str, Any]) -> str:
     for name, reasons in features["fell_back"].items():
         lines.append(f"did NOT run (fell back to megatron's path): {name}: {'; '.join(reasons)}")
     return "\n".join(lines)
+
+
+def flops_lines(flops: dict[str, Any] | None) -> list[str]:
+    """Model FLOPs a step, each arm's achieved model FLOP/s and, with a measured peak, its model
+    FLOP utilisation (the formula: compare/flops.py, docs/index.md)."""
+    if not flops:
+        return []
+    m, f = flops["megatron"], flops["features"]
+    devices = flops["devices"]
+    lines = [
+        f"model FLOPs a step: {_flop(flops['model_flops_per_step'])} ({flops['sequences_per_step']} sequence(s); "
+        "3 x forward: matmul weights x 2 x tokens + causal attention; compare/flops.py)",
+        f"achieved model FLOP/s{' over ' + str(devices) + ' devices' if devices > 1 else ''}: megatron "
+        f"{_flop(m['achieved_flops_per_s'])}/s, with features {_flop(f['achieved_flops_per_s'])}/s",
+    ]
+    peak = flops.get("peak")
+    if peak and m["mfu"] is not None:
+        lines.append(
+            f"model FLOP utilisation (per device, of the bf16 matmul peak measured in this run, "
+            f"{peak['flops_per_s'] / 1e12:,.0f} TFLOP/s: {peak['how']}): megatron {m['mfu']:.1%}, "
+            f"with features {f['mfu']:.1%}"
+        )
+    elif flops.get("peak_skipped"):
+        lines.append(f"model FLOP utilisation: not computed ({flops['peak_skipped']})")
+    return lines
+
+
+def _flop(value: float) -> str:
+    """FLOPs with a unit that keeps three digits: 23.1 TFLOP, 530 GFLOP, 53.5 MFLOP."""
+    for scale, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if value >= scale:
+            return f"{value / scale:,.3g} {unit}FLOP"
+    return f"{value:,.0f} FLOP"
 
 
 def _columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
@@ -341,8 +399,12 @@ def summary_line(result: dict[str, Any]) -> str:
     tokens = _x(r["tokens_per_s"])
     if result["repeats"] > 1 and spread["ratio"] is not None:
         tokens += f" (median of {result['repeats']}, {spread['ratio_min']:.2f}-{spread['ratio_max']:.2f})"
+    flops = result.get("flops") or {}
+    mfu = ""
+    if (flops.get("features") or {}).get("mfu") is not None:
+        mfu = f"MFU {flops['megatron']['mfu']:.1%} -> {flops['features']['mfu']:.1%}, "
     return (
-        f"{result['model']['preset']}: {tokens} megatron's tokens/s, "
+        f"{result['model']['preset']}: {tokens} megatron's tokens/s, {mfu}"
         f"activations {_x(r['activations_bytes'])}, model state {_x(r['model_state_bytes'])}, "
         f"process peak {_x(r['process_peak_bytes'])} of megatron's; max loss diff {loss['max_abs_diff']:.1e} "
         f"over {result['steps']} steps; features reached: {', '.join(result['features']['ran']) or 'none'}"
@@ -462,7 +524,7 @@ def fill_record(record, result: dict[str, Any]) -> None:
     the per-repeat ratios with their min and max) and samples (each repeat's per-step times and
     losses of both arms)."""
     m, f = result["megatron"], result["with_features"]
-    record.host["device"] = m["device"]
+    record.set_device(m["device"])
     record.options["resolved_flags"] = result["flags"]
     record.options["world_size"] = result["parallel"]["world_size"]
     values = {
@@ -499,6 +561,24 @@ def fill_record(record, result: dict[str, Any]) -> None:
         features=loss["identical_across_repeats"]["features"],
     )
     record.add_row(metric="features_reached", unit="names", value=list(result["features"]["ran"]))
+    flops = result.get("flops")
+    if flops:
+        theirs, ours = flops["megatron"], flops["features"]
+        record.add_row(
+            metric="model_flops_per_s",
+            unit="FLOP/s",
+            megatron=theirs["achieved_flops_per_s"],
+            features=ours["achieved_flops_per_s"],
+            ratio=_ratio(ours["achieved_flops_per_s"], theirs["achieved_flops_per_s"]),
+        )
+        if ours["mfu"] is not None:
+            record.add_row(
+                metric="mfu", unit="fraction of the measured peak", megatron=theirs["mfu"], features=ours["mfu"]
+            )
+        record.extra["model_flops_per_step"] = flops["model_flops_per_step"]
+        record.extra["flops_formula"] = flops["formula"]
+        record.extra["peak_flops_per_s"] = (flops.get("peak") or {}).get("flops_per_s")
+        record.extra["peak_how"] = (flops.get("peak") or {}).get("how") or flops.get("peak_skipped")
     for arm_name, arm in (("megatron", m), ("features", f)):
         for index, run in enumerate(arm["repeats"]):
             record.add_samples(f"{arm_name}/repeat{index + 1}/step_times_s", run["step_times_s"])
