@@ -125,23 +125,37 @@ def pytest_runtest_logreport(report):
         if report.skipped and isinstance(report.longrepr, tuple):
             entry["reason"] = report.longrepr[2]
         elif report.failed:
-            entry["error"] = str(report.longrepr).strip().splitlines()[-1][:500]
+            crash = getattr(report.longrepr, "reprcrash", None)
+            entry["error"] = (getattr(crash, "message", None) or str(report.longrepr).strip().splitlines()[-1])[:2000]
         _outcomes.append(entry)
+        _write_record()  # after every test: a run cut short by its time limit still leaves what it did
 
 
-def _write_record(path: str) -> Path:
+def _write_record() -> Path | None:
+    """The lane's record at ``MINDSPEED_LIKE_LANE_RECORD`` (none without it, or before the device is known)."""
+    path = os.environ.get(RECORD_ENV)
+    if not path or _state["device"] is None:
+        return None
     from mindspeed_like.toolkit.records import Record
 
-    record = Record(Path(path).stem, command=sys.argv, device=_state["device"] or "cpu")
+    record = _state.get("record")
+    if record is None:
+        record = _state["record"] = Record(Path(path).stem, command=sys.argv, device=_state["device"])
     record.options.update(
         lane_device=_state["device"],
         numerics=dict(matmul_tf32=False, cudnn_tf32=False, deterministic="warn_only"),
         cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         wall_seconds=round(time.time() - _state["started"], 1),
+        compiled_graphs=_compiled_graphs(),
     )
-    for entry in _outcomes:
-        record.add_row(**entry, **MEASURED.get(entry["test"], {}))
+    record.rows = [dict(entry, **MEASURED.get(entry["test"], {})) for entry in _outcomes]
     return record.write(path)
+
+
+def _compiled_graphs() -> int | None:
+    """How many graphs torch.compile made in this run (the lane's compile budget)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return None if utils is None else int(utils.counters["stats"]["unique_graphs"])
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -152,8 +166,9 @@ def pytest_terminal_summary(terminalreporter):
         counts[entry["outcome"]] = counts.get(entry["outcome"], 0) + 1
     line = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
     terminalreporter.write_line(
-        f"cuda lane on {_state['device'] or 'no device'}: {line} in {time.time() - _state['started']:.0f} s"
+        f"cuda lane on {_state['device'] or 'no device'}: {line} in {time.time() - _state['started']:.0f} s, "
+        f"{_compiled_graphs()} graphs compiled"
     )
-    path = os.environ.get(RECORD_ENV)
-    if path and _state["device"] is not None:
-        terminalreporter.write_line(f"cuda lane record: {_write_record(path)}")
+    written = _write_record()
+    if written is not None:
+        terminalreporter.write_line(f"cuda lane record: {written}")
