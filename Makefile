@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all test-compile test-cuda lint bench docs megatron-lm-smoke megatron-lm-smoke-versions megatron-bridge-smoke test-versions clean
+.PHONY: install demo test test-all test-compile test-cuda lint bench bench-gpu docs megatron-lm-smoke megatron-lm-smoke-versions megatron-bridge-smoke test-versions clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,16 @@ bench: $(STAMP)
 		echo "== $$(( $$(date +%s) - t )) s: $$cmd"; \
 	done < $(BENCH_SET); \
 	echo "== make bench: $$(( $$(date +%s) - start )) s"
+
+# The GPU figures the docs render beside the CPU ones: one prepared run of ~8 minutes on one H100
+# (benchmarks/bench_gpu.py: compare presets with model FLOP utilisation, fused ops vs Liger-Kernel,
+# attention vs torch's SDPA kernels, the optimizer step, Megatron-LM's pair), records to
+# results/<name>-cuda.json. No venv needed (none is built): BENCH_GPU_PY is the python with torch,
+# megatron-core (and liger-kernel) importable; MEGATRON_LM_PATH for the pair. A smoke run of every
+# item at tiny sizes on this CPU: `benchmarks/bench_gpu.sh .venv/bin/python "" --smoke`.
+BENCH_GPU_PY ?= python3
+bench-gpu:
+	benchmarks/bench_gpu.sh $(BENCH_GPU_PY) results $(BENCH_GPU_ARGS)
 
 # The docs' numeric tables and quoted figures, re-rendered from results/ (`--check`: `make test`'s
 # tests/docs/test_doc_tables.py does the same comparison and names a hand-edited row).
