@@ -175,11 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help="records folder (default results/; --smoke: a temp folder)"
     )
     parser.add_argument("--device", default=None, help="the device every item runs on (default cuda; --smoke: cpu)")
-    parser.add_argument("--budget", type=float, default=480, help="seconds for the whole set (default 480)")
+    parser.add_argument(
+        "--budget", type=float, default=None, help="seconds for the whole set (default 480; --smoke: no limit)"
+    )
     parser.add_argument("--smoke", action="store_true", help="every item at tiny sizes (a check that each runs)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="these items only (names: see ITEMS)")
     args = parser.parse_args(argv)
     args.device = args.device or ("cpu" if args.smoke else "cuda")
+    args.budget = args.budget or (float("inf") if args.smoke else 480.0)
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench-gpu-smoke-")) if args.smoke else ROOT / "results")
     out.mkdir(parents=True, exist_ok=True)
     unknown = set(args.only or ()) - {item.name for item in ITEMS}

@@ -69,11 +69,14 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         parsed, rest = super().parse_known_args(args, namespace)
         if _RECORD is None:
-            resolved = use_device(parsed.device)
-            parsed.device = resolved.type
-            if resolved.type not in self.devices:
-                print(f"{script_name()}: not run on {resolved.type}: {self.why}", flush=True)
+            from mindspeed_like.adapters.detect import detect_device
+
+            kind = detect_device(parsed.device)
+            if kind not in self.devices:
+                print(f"{script_name()}: not run on {kind}: {self.why}", flush=True)
                 raise SystemExit(0)
+            resolved = use_device(kind)
+            parsed.device = resolved.type
             name = parsed.record or records.device_record_name(
                 script_name() + ("-quick" if getattr(parsed, "quick", False) else ""), resolved.type
             )
@@ -267,7 +270,7 @@ def in_fresh_process(script: str, args: Sequence[str], what: str) -> dict[str, A
     result it printed with :func:`to_parent`. Arms that share a process measure each other's
     allocator state (benchmarks/host_allocator.py), so the MoE and allocator benchmarks give each
     arm its own. The worker's record goes nowhere (``--json`` /dev/null): the parent writes it."""
-    command = [sys.executable, script, *args, "--json", os.devnull]
+    command = [sys.executable, script, "--device", device().type, *args, "--json", os.devnull]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith(WORKER_LINE)]
     if done.returncode != 0 or not lines:

@@ -129,7 +129,14 @@ def _on(cp: int, fn, *args):
 
 
 def main() -> None:
-    parser = common.parser(__doc__.splitlines()[0])
+    parser = common.parser(
+        __doc__.splitlines()[0],
+        devices=("cpu",),
+        why=(
+            "its CP ranks are CPU processes over gloo; on GPUs context parallelism needs one device per"
+            " CP rank, not measured on a one-GPU machine"
+        ),
+    )
     parser.add_argument("--seq", type=int, default=8192, help="total sequence for the memory table (default 8192)")
     parser.add_argument(
         "--budget-mib", type=float, default=256.0, help="per-rank saved-for-backward budget (default 256 MiB)"

@@ -233,7 +233,15 @@ def check_target(results: common.Results) -> list[str]:
 
 
 def main() -> None:
-    p = common.parser(__doc__.splitlines()[0])
+    p = common.parser(
+        __doc__.splitlines()[0],
+        devices=("cpu",),
+        why=(
+            "its engines (torch._grouped_mm vs a loop) and peak are the CPU portable kernel's, not "
+            "ported to accelerators; on a GPU the MoE compare presets measure grouped-gemm in the model"
+            " (make bench-gpu)"
+        ),
+    )
     p.add_argument("--tokens", type=int, default=8192, help="routed token rows (default 8192)")
     args = p.parse_args()
     results = common.Results("grouped_gemm")

@@ -107,7 +107,14 @@ def spawn_arm(index: int, preset: str, size: dict, micro: int, steps: int) -> di
 
 
 def main() -> None:
-    p = common.parser(__doc__.splitlines()[0])
+    p = common.parser(
+        __doc__.splitlines()[0],
+        devices=("cpu",),
+        why=(
+            "host-allocator tunes glibc's malloc of a CPU host; on an accelerator the device's caching "
+            "allocator holds the tensors (the feature says so and stays off)"
+        ),
+    )
     p.add_argument("--presets", nargs="+", choices=("llama", "moe", "qwen3-moe", "deepseek"), default=["llama", "moe"])
     common.add_model_size_options(p, DEFAULT_SIZE)
     p.add_argument("--steps", type=int, default=3, help="timed steps per process")

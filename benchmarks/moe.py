@@ -276,7 +276,15 @@ def configure(level: int) -> None:
 
 
 def main() -> None:
-    p = common.parser(__doc__.splitlines()[0])
+    p = common.parser(
+        __doc__.splitlines()[0],
+        devices=("cpu",),
+        why=(
+            "its per-region split times regions with host clocks between module hooks, which on an "
+            "asynchronous device would time kernel launches; the MoE presets on a GPU: mindspeed-like "
+            "compare --preset moe|qwen3-moe|deepseek --device cuda (make bench-gpu)"
+        ),
+    )
     p.add_argument(
         "--presets", nargs="+", choices=("moe", "qwen3-moe", "deepseek"), default=["moe", "qwen3-moe", "deepseek"]
     )

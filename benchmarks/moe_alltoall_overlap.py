@@ -199,7 +199,14 @@ def run(args, results: Results) -> None:
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    args = parser(
+        __doc__.splitlines()[0],
+        devices=("cpu",),
+        why=(
+            "it measures the all-to-all overlap on a simulated link between CPU processes (gloo); on "
+            "GPUs it needs one device per EP rank, not measured on a one-GPU machine"
+        ),
+    ).parse_args()
     results = Results("moe_alltoall_overlap (EP=2 MoELayer, alltoall dispatcher, fwd+bwd, simulated link)")
     run(args, results)
     results.print_table()

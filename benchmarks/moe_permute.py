@@ -28,7 +28,6 @@ import common  # benchmarks/ is the script directory (as in import_overhead.py)
 import torch
 
 from mindspeed_like.kernels import moe_permute as ours_kernel
-from mindspeed_like.kernels.backend import force_backend
 from mindspeed_like.testing import SavedBytesMeter
 
 MiB = 2**20
@@ -60,7 +59,7 @@ def megatron_step(x, routing_map, probs, num_out, pad, merge):
 
 
 def ours_step(x, routing_map, probs, num_out, pad, merge):
-    with force_backend("portable"):
+    with common.users_backend():
         permuted, permuted_probs, idx = ours_kernel.permute(
             x, routing_map, probs=None if merge else probs, num_out_tokens=num_out, drop_and_pad=pad
         )
@@ -100,9 +99,11 @@ def run(args, results: common.Results) -> None:
                     capacity = tokens * TOPK // EXPERTS  # capacity factor 1
                     routing_map = _pad_map(routing_map, probs, capacity)
                     num_out = capacity * EXPERTS
-                x = torch.randn(tokens, hidden, generator=gen).to(dtype).requires_grad_()
+                device = common.device()
+                routing_map, probs = routing_map.to(device), probs.to(device)
+                x = torch.randn(tokens, hidden, generator=gen).to(device, dtype).requires_grad_()
                 probs = probs.requires_grad_()
-                grad = torch.randn(tokens, hidden, generator=gen).to(dtype)
+                grad = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
                 rest = (routing_map, num_out, pad, merge)
                 base = common.median_seconds(
                     _fwd_bwd(megatron_step, x, probs, grad, *rest), args.repeats, WARMUP, label="megatron"

@@ -21,7 +21,6 @@ import os
 import common  # benchmarks/ is the script directory
 import torch
 
-from mindspeed_like.kernels.backend import force_backend
 from mindspeed_like.kernels.moe_router import aux_loss_scores, topk_routing
 from mindspeed_like.testing import SavedBytesMeter
 
@@ -66,6 +65,7 @@ def _saved_mib(fn, x) -> float:
 def run(args, results: common.Results) -> None:
     megatron_fn, megatron_aux, layout = _megatron()
     tokens = 1024 if args.quick else 8192
+    device = common.device()
     can_compile = os.environ.get("TORCHDYNAMO_DISABLE", "0") != "1"  # torch's own reading (make bench sets 0)
     for case, spec in CASES.items():
         experts, topk = spec["experts"], spec["topk"]
@@ -75,18 +75,18 @@ def run(args, results: common.Results) -> None:
             group_topk=spec.get("group_topk"),
             scaling_factor=spec.get("scaling_factor"),
             score_function=spec["score_function"],
-            expert_bias=torch.randn(experts) * 0.01 if spec.get("bias") else None,
+            expert_bias=torch.randn(experts, device=device) * 0.01 if spec.get("bias") else None,
         )
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
-            x = torch.randn(tokens, experts, dtype=dtype, requires_grad=True)
-            grad = torch.randn(tokens, experts, dtype=dtype)
+            x = torch.randn(tokens, experts, dtype=dtype, device=device, requires_grad=True)
+            grad = torch.randn(tokens, experts, dtype=dtype, device=device)
 
             def theirs(t, fn=megatron_fn, kwargs=kwargs, topk=topk):
                 return fn(t, topk, **kwargs)[0]
 
             def ours(t, kwargs=kwargs, topk=topk):
-                with force_backend("portable"):
+                with common.users_backend():
                     return topk_routing(t, topk, **kwargs, fp32_intermediates=layout.fp32_intermediates)[0]
 
             ours_s = common.median_seconds(_step(ours, x, grad), args.repeats, WARMUP, label="ours")
@@ -111,15 +111,15 @@ def run(args, results: common.Results) -> None:
                 ours_saved_MiB=_saved_mib(ours, x),
             )
         # the aux-loss scores (fp32 logits)
-        x = torch.randn(tokens, experts, requires_grad=True)
-        grad = torch.randn(tokens, experts)
+        x = torch.randn(tokens, experts, device=device, requires_grad=True)
+        grad = torch.randn(tokens, experts, device=device)
         sf = spec["score_function"]
 
         def aux_theirs(t, sf=sf, topk=topk):
             return megatron_aux(t, topk, sf)[1]
 
         def aux_ours(t, sf=sf, topk=topk):
-            with force_backend("portable"):
+            with common.users_backend():
                 return aux_loss_scores(t, topk, sf, sigmoid_in_fp32=layout.aux_sigmoid_in_fp32)[1]
 
         ours_s = common.median_seconds(_step(aux_ours, x, grad), args.repeats, WARMUP, label="ours")

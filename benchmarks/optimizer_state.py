@@ -157,7 +157,14 @@ def curve(steps: int, quick: bool) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    p = common.parser(__doc__.splitlines()[0])
+    p = common.parser(
+        __doc__.splitlines()[0],
+        devices=("cpu",),
+        why=(
+            "bytes per parameter are exact storage sizes, the same on every device (its DP cases need a"
+            " device per rank); the optimizer step's time on a GPU: benchmarks/optimizer_step.py"
+        ),
+    )
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=None, help="training steps per case (default 4; --curve: 300)")
     p.add_argument("--curve", action="store_true", help="300-step loss curves per state dtype instead")

@@ -135,7 +135,14 @@ def run(args, results: common.Results) -> None:
 
 
 def main() -> None:
-    args = common.parser(__doc__.splitlines()[0]).parse_args()
+    args = common.parser(
+        __doc__.splitlines()[0],
+        devices=("cpu",),
+        why=(
+            "bytes per parameter are exact storage sizes, the same on every device (its DP=2 cases need"
+            " a device per rank); the optimizer step's time on a GPU: benchmarks/optimizer_step.py"
+        ),
+    ).parse_args()
     results = common.Results("param_memory")
     run(args, results)
     results.print_table()

@@ -64,7 +64,15 @@ def _step_times(model: torch.nn.Module, steps: int, micro_batch_size: int) -> li
 
 
 def main() -> None:
-    p = common.parser(__doc__.splitlines()[0])
+    p = common.parser(
+        __doc__.splitlines()[0],
+        devices=("cpu",),
+        why=(
+            "not ported to accelerators; on a GPU the compare runs measure megatron's TE spec on the "
+            "te-backend (--transformer-impl transformer_engine, the default) and its local spec (make "
+            "bench-gpu)"
+        ),
+    )
     p.add_argument("--preset", choices=("llama", "moe"), default="llama")
     p.add_argument("--levels", type=int, nargs="+", default=[0, 1])
     args = p.parse_args()

@@ -184,7 +184,14 @@ def run(args, results: Results) -> None:
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    args = parser(
+        __doc__.splitlines()[0],
+        devices=("cpu",),
+        why=(
+            "it measures tiled TP overlap on a simulated link between CPU processes (gloo); on GPUs tp-"
+            "overlap needs one device per TP rank and NCCL, not measured on a one-GPU machine"
+        ),
+    ).parse_args()
     results = Results("tp_overlap (TP=2 + SP, column+row linear block, fwd+bwd, simulated link)")
     run(args, results)
     results.print_table()
