@@ -18,6 +18,12 @@ when the markdown is rendered); everything between them is rewritten by ``make d
 ``<!-- records: NAME NAME ... (make docs) -->`` ... ``<!-- /records -->``
     the when/where lines of the named records (under a table whose cells are values).
 
+Records of an accelerator run (``<name>-cuda``, ``<name>-npu``: ``records.device_record_name``) are
+rendered beside the CPU ones, their provenance line naming the device (``NVIDIA H100 80GB HBM3``,
+CUDA, Triton); ``RECORD.host.KEY`` reads a field of the record's host (``attention-cuda.host.device_name``).
+Where such a record is absent (no GPU run yet), its regions say so (:data:`NOT_MEASURED`) instead
+of failing: a missing CPU record, or a missing row of a present record, is still an error.
+
 ``python -m mindspeed_like.toolkit.doc_tables`` rewrites every region; ``--check`` only compares
 and exits 1 naming each file, region and first differing line (``tests/docs/test_doc_tables.py``
 runs the check in ``make test``, so a hand edit of a generated number fails the suite).
@@ -49,6 +55,22 @@ class RecordError(LookupError):
     """A region names a record or a row that results/ does not have."""
 
 
+class MissingRecord(RecordError):
+    """results/ has no record of this name."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+NOT_MEASURED = "not measured yet (needs a GPU: make bench-gpu)"
+
+
+def awaits_device(error: RecordError) -> bool:
+    """The region names an accelerator's record that no run has written yet."""
+    return isinstance(error, MissingRecord) and records.is_accelerator_record(error.name)
+
+
 class Records:
     """The records of one results folder, read on first use; remembers which ones a region used."""
 
@@ -62,9 +84,8 @@ class Records:
         if name not in self._cache:
             path = self.folder / f"{name}.json"
             if not path.exists():
-                raise RecordError(
-                    f"no record {name!r} ({path}): run the benchmark that writes it (`make bench` runs them all)"
-                )
+                runs = "`make bench-gpu` on a GPU" if records.is_accelerator_record(name) else "`make bench`"
+                raise MissingRecord(name, f"no record {name!r} ({path}): run the benchmark that writes it ({runs})")
             self._cache[name] = records.read(path)
         for seen in (self.used, self.read):
             if name not in seen:
@@ -180,22 +201,38 @@ def provenance(rec: dict[str, Any]) -> str:
     load_text = f"load average {load[0]:.2f} at start" if load else "load average unknown"
     threads = f", {host['threads']} thread{'s' if host['threads'] != 1 else ''}" if host.get("threads") else ""
     compiled = ", torch.compile off" if host.get("torchdynamo_disable") == "1" else ""
+    where = f"{host.get('hostname') or 'unknown host'} ({host.get('cpu_count')} CPUs{threads}, {load_text})"
+    builds = ""
+    if host.get("device") in records.ACCELERATORS:  # the device first: it is what the figures measure
+        where = f"{host.get('device_name') or host['device']}, host {where}"
+        builds = "".join(
+            f", {label} {value}"
+            for label, value in (("CUDA", host.get("cuda")), ("Triton", versions.get("triton")))
+            if value
+        )
     return (
-        f"`{rec['name']}`: {started:%Y-%m-%d %H:%M} UTC on {host.get('hostname') or 'unknown host'} "
-        f"({host.get('cpu_count')} CPUs{threads}, {load_text}), torch {versions.get('torch')}, "
+        f"`{rec['name']}`: {started:%Y-%m-%d %H:%M} UTC on {where}, torch {versions.get('torch')}{builds}, "
         f"megatron-core {versions.get('megatron_core')}, mindspeed_like {versions.get('mindspeed_like')}{compiled}: "
         f"`{command(rec)}`"
     )
 
 
 def provenance_lines(recs: Records, names: Sequence[str]) -> list[str]:
-    return ["", *[f"<sub>Measured: {provenance(recs[name])}.</sub>" for name in names]]
+    lines = [""]
+    for name in names:
+        try:
+            lines.append(f"<sub>Measured: {provenance(recs[name])}.</sub>")
+        except RecordError as error:
+            if not awaits_device(error):
+                raise
+            lines.append(f"<sub>`{name}`: {NOT_MEASURED}.</sub>")
+    return lines
 
 
 # -- inline values ------------------------------------------------------------------------------
 
 _QUERY = re.compile(
-    r"^(?P<record>[\w.-]+?)(?:\[(?P<where>[^\]]*)\])?\.(?P<field>extra\.[\w.]+|\w+)"
+    r"^(?P<record>[\w.-]+?)(?:\[(?P<where>[^\]]*)\])?\.(?P<field>(?:extra|host)\.[\w.]+|\w+)"
     r"(?:\s+(?P<agg>min|max|range))?(?:\s+(?P<spec>\S+))?$"
 )
 
@@ -206,11 +243,12 @@ def value(recs: Records, query: str) -> str:
     if not match:
         raise RecordError(f"value query {query!r}: expected RECORD[field=value,...].FIELD [min|max|range] [FORMAT]")
     name, field, agg, spec = match["record"], match["field"], match["agg"], match["spec"] or ""
-    if field.startswith("extra."):
-        found: Any = recs[name].get("extra", {})
-        for key in field.split(".")[1:]:
+    if field.startswith(("extra.", "host.")):
+        part, _, path = field.partition(".")
+        found: Any = recs[name].get(part, {})
+        for key in path.split("."):
             if key not in found:
-                raise RecordError(f"record {name!r}: no extra figure {field[6:]!r}")
+                raise RecordError(f"record {name!r}: no {part} field {path!r}")
             found = found[key]
         return fmt(found, spec)
     where = {}
@@ -424,6 +462,8 @@ _COMPARE_ROWS = (
     ("weights + gradients + optimizer MiB", "model_state_bytes", lambda v: f"{v / 2**20:,.1f}"),
     ("activations MiB (saved for backward)", "activations_bytes", lambda v: f"{v / 2**20:,.1f}"),
     ("process peak MiB", "process_peak_bytes", lambda v: f"{v / 2**20:,.1f}"),
+    ("achieved model TFLOP/s (compare/flops.py)", "model_flops_per_s", lambda v: f"{v / 1e12:,.3g}"),
+    ("model FLOP utilisation (of the measured bf16 peak)", "mfu", lambda v: f"{v:.1%}"),
 )
 
 
@@ -454,6 +494,12 @@ def compare_table(recs: Records, name: str) -> list[str]:
             )
         )
     out = markdown(("per rank", "megatron", "with features", "features / megatron"), lines)
+    extra = recs[name].get("extra", {})
+    if extra.get("peak_flops_per_s"):
+        out += [
+            "",
+            f"Measured bf16 matmul peak: {extra['peak_flops_per_s'] / 1e12:,.0f} TFLOP/s ({extra['peak_how']}).",
+        ]
     reached = by_metric.get("features_reached")
     if reached:
         out += ["", "Features reached: " + (", ".join(reached["value"]) or "none") + "."]
@@ -524,6 +570,19 @@ class Difference:
 
 
 def render_region(kind: str, arg: str, recs: Records) -> str:
+    """A region's text; an absent accelerator record renders :data:`NOT_MEASURED` (``awaits_device``)."""
+    try:
+        return _render_region(kind, arg, recs)
+    except RecordError as error:
+        if not awaits_device(error):
+            raise
+        name = error.name  # type: ignore[attr-defined]
+        if kind == "value":
+            return NOT_MEASURED
+        return f"\n{NOT_MEASURED} (record `{name}`)\n"
+
+
+def _render_region(kind: str, arg: str, recs: Records) -> str:
     if kind == "value":
         return value(recs, arg)
     if kind == "records":

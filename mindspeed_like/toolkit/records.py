@@ -85,6 +85,11 @@ def device_record_name(name: str, device: str) -> str:
     return name
 
 
+def is_accelerator_record(name: str) -> bool:
+    """A record name of a run on an accelerator (:func:`device_record_name`'s suffix)."""
+    return name.endswith(tuple(f"-{device}" for device in ACCELERATORS))
+
+
 def device_info(device: str) -> dict[str, Any]:
     """What a record says about the device it ran on: its type, and on an accelerator its name as
     the driver reports it, how many there are, and the CUDA / cuDNN builds torch runs with."""

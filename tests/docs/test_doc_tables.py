@@ -97,3 +97,44 @@ def test_records_folder_is_complete() -> None:
     assert recs.read
     for name in recs.read:
         assert records.read(recs.folder / f"{name}.json")["rows"], name
+
+
+def _gpu_record(folder: Path, name: str, rows: list[dict]) -> None:
+    rec = records.Record(name, command=["benchmarks/x.py", "--device", "cuda"])
+    rec.host.update(device="cuda", device_name="NVIDIA H100 80GB HBM3", cuda="13.0")
+    rec.versions["triton"] = "3.6.0"
+    rec.rows = rows
+    rec.write(folder / f"{name}.json")
+
+
+def test_an_absent_gpu_record_renders_not_measured_yet_and_an_absent_cpu_record_fails(tmp_path: Path) -> None:
+    text = (
+        "speed <!-- value: bench-cuda[s=1].speedup .1f -->x<!-- /value -->\n"
+        "<!-- table: compare.compare-llama-cuda (make docs) -->\n<!-- /table -->\n"
+        "<!-- records: bench-cuda (make docs) -->\n<!-- /records -->\n"
+    )
+    rendered, _ = doc_tables.render(text, doc_tables.Records(tmp_path))
+    assert rendered.count(doc_tables.NOT_MEASURED) == 3
+    assert "(record `compare-llama-cuda`)" in rendered and "<sub>`bench-cuda`: not measured yet" in rendered
+    with pytest.raises(doc_tables.RecordError, match="no record 'bench'"):
+        doc_tables.render(text.replace("bench-cuda", "bench"), doc_tables.Records(tmp_path))
+    # a present GPU record without the row asked for is an error, not a placeholder
+    _gpu_record(tmp_path, "bench-cuda", [{"table": "t", "s": 2, "speedup": 1.0}])
+    with pytest.raises(doc_tables.RecordError, match="no row"):
+        doc_tables.render(text, doc_tables.Records(tmp_path))
+
+
+def test_a_gpu_record_names_its_device_in_values_and_provenance(tmp_path: Path) -> None:
+    _gpu_record(tmp_path, "bench-cuda", [{"table": "t", "s": 1, "speedup": 2.345}])
+    recs = doc_tables.Records(tmp_path)
+    assert doc_tables.value(recs, "bench-cuda[s=1].speedup .1f") == "2.3"
+    assert doc_tables.value(recs, "bench-cuda.host.device_name") == "NVIDIA H100 80GB HBM3"
+    line = doc_tables.provenance(recs["bench-cuda"])
+    assert "on NVIDIA H100 80GB HBM3, host " in line and "CUDA 13.0, Triton 3.6.0" in line
+
+
+def test_gpu_records_get_their_own_names() -> None:
+    assert records.device_record_name("attention", "cuda") == "attention-cuda"
+    assert records.device_record_name("attention-cuda", "cuda") == "attention-cuda"
+    assert records.device_record_name("attention", "cpu") == "attention"
+    assert records.is_accelerator_record("compare-llama-level1-cuda") and not records.is_accelerator_record("moe")
