@@ -25,7 +25,26 @@ smallest enclosing functions (nested helpers are covered by their enclosing func
 * ``DotProductAttention.__init__``: softmax-offset buffers;
 * ``pipeline_parallel.schedules.forward_step/forward_backward_no_pipelining``: loss-scale and
   token-count tensors on ``'cuda'`` (users' training loops call these);
-* ``distributed.*``: DDP's communication stream and gradient buffers.
+* ``distributed.*``: DDP's communication stream and gradient buffers; ``offload_grad_buffers`` /
+  ``restore_grad_buffers`` (optional; RL clients): ``torch.cuda.synchronize()``.
+
+Reached only behind a flag or by a client (issue 37: items 1, 5 and 9a were one class, megatron
+code behind a flag calling CUDA outside what the adapter covered; ``cuda_sites`` lists every
+such function of the installed megatron, and ``tests/adapters/test_cuda_sites.py`` fails on one
+that is neither adapted nor declared in ``not_adapted``):
+
+* ``utils.check_param_hashes_across_dp_replicas``: ``--check-weight-hash-across-dp-replicas-interval``
+  all-gathers the hashes after ``.cuda()`` (issue 37 item 5);
+* ``tensor_parallel.data.broadcast_data`` and ``_build_key_size_numel_dictionaries``: the batch
+  broadcast of users' ``get_batch`` (Megatron-LM's BERT/T5/multimodal scripts, clients) on
+  ``device='cuda'`` after ``.cuda()``;
+* ``utils.nvtx_range_push`` / ``nvtx_range_pop`` (optional): ``torch.cuda.nvtx`` once megatron's
+  NVTX ranges are switched on (``configure_nvtx_profiling``);
+* ``parallel_state.update_pg_timeout`` (optional): ``--distributed-timeout-seconds-after-init``
+  syncs the device after its barrier;
+* ``MultimodalRotaryEmbedding.__init__`` (``--position-embedding-type mrope``) and
+  ``DSAIndexerLossLoggingHelper.save_loss_to_tracker`` (DeepSeek sparse attention's indexer loss),
+  both optional: ``torch.cuda.current_device()`` as a device, as their dense siblings above.
 """
 
 from __future__ import annotations
@@ -82,4 +101,29 @@ PATCHES = [
     on_host("distributed.param_and_grad_buffer._ParamAndGradBuffer.__init__", "buffers on device='cuda'"),
     on_host("distributed.param_and_grad_buffer._ParamAndGradBucketGroup.start_grad_sync", "torch.cuda.stream"),
     on_host("distributed.param_and_grad_buffer._ParamAndGradBucketGroup.finish_grad_sync", "torch.cuda streams"),
+    *[
+        on_host(
+            f"distributed.distributed_data_parallel.DistributedDataParallel.{name}",
+            "torch.cuda.synchronize()",
+            optional=True,
+        )
+        for name in ("offload_grad_buffers", "restore_grad_buffers")
+    ],
+    # behind a flag or called by clients only
+    on_host("utils.check_param_hashes_across_dp_replicas", "hashes all-gathered after .cuda()"),
+    on_host("tensor_parallel.data.broadcast_data", "batch broadcast on torch.cuda.current_device() after .cuda()"),
+    on_host("tensor_parallel.data._build_key_size_numel_dictionaries", "sizes broadcast on device='cuda'"),
+    on_host("utils.nvtx_range_push", "torch.cuda.nvtx.range_push", optional=True),
+    on_host("utils.nvtx_range_pop", "torch.cuda.nvtx.range_pop", optional=True),
+    on_host("parallel_state.update_pg_timeout", "torch.cuda.synchronize() after the barrier", optional=True),
+    on_host(
+        "models.common.embeddings.rotary_pos_embedding.MultimodalRotaryEmbedding.__init__",
+        "inv_freq on torch.cuda.current_device()",
+        optional=True,
+    ),
+    on_host(
+        "transformer.experimental_attention_variant.dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker",
+        "loss tracker on torch.cuda.current_device()",
+        optional=True,
+    ),
 ]

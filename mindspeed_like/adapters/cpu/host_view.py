@@ -17,8 +17,12 @@ with
 * ``torch`` resolved to :data:`HOST_TORCH`, a read-through view of torch whose ``cuda``
   namespace is :data:`HOST_CUDA` (host device, host RNG, no-op streams and events);
 * the constants of (2) and (3) rewritten to their host spelling (``'cpu'``, ``'torch.FloatTensor'``);
-* the method calls of (4) read as ``.cpu()`` (only method-call loads of the name ``cuda`` are
-  rewritten: ``torch.cuda.<fn>`` is an attribute load and keeps going to the host view).
+* the method calls of (4) read as ``.to(...)`` with the same arguments (only method-call loads of
+  the name ``cuda`` are rewritten: ``torch.cuda.<fn>`` is an attribute load and keeps going to the
+  host view). ``.to()`` takes every argument ``.cuda()`` takes on tensors and modules (``device``,
+  ``non_blocking``); the device megatron passes is the host view's ``current_device()``, the CPU,
+  so ``x.cuda(torch.cuda.current_device())`` leaves ``x`` where it is. A literal CUDA index
+  (``x.cuda(0)``) reaches ``.to(0)``, a CUDA device, and raises: loud, not wrong.
 
 Every other global name is read live from the function's own module (a dict overlay whose
 ``__missing__`` reads the module's namespace), so later patches and module state stay visible.
@@ -237,25 +241,30 @@ def _is_method_load(instruction: dis.Instruction) -> bool:
     return instruction.opname == "LOAD_ATTR" and sys.version_info >= (3, 12) and bool(instruction.arg & 1)
 
 
+HOST_METHOD = "to"
+"""What a twin calls where megatron calls ``.cuda(...)``: ``.to(...)``, same arguments. It was
+``.cpu()`` until ``DynamicGradScaler.load_state_dict``'s ``.cuda(torch.cuda.current_device())``
+(an ``--fp16`` resume) met ``cpu()``'s empty signature."""
+
+
 def _host_method_calls(code: types.CodeType) -> types.CodeType:
-    """``x.cuda()`` read as ``x.cpu()``: the name operand of each method-call load of ``cuda``
-    points at ``cpu`` instead (same instruction length, so no jump moves). A call passing
-    arguments ``cpu()`` does not take (``non_blocking=...``) raises a TypeError: loud, not wrong."""
+    """``x.cuda(...)`` read as ``x.to(...)``: the name operand of each method-call load of ``cuda``
+    points at ``to`` instead (same instruction length, so no jump moves)."""
     if "cuda" not in code.co_names:
         return code
     sites = [i for i in dis.get_instructions(code) if i.argval == "cuda" and _is_method_load(i)]
     if not sites:
         return code
     names = list(code.co_names)
-    if "cpu" not in names:
-        names.append("cpu")
-    index = names.index("cpu")
+    if HOST_METHOD not in names:
+        names.append(HOST_METHOD)
+    index = names.index(HOST_METHOD)
     raw = bytearray(code.co_code)
     for site in sites:
         arg = index if site.opname == "LOAD_METHOD" else (index << 1) | 1
         if arg > 0xFFFF or (arg > 0xFF) != (site.arg > 0xFF):
             raise TypeError(
-                f"{code.co_name}: cannot rewrite .cuda() to .cpu() in place (operand width); "
+                f"{code.co_name}: cannot rewrite .cuda() to .{HOST_METHOD}() in place (operand width); "
                 "adapt it with a dedicated patch."
             )
         raw[site.offset + 1] = arg & 0xFF
@@ -385,6 +394,7 @@ def host_wrapper(torch_view: HostTorch = HOST_TORCH, missing_globals: dict | Non
         return twin(*args, **kwargs)
 
     wrapper.__name__ = "run_on_host"
+    wrapper.runs_host_twin = True  # read by the CUDA-site inventory test: this wrapper twins its target
     return wrapper
 
 

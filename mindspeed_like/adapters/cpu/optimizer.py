@@ -16,7 +16,12 @@ literals (0.13-0.16):
   (a classmethod) and ``__init__``;
 * ``optimizer.clip_grads``: ``get_grad_norm_fp32``, ``clip_grad_by_total_norm_fp32``,
   ``count_zeros_fp32``;
-* ``optimizer.grad_scaler``: ``MegatronGradScaler.__init__``, ``DynamicGradScaler.__init__``;
+* ``optimizer.grad_scaler``: ``MegatronGradScaler.__init__``, ``DynamicGradScaler.__init__``, and
+  ``DynamicGradScaler.load_state_dict`` (``--fp16`` resume: the loaded scale is moved with
+  ``.cuda(torch.cuda.current_device())``; issue 37 item 1);
+* ``optimizer.optimizer.MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu`` (optional: RL
+  clients, e.g. verl, park the optimizer state between rollouts): ``torch.cuda.empty_cache()`` and
+  ``.cuda()`` back; on a host both leave the state where it is;
 * ``utils.local_multi_tensor_l2_norm``: megatron's fallback l2 norm (no apex/TE) puts its
   result on ``'cuda'``;
 * ``optimizer.optimizer.MegatronOptimizer.has_grad_norm_group`` (0.19+): all-reduces a
@@ -42,6 +47,12 @@ PATCHES = [
     on_host("optimizer.clip_grads.count_zeros_fp32", "zero-count tensor on device='cuda'"),
     on_host("optimizer.grad_scaler.MegatronGradScaler.__init__", "scale on device='cuda'"),
     on_host("optimizer.grad_scaler.DynamicGradScaler.__init__", "scaler constants on device='cuda'"),
+    on_host(
+        "optimizer.grad_scaler.DynamicGradScaler.load_state_dict",
+        "--fp16 resume: scale moved with .cuda(torch.cuda.current_device())",
+    ),
+    on_host("optimizer.optimizer.MegatronOptimizer.offload_to_cpu", "torch.cuda.empty_cache()", optional=True),
+    on_host("optimizer.optimizer.MegatronOptimizer.restore_from_cpu", "state moved back with .cuda()", optional=True),
     on_host("utils.local_multi_tensor_l2_norm", "l2 norm result on device='cuda'"),
     # megatron-core 0.19: asked on every clipped step (cached per group after the first)
     on_host(

@@ -20,7 +20,9 @@ from collections.abc import Iterator
 
 import torch
 
+from mindspeed_like.adapters.cpu.not_adapted import refused_flags
 from mindspeed_like.toolkit import transformer_engine
+from mindspeed_like.toolkit.errors import ConfigError
 
 logger = logging.getLogger("mindspeed_like")
 
@@ -81,8 +83,22 @@ def te_layers_available() -> bool:
     return transformer_engine.installed() or transformer_engine.megatron_te_layers_available()
 
 
+def refuse_host_unsupported(args) -> None:
+    """A Megatron-LM flag whose code is CUDA-only (``adapters/cpu/not_adapted.py``: it would crash
+    mid-run, after minutes of start-up) stops the run before anything is built, saying why."""
+    given = [(name, why) for name, why in refused_flags().items() if getattr(args, name, None)]
+    if given:
+        lines = [f"--{name.replace('_', '-')}: {why}" for name, why in given]
+        raise ConfigError(
+            "these Megatron-LM flags need CUDA and cannot run on this CPU host (drop them, or run on a GPU):\n  "
+            + "\n  ".join(lines)
+        )
+
+
 @contextlib.contextmanager
 def portable_defaults(args) -> Iterator[None]:
-    """validate_args hook: the portable defaults are set before validation."""
+    """validate_args hook: flags a host cannot run are refused, the portable defaults set, before
+    validation."""
+    refuse_host_unsupported(args)
     host_defaults(args)
     yield
