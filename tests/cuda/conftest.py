@@ -18,9 +18,8 @@ runs what the GPU runs):
   deterministic branch. Uninitialised memory from ``torch.empty`` is then filled with NaN, which
   makes a read of it fail loudly in every case.
 
-Process group: on CUDA a one-rank NCCL group (gloo moves only all_reduce and broadcast of CUDA
-tensors; megatron's distributed optimizer needs reduce-scatter and all-gather); on the CPU the gloo
-group ``init_parallel`` makes.
+Process group: one rank; on CUDA NCCL (gloo moves only all_reduce and broadcast of CUDA tensors;
+megatron's distributed optimizer needs reduce-scatter and all-gather), on the CPU gloo.
 
 Record: with ``MINDSPEED_LIKE_LANE_RECORD=PATH`` the lane writes a results/-style record (device name,
 versions, every test's outcome and duration, each parity case's measured difference) to PATH.
@@ -68,20 +67,21 @@ def _set_numerics(values: dict) -> None:
     torch.use_deterministic_algorithms(values["deterministic"], warn_only=values["warn_only"])
 
 
-def _nccl_default_group(device: torch.device) -> bool:
-    """A one-rank NCCL default group (replacing a gloo one a test before the lane left); True if
-    the lane created it (and destroys it after)."""
+def _default_group(device: torch.device) -> bool:
+    """A one-rank default process group for the device: NCCL on CUDA (replacing a gloo one a test
+    before the lane left), gloo on the CPU; True if the lane created it (and destroys it after)."""
     import torch.distributed as dist
 
-    from mindspeed_like.testing import destroy_parallel
-
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if dist.is_initialized():
-        if dist.get_backend() == "nccl":
+        if dist.get_backend() == backend:
             return False
+        from mindspeed_like.testing import destroy_parallel
+
         destroy_parallel(process_group=True)
     # no device_id: bound, every megatron group would start its NCCL communicator eagerly; unbound,
     # only the groups a collective runs on do
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return True
 
 
@@ -101,7 +101,7 @@ def lane_device():
         destroy_parallel()
     before = _numerics()
     _set_numerics(dict(matmul_tf32=False, cudnn_tf32=False, deterministic=True, warn_only=True))
-    created = _nccl_default_group(device) if device.type == "cuda" else False
+    created = _default_group(device)
     _state["device"] = device.type
     try:
         yield device

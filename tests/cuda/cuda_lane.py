@@ -213,9 +213,10 @@ CASES: dict[str, list[Case]] = {
 """Features whose default case (dense tiny GPT, fp32 and bf16, their CPU bounds) does not fit."""
 
 NOT_ON_ONE_GPU: dict[str, str] = {
-    "context-parallel": "acts only at context_parallel_size > 1: two ranks, which NCCL cannot place on one GPU "
-    "(its ring / all-gather / Ulysses attention and their kernels run only across ranks). Not covered on CUDA: "
-    "the CP attention kernels and their communication",
+    "context-parallel": "acts only at context_parallel_size > 1: two ranks, which NCCL cannot place on one GPU. "
+    "Its block attention and log-sum-exp merge run in the kernel lane at one rank "
+    "(test_context_parallel_blocks_at_one_rank); not covered on CUDA: the ring / all-gather / Ulysses "
+    "communication and the GPT at CP > 1",
     "tp-overlap": "acts only at tensor_model_parallel_size > 1 (its tiles overlap TP all-gathers and "
     "reduce-scatters): two ranks. Not covered on CUDA: the tiled column/row linears and their async collectives",
     "moe-alltoall-overlap": "acts only at expert_model_parallel_size > 1 with the alltoall dispatcher: two ranks. "

@@ -16,8 +16,9 @@ Shapes: the tiny GPT's (hidden 64, 4 heads of 16, ffn 128, 64 tokens), where the
 then share graphs with the parity runs, plus one odd size per op (the generated code's masking).
 
 Not here: reuse-fp32-param's and the precision-aware optimizer's kernels (their optimizer steps),
-covered bitwise / within their bounds by the GPT parity cases through megatron's optimizer;
-context-parallel and tp-overlap kernels (several ranks: cuda_lane.NOT_ON_ONE_GPU).
+covered bitwise / within their bounds by the GPT parity cases through megatron's optimizer; the
+context-parallel algorithms' communication and tp-overlap's tiles (several ranks:
+cuda_lane.NOT_ON_ONE_GPU); context-parallel's block attention and merge run here at one rank.
 """
 
 from __future__ import annotations
@@ -224,6 +225,35 @@ def test_flash_attention(lane_device, dtype, case):
         return flash_attention(q, k, v, scale=d**-0.5, band=spec["band"], **extra)
 
     check(lane_device, dtype, fn, inputs, what=f"flash attention {case} {dtype}")
+
+
+# ---------------------------------------------------------------- context-parallel (one rank)
+
+
+@pytest.mark.parametrize("dtype,dv", [("fp32", 16), ("bf16", 16), ("fp32", 8)], ids=["fp32", "bf16", "mla-value-dim"])
+def test_context_parallel_blocks_at_one_rank(lane_device, dtype, dv):
+    """The all-gather algorithm at CP = 1: query chunk 1 attends chunk 0 unmasked and itself causally,
+    two blocks merged by their log-sum-exp (forward and the blocks' backward against the merged
+    statistics: the CP attention math that runs on each rank); the communication needs two ranks."""
+    import torch.distributed as dist
+
+    from mindspeed_like.kernels.context_parallel import CPGroup, allgather_kv_attention
+
+    b, heads, groups, s, d = 2, 4, 2, 32, 16
+    g = _gen("cp", dtype, dv)
+    inputs = dict(
+        q=torch.randn(b, heads, s, d, generator=g),
+        k=torch.randn(b, groups, s, d, generator=g),
+        v=torch.randn(b, groups, s, dv, generator=g),
+    )
+
+    def fn(env, q, k, v):
+        if env.oracle:  # megatron's eager attention in float64 (flash_attention's reference, [s, b, n, d])
+            sbhd = [t.permute(2, 0, 1, 3) for t in (q, k, v)]
+            return flash_attention(*sbhd, scale=d**-0.5, band=CAUSAL).view(s, b, heads, dv).permute(1, 2, 0, 3)
+        return allgather_kv_attention(q, k, v, CPGroup(dist.group.WORLD, (0,)), causal=True, scale=d**-0.5)
+
+    check(lane_device, dtype, fn, inputs, what=f"context-parallel blocks {dtype} dv={dv}")
 
 
 # ---------------------------------------------------------------- grouped-gemm
