@@ -113,3 +113,29 @@ def grad_norms(lines: list[str], iterations: int = 10) -> list[float]:
     assert len(values) == iterations, lines
     assert all(math.isfinite(x) for x in values)
     return values
+
+
+DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+"""Megatron-LM's default dropout (TINY switches it off): a run with it draws from the device RNG."""
+
+
+def straight_and_resumed(
+    nproc: int, extra: list[str], checkpoint: str, iters: int = 6, save_at: int = 3
+) -> tuple[dict[int, dict[str, str]], dict[int, dict[str, str]], str]:
+    """A run trained straight to ``iters``; one that saves and exits at ``save_at`` (same
+    ``--train-iters``: the learning-rate schedule is the straight run's); a new launch that loads
+    it and trains to ``iters``. Returns the printed ``lm loss`` / ``grad norm`` of iterations
+    ``save_at+1..iters`` of the straight and of the resumed run, and the resumed run's output.
+    The saving run's first iterations are checked to be the straight run's."""
+    extra = [*extra, "--train-iters", str(iters)]
+    straight = printed(torchrun(nproc, launcher(), extra))
+    assert sorted(straight) == list(range(1, iters + 1))
+    interval = ["--save-interval", str(save_at), "--exit-interval", str(save_at)]
+    first = printed(torchrun(nproc, launcher(), [*extra, "--save", checkpoint, *interval]))
+    assert sorted(first) == list(range(1, save_at + 1))
+    assert first == {i: straight[i] for i in first}, "the saving run's first iterations are the straight run's"
+    output = torchrun_output(nproc, launcher(), [*extra, "--load", checkpoint])
+    resumed = printed(lines_of(output))
+    after = list(range(save_at + 1, iters + 1))
+    assert sorted(resumed) == after, "the new processes start after the checkpoint's iteration"
+    return {i: straight[i] for i in after}, resumed, output

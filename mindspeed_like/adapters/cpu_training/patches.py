@@ -20,6 +20,13 @@ Targets and why each is the right one:
 * ``initialize._warmup_jit_function``: draws ``torch.rand(device="cuda")`` warm-up tensors whose
   sizes depend on TP/SP; on a host the "cuda" generator is the CPU generator, so without
   isolation TP=1 and TP=2 would start from different weights. It runs under ``fork_rng``.
+* ``training.build_train_valid_test_data_iterators``: host work that draws from the host
+  generator (each ``iter(DataLoader)`` draws its base seed). On a GPU dropout draws from the
+  device generator, which host draws never move; on a CPU host the two are one generator. A
+  resumed run builds its iterators after ``load_checkpoint`` restored the generator, the straight
+  run before its first step, so every resume at megatron's default dropout continued a different
+  run (issue 37 item 0). It runs under ``fork_rng``: the draws it makes are the same, the
+  device stream after it is the one the checkpoint restored.
 * ``megatron.legacy.fused_kernels.load``: looks for nvcc under CUDA_HOME (TypeError when unset);
   there are no CUDA kernels to build on a host, so it does nothing there.
 * ``training.get_model``, ``training.evaluate``, ``utils.get_batch_on_this_tp_rank`` (<0.18):
@@ -119,6 +126,13 @@ def patches(ctx: Context) -> list[Patch]:
             _isolated_rng,
             INITIALIZE,
             "warm-up draws from the host generator would make initial weights depend on TP/SP",
+        ),
+        optional(
+            f"{TRAINING}.build_train_valid_test_data_iterators",
+            Kind.WRAP,
+            _isolated_rng,
+            TRAINING,
+            "host draws (DataLoader base seeds) would move the dropout stream a resumed run restored",
         ),
         # megatron.legacy is in Megatron-LM checkouts only (not in the wheel): a plain optional skip
         Patch(
