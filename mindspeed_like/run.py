@@ -11,6 +11,10 @@ adaptor is imported, and the script runs as ``__main__`` with the remaining argu
 Started without a launcher (no torchrun), the script gets the one-process world torchrun
 ``--nproc_per_node 1`` would give it: Megatron-LM initializes torch.distributed with ``env://``
 and fails on a missing ``MASTER_ADDR`` otherwise. See :func:`one_process_world`.
+
+Under torchrun each rank leads its own session; there a small watcher (``mindspeed_like.rank_watch``)
+ends what the rank leaves running when it dies, e.g. after ``kill -9`` during a checkpoint save
+(megatron's checkpoint-results ``Manager`` process). See :func:`watch_for_leftovers`.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import os
 import runpy
 import socket
+import subprocess
 import sys
 from collections.abc import MutableMapping, Sequence
 
@@ -54,6 +59,26 @@ def one_process_world(environ: MutableMapping[str, str] = os.environ) -> dict[st
     return added
 
 
+_watcher: subprocess.Popen | None = None
+
+
+def watch_for_leftovers() -> subprocess.Popen | None:
+    """Start ``mindspeed_like.rank_watch`` for this process, where this process leads its own session
+    (torchrun's ranks do): its process group is then only itself and what it starts, which the
+    watcher ends once this process has exited, however it exits. Elsewhere (a shell's job, whose
+    group can hold a ``| tee``) nothing is started: that group is not ours to end. Linux only."""
+    global _watcher
+    if _watcher is not None or not sys.platform.startswith("linux") or os.getsid(0) != os.getpid():
+        return None
+    _watcher = subprocess.Popen(
+        [sys.executable, "-m", "mindspeed_like.rank_watch", str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        close_fds=True,
+    )
+    return _watcher
+
+
 def run_script(script: str, args: Sequence[str]) -> None:
     if not os.path.isfile(script):
         raise SystemExit(f"mindspeed_like.run: no such script: {script}")
@@ -67,6 +92,7 @@ def run_script(script: str, args: Sequence[str]) -> None:
             file=sys.stderr,
             flush=True,
         )
+    watch_for_leftovers()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(script))
     import mindspeed_like.megatron_adaptor  # noqa: F401  (the one line)
