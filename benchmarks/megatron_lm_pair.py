@@ -111,6 +111,10 @@ def run_arm(label: str, script_args: list[str], extra: list[str], timeout: float
     return row
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def _free_port() -> int:
     from mindspeed_like.testing.parallel import free_port
 
@@ -148,10 +152,9 @@ def main() -> None:
     for label, script, extra in arms:
         row = run_arm(label, script, model + extra, args.timeout, logs)
         base = base or row
-        if row is not base and row["ms_per_iteration"] and base["ms_per_iteration"]:
-            row["speedup"] = base["ms_per_iteration"] / row["ms_per_iteration"]
-        if row is not base and row["max_allocated_MB"] and base["max_allocated_MB"]:
-            row["allocated_ratio"] = row["max_allocated_MB"] / base["max_allocated_MB"]
+        if row is not base:  # None where either arm gave no figure (failed, timed out)
+            row["speedup"] = _ratio(base["ms_per_iteration"], row["ms_per_iteration"])
+            row["allocated_ratio"] = _ratio(row["max_allocated_MB"], base["max_allocated_MB"])
         results.add(**row)
     results.print_table()
     results.write_json(args.json, arguments=model)

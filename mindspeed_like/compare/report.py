@@ -571,10 +571,8 @@ def fill_record(record, result: dict[str, Any]) -> None:
             features=ours["achieved_flops_per_s"],
             ratio=_ratio(ours["achieved_flops_per_s"], theirs["achieved_flops_per_s"]),
         )
-        if ours["mfu"] is not None:
-            record.add_row(
-                metric="mfu", unit="fraction of the measured peak", megatron=theirs["mfu"], features=ours["mfu"]
-            )
+        # None where no peak was measured (a CPU, fp32, a failed measurement): the row is there either way
+        record.add_row(metric="mfu", unit="fraction of the measured peak", megatron=theirs["mfu"], features=ours["mfu"])
         record.extra["model_flops_per_step"] = flops["model_flops_per_step"]
         record.extra["flops_formula"] = flops["formula"]
         record.extra["peak_flops_per_s"] = (flops.get("peak") or {}).get("flops_per_s")

@@ -6,14 +6,16 @@ Three kinds of generated region, each between an opening and a closing HTML comm
 when the markdown is rendered); everything between them is rewritten by ``make docs``:
 
 ``<!-- table: ID (make docs) -->`` ... ``<!-- /table -->``
-    a table from ``TABLES[ID]`` (this module; ``compare.NAME``: the compare record NAME), followed
+    a table from ``TABLES[ID]`` (this module; ``compare.NAME``: the compare record NAME;
+    ``printed.NAME``: record NAME's table as its benchmark printed it), followed
     by one line per record it read saying when (the record's start time), where (host, CPU count,
     load average at the start, torch and megatron-core versions, git revision) and with which
     command it was measured.
 ``<!-- value: QUERY -->`` ... ``<!-- /value -->``
     one figure inside prose or a hand-written table cell, QUERY being
-    ``RECORD[field=value,...].FIELD [min|max|range] [FORMAT]`` (FORMAT a Python format spec,
-    e.g. ``.2f``): the one row of RECORD matching the filters (or the min / max / "lo-hi" over all
+    ``RECORD[field=value,...].FIELD [min|max|range] [FORMAT [UNIT]]`` (FORMAT a Python format
+    spec, e.g. ``.2f``; UNIT text appended to a number, e.g. ``x``, not to a "not measured yet"):
+    the one row of RECORD matching the filters (or the min / max / "lo-hi" over all
     matching rows); ``RECORD.extra.KEY`` reads a figure the record keeps outside its rows.
 ``<!-- records: NAME NAME ... (make docs) -->`` ... ``<!-- /records -->``
     the when/where lines of the named records (under a table whose cells are values).
@@ -134,6 +136,8 @@ def fmt(value: Any, spec: str = "") -> str:
     """``format(value, spec)``; floats without a spec as the benchmarks print them (4 digits)."""
     if value is None:
         return "-"
+    if isinstance(value, str):  # e.g. an anchor's column saying why it did not run
+        return value
     if spec:
         return format(value, spec)
     return records.format_value(value)
@@ -233,7 +237,7 @@ def provenance_lines(recs: Records, names: Sequence[str]) -> list[str]:
 
 _QUERY = re.compile(
     r"^(?P<record>[\w.-]+?)(?:\[(?P<where>[^\]]*)\])?\.(?P<field>(?:extra|host)\.[\w.]+|\w+)"
-    r"(?:\s+(?P<agg>min|max|range))?(?:\s+(?P<spec>\S+))?$"
+    r"(?:\s+(?P<agg>min|max|range))?(?:\s+(?P<spec>\S+))?(?:\s+(?P<unit>\S+))?$"
 )
 
 
@@ -241,7 +245,15 @@ def value(recs: Records, query: str) -> str:
     """The text of one ``<!-- value: QUERY -->`` region (grammar in the module docstring)."""
     match = _QUERY.match(query.strip())
     if not match:
-        raise RecordError(f"value query {query!r}: expected RECORD[field=value,...].FIELD [min|max|range] [FORMAT]")
+        raise RecordError(
+            f"value query {query!r}: expected RECORD[field=value,...].FIELD [min|max|range] [FORMAT [UNIT]]"
+        )
+    text = _value(recs, match)
+    unit = match["unit"] or ""
+    return f"{text}{unit}" if unit and re.fullmatch(r"[-+]?[\d.,]+%?", text) else text
+
+
+def _value(recs: Records, match: re.Match) -> str:
     name, field, agg, spec = match["record"], match["field"], match["agg"], match["spec"] or ""
     if field.startswith(("extra.", "host.")):
         part, _, path = field.partition(".")
@@ -257,7 +269,7 @@ def value(recs: Records, query: str) -> str:
         if part.strip():
             found_filter = re.match(r"\s*(\w+)\s*([=~])(.*)", part, re.S)
             if not found_filter:
-                raise RecordError(f"value query {query!r}: filter {part!r} is not field=value or field~text")
+                raise RecordError(f"value query {match.string!r}: filter {part!r} is not field=value or field~text")
             key, op, wanted = found_filter.groups()
             where[key + ("~" if op == "~" else "")] = wanted.strip()
     table = where.pop("table", None)
@@ -474,7 +486,7 @@ def compare_table(recs: Records, name: str) -> list[str]:
     lines = []
     for label, metric, show in _COMPARE_ROWS:
         row = by_metric.get(metric)
-        if row is None:
+        if row is None or row.get("megatron") is None:  # e.g. no MFU without a measured peak
             continue
         ratio = row.get("ratio")
         text = "-" if ratio is None else f"{ratio:.2f}x"
@@ -589,6 +601,8 @@ def _render_region(kind: str, arg: str, recs: Records) -> str:
         return "\n".join(provenance_lines(recs, arg.split())) + "\n"
     if arg.startswith("compare."):  # any compare record: `compare.<record name>`
         renderer: Renderer = lambda recs: compare_table(recs, arg.removeprefix("compare."))  # noqa: E731
+    elif arg.startswith("printed."):  # any benchmark's console table: `printed.<record name>`
+        renderer = lambda recs: printed(recs[arg.removeprefix("printed.")])  # noqa: E731
     elif arg in TABLES:
         renderer = TABLES[arg]
     else:

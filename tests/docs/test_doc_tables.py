@@ -109,12 +109,15 @@ def _gpu_record(folder: Path, name: str, rows: list[dict]) -> None:
 
 def test_an_absent_gpu_record_renders_not_measured_yet_and_an_absent_cpu_record_fails(tmp_path: Path) -> None:
     text = (
-        "speed <!-- value: bench-cuda[s=1].speedup .1f -->x<!-- /value -->\n"
+        "speed <!-- value: bench-cuda[s=1].speedup .1f x -->x<!-- /value -->\n"
         "<!-- table: compare.compare-llama-cuda (make docs) -->\n<!-- /table -->\n"
         "<!-- records: bench-cuda (make docs) -->\n<!-- /records -->\n"
     )
     rendered, _ = doc_tables.render(text, doc_tables.Records(tmp_path))
     assert rendered.count(doc_tables.NOT_MEASURED) == 3
+    assert (
+        "speed <!-- value: bench-cuda[s=1].speedup .1f x -->not measured yet (needs a GPU: make bench-gpu)<" in rendered
+    )
     assert "(record `compare-llama-cuda`)" in rendered and "<sub>`bench-cuda`: not measured yet" in rendered
     with pytest.raises(doc_tables.RecordError, match="no record 'bench'"):
         doc_tables.render(text.replace("bench-cuda", "bench"), doc_tables.Records(tmp_path))
@@ -128,6 +131,7 @@ def test_a_gpu_record_names_its_device_in_values_and_provenance(tmp_path: Path) 
     _gpu_record(tmp_path, "bench-cuda", [{"table": "t", "s": 1, "speedup": 2.345}])
     recs = doc_tables.Records(tmp_path)
     assert doc_tables.value(recs, "bench-cuda[s=1].speedup .1f") == "2.3"
+    assert doc_tables.value(recs, "bench-cuda[s=1].speedup .1f x") == "2.3x"  # a unit after the number
     assert doc_tables.value(recs, "bench-cuda.host.device_name") == "NVIDIA H100 80GB HBM3"
     line = doc_tables.provenance(recs["bench-cuda"])
     assert "on NVIDIA H100 80GB HBM3, host " in line and "CUDA 13.0, Triton 3.6.0" in line
