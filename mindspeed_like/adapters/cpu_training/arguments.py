@@ -88,7 +88,8 @@ def refuse_host_unsupported(args) -> None:
     mid-run, after minutes of start-up) stops the run before anything is built, saying why."""
     given = [(name, why) for name, why in refused_flags().items() if getattr(args, name, None)]
     if given:
-        lines = [f"--{name.replace('_', '-')}: {why}" for name, why in given]
+        options = [f"--{name.replace('_', '-')}" for name, _ in given]
+        lines = [f"{option}: {why.removeprefix(option + ': ')}" for option, (_, why) in zip(options, given)]
         raise ConfigError(
             "these Megatron-LM flags need CUDA and cannot run on this CPU host (drop them, or run on a GPU):\n  "
             + "\n  ".join(lines)
