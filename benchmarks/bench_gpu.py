@@ -97,7 +97,12 @@ ITEMS: list[Item] = [
     _compare("moe-level1", 90, "moe", 1, MOE),
     # Megatron-LM pair: level 1 >= 1.5x, level 2 >= 1.2x with <= 0.4x max allocated
     _script("megatron_lm_pair", 240, "--train-iters 12 --timeout 75", "--quick --train-iters 4", ("MEGATRON_LM_PATH",)),
-    _script("linear_cross_entropy", 90, "--tp 1 --tokens 4096 --repeats 5", "--quick --repeats 1 --vocabs 4096"),
+    _script(
+        "linear_cross_entropy",
+        90,
+        "--tp 1 --tokens 4096 --dtype bfloat16 --repeats 5",
+        "--quick --repeats 1 --vocabs 4096",
+    ),
     _compare("qwen3-moe-level1", 75, "qwen3-moe", 1, MOE),
     _compare("deepseek-level1", 75, "deepseek", 1, MOE.replace("--num-attention-heads 16", "--num-attention-heads 8")),
 ]
