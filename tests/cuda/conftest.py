@@ -165,9 +165,10 @@ def pytest_terminal_summary(terminalreporter):
     for entry in _outcomes:
         counts[entry["outcome"]] = counts.get(entry["outcome"], 0) + 1
     line = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    graphs = _compiled_graphs()
     terminalreporter.write_line(
-        f"cuda lane on {_state['device'] or 'no device'}: {line} in {time.time() - _state['started']:.0f} s, "
-        f"{_compiled_graphs()} graphs compiled"
+        f"cuda lane on {_state['device'] or 'no device'}: {line} in {time.time() - _state['started']:.0f} s"
+        + (f", {graphs} graphs compiled" if graphs is not None else "")
     )
     written = _write_record()
     if written is not None:
