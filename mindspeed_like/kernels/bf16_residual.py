@@ -6,8 +6,9 @@ the signed difference of the bit patterns read as integers. For finite ``m``, ``
 ``[-32768, +32768]``; ``-32768 .. 32767`` fit an int16 "residual" exactly. ``+32768`` (a tie
 rounded *down* onto an even ``b``) does not fit: no 16-bit field can hold all 65,537 preimages
 of an even bf16 value. Those rare elements (about 1 in 131,072 for well-mixed low bits) are
-kept in a *side table*: the sorted flat indices where ``d = +32768``; their residual is stored
-as 0. Decoding is ``m = (b << 16) + r (+ 32768 on side-table indices)``: exact for every
+*ties*, kept beside the buffer (its ``side``; :mod:`mindspeed_like.kernels.bf16_ties`): a
+sorted index table on the host, a bitmask (0.125 B/element) on CUDA; their residual is stored
+as 0. Decoding is ``m = (b << 16) + r (+ 32768 for a tie)``: exact for every
 finite value, including subnormals, +-0 and values that round up into the next binade or to
 +-inf. NaN masters decode to a NaN (the bf16 NaN widened; payload and sign are not kept) and
 +-inf round-trip exactly.
@@ -25,10 +26,12 @@ middle quarters, recurse) with every copy chunked, so the transient workspace is
 ``O(chunk)`` elements regardless of the parameter's size (measured by
 ``benchmarks/param_memory.py``), at the cost of ``log2(n / chunk)`` passes over the data.
 
-Backends: ``portable`` (the in-place chunked code; plain integer tensor ops, so it runs on any
-device, an NPU included: there is no torch_npu op for this, so ``npu`` uses the same code) and
-``reference`` (:func:`split_reference` / :func:`join_reference`, whole-tensor out-of-place
-math: the oracle of the tests).
+Backends: ``portable`` (the in-place chunked code with the index table; plain integer tensor
+ops, so it runs on any device, an NPU included: there is no torch_npu op for this, so ``npu``
+uses the same code), ``cuda`` (the same layouts with the bitmask, decoded and encoded by one
+Triton kernel each: no host sync; chunks of :data:`CUDA_CHUNK`) and ``reference``
+(:func:`split_reference` / :func:`join_reference`, whole-tensor out-of-place math: the oracle
+of the tests). :func:`new_ties` and :func:`chunk_for` pick by the buffer's device.
 """
 
 from __future__ import annotations
@@ -37,15 +40,22 @@ import sys
 
 import torch
 
+from mindspeed_like.kernels.backend import backend_for
+from mindspeed_like.kernels.bf16_ties import TIE, BitTies, SparseTies, Ties, new_ties
+
 DEFAULT_CHUNK = 1 << 18  # elements; ~8 MB peak workspace (int64 temporaries of one chunk)
-TIE = 32768  # d = +32768 does not fit an int16 residual: kept in the side table
+CUDA_CHUNK = 1 << 24
+"""Elements per chunk on CUDA: the optimizer step's fp32 workspace (64 MiB) and the layout moves'
+pieces. A CPU chunk is sized for its caches; on a GPU each chunk is a few kernel launches, and
+2**18-element chunks made the step launch-bound."""
 
 if sys.byteorder != "little":  # pragma: no cover - every supported accelerator host is little endian
     raise ImportError("mindspeed_like.kernels.bf16_residual assumes a little-endian host")
 
 
-def _empty_side(device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.int64, device=device)
+def chunk_for(buf: torch.Tensor) -> int:
+    """Elements per chunk for a buffer on this device (its backend)."""
+    return CUDA_CHUNK if backend_for(buf) == "cuda" else DEFAULT_CHUNK
 
 
 # ---------------------------------------------------------------- reference (out of place)
@@ -75,32 +85,18 @@ def join_reference(bf16: torch.Tensor, residual: torch.Tensor, side: torch.Tenso
 # ---------------------------------------------------------------- encode / decode (in place, chunked)
 
 
-def _encode_range(buf: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """fp32 elements ``[start, stop)`` of ``buf`` -> (residual, bf16) pairs in place; returns tie indices."""
+def _encode_range(buf: torch.Tensor, start: int, stop: int, side: Ties) -> None:
+    """fp32 elements ``[start, stop)`` of ``buf`` -> (residual, bf16) pairs in place; records the ties."""
     words = buf[2 * start : 2 * stop]
-    master = words.view(torch.float32)
-    bf16 = master.to(torch.bfloat16).view(torch.int16)
-    d = master.view(torch.int32).to(torch.int64) - (bf16.to(torch.int64) << 16)
-    d.masked_fill_(torch.isnan(master), 0)
-    tie = d == TIE
-    ties = tie.nonzero().flatten().add_(start)
-    d.masked_fill_(tie, 0)
     pairs = words.view(-1, 2)
-    pairs[:, 0] = d  # low half: residual (values fit int16)
-    pairs[:, 1] = bf16  # high half: the bf16 weight
-    return ties
+    side.encode(words.view(torch.float32), pairs[:, 1], pairs[:, 0], start)  # low half: residual
 
 
-def _decode_range(buf: torch.Tensor, start: int, stop: int, side: torch.Tensor) -> None:
+def _decode_range(buf: torch.Tensor, start: int, stop: int, side: Ties) -> None:
     """(residual, bf16) pairs of elements ``[start, stop)`` -> the exact fp32 master, in place."""
     words = buf[2 * start : 2 * stop]
     pairs = words.view(-1, 2)
-    m = (pairs[:, 1].to(torch.int64) << 16) + pairs[:, 0].to(torch.int64)
-    if side.numel():
-        lo, hi = torch.searchsorted(side, torch.tensor([start, stop], device=side.device)).tolist()
-        if hi > lo:
-            m[side[lo:hi] - start] += TIE
-    words.view(torch.int32).copy_(m)
+    side.decode(pairs[:, 1], pairs[:, 0], start, words.view(torch.float32))
 
 
 # ---------------------------------------------------------------- layout moves (in place, chunked)
@@ -172,7 +168,7 @@ def _check_buf(buf: torch.Tensor) -> int:
     return buf.numel() // 2
 
 
-def to_fp32(buf: torch.Tensor, side: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> None:
+def to_fp32(buf: torch.Tensor, side: Ties, chunk: int = DEFAULT_CHUNK) -> None:
     """Split layout -> the exact fp32 master, in place (``buf.view(torch.float32)``)."""
     n = _check_buf(buf)
     _interleave(buf, 0, n, chunk)
@@ -180,12 +176,14 @@ def to_fp32(buf: torch.Tensor, side: torch.Tensor, chunk: int = DEFAULT_CHUNK) -
         _decode_range(buf, start, min(n, start + chunk), side)
 
 
-def to_split(buf: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """fp32 master -> split layout (bf16 weights then residuals), in place; returns the side table."""
+def to_split(buf: torch.Tensor, side: Ties, chunk: int = DEFAULT_CHUNK) -> None:
+    """fp32 master -> split layout (bf16 weights then residuals), in place; ``side`` gets the ties."""
     n = _check_buf(buf)
-    ties = [_encode_range(buf, start, min(n, start + chunk)) for start in range(0, n, chunk)]
+    side.clear()
+    for start in range(0, n, chunk):
+        _encode_range(buf, start, min(n, start + chunk), side)
+    side.commit()
     _deinterleave(buf, 0, n, chunk)
-    return torch.cat(ties) if ties else _empty_side(buf.device)
 
 
 def new_buffer(weight: torch.Tensor) -> torch.Tensor:
@@ -208,56 +206,20 @@ def fp32_view(buf: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return buf.view(torch.float32).view(shape)
 
 
-def decode_into(weights: torch.Tensor, residual: torch.Tensor, side: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The exact masters of int16 ``weights`` (bf16 bits) and ``residual`` into fp32 ``out``;
-    ``side``: the range's side-table indices, relative to its start. int32 arithmetic: the
-    pattern is ``(b << 16) + r`` modulo 2**32, which two's-complement wrap-around computes
-    exactly. ``out`` may overlap the inputs only where each element reads before it writes."""
-    m = torch.bitwise_left_shift(weights.to(torch.int32), 16).add_(residual)
-    if side.numel():
-        m[side] += TIE
-    out.view(torch.int32).copy_(m)
-    return out
-
-
-def encode_into(master: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """fp32 ``master`` -> int16 bf16 bits into ``weights`` and residuals into ``residual``;
-    returns the range's new side-table indices (relative). Everything is computed before the
-    first write, so the outputs may overlap ``master``."""
-    bf16 = master.to(torch.bfloat16).view(torch.int16)
-    d = master.view(torch.int32) - torch.bitwise_left_shift(bf16.to(torch.int32), 16)
-    d.masked_fill_(torch.isnan(master), 0)
-    tie = d == TIE
-    ties = tie.nonzero().flatten()
-    if ties.numel():
-        d.masked_fill_(tie, 0)
-    weights.copy_(bf16)
-    residual.copy_(d)
-    return ties
-
-
-def side_range(side: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """The sorted side-table indices in ``[start, stop)``, relative to ``start``."""
-    if not side.numel():
-        return side
-    lo, hi = torch.searchsorted(side, torch.tensor([start, stop], device=side.device)).tolist()
-    return side[lo:hi] - start
-
-
-def decode_split(buf: torch.Tensor, start: int, stop: int, side: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def decode_split(buf: torch.Tensor, start: int, stop: int, side: Ties, out: torch.Tensor) -> torch.Tensor:
     """The exact masters of elements ``[start, stop)`` of a split-layout buffer into fp32 ``out``."""
     n = buf.numel() // 2
-    return decode_into(buf[start:stop], buf[n + start : n + stop], side_range(side, start, stop), out)
+    return side.decode(buf[start:stop], buf[n + start : n + stop], start, out)
 
 
-def encode_split(buf: torch.Tensor, start: int, stop: int, master: torch.Tensor) -> torch.Tensor:
-    """fp32 ``master`` -> bf16 weights and residuals of elements ``[start, stop)`` of a
-    split-layout buffer; returns the new side-table indices of the range (absolute)."""
+def encode_split(buf: torch.Tensor, start: int, stop: int, master: torch.Tensor, side: Ties) -> None:
+    """fp32 ``master`` -> bf16 weights and residuals of elements ``[start, stop)`` of a split-layout
+    buffer; ``side`` records the range's ties (current after ``side.commit()``)."""
     n = buf.numel() // 2
-    return encode_into(master, buf[start:stop], buf[n + start : n + stop]).add_(start)
+    side.encode(master, buf[start:stop], buf[n + start : n + stop], start)
 
 
-def master_copy(buf: torch.Tensor, side: torch.Tensor, shape: torch.Size, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def master_copy(buf: torch.Tensor, side: Ties, shape: torch.Size, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """A new fp32 tensor equal to the master of a split-layout buffer (for checkpoints)."""
     n = _check_buf(buf)
     out = torch.empty(n, dtype=torch.float32, device=buf.device)
@@ -265,3 +227,25 @@ def master_copy(buf: torch.Tensor, side: torch.Tensor, shape: torch.Size, chunk:
         stop = min(n, start + chunk)
         decode_split(buf, start, stop, side, out[start:stop])
     return out.view(shape)
+
+
+__all__ = [
+    "CUDA_CHUNK",
+    "DEFAULT_CHUNK",
+    "TIE",
+    "BitTies",
+    "SparseTies",
+    "Ties",
+    "bf16_view",
+    "chunk_for",
+    "decode_split",
+    "encode_split",
+    "fp32_view",
+    "join_reference",
+    "master_copy",
+    "new_buffer",
+    "new_ties",
+    "split_reference",
+    "to_fp32",
+    "to_split",
+]

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from mindspeed_like.kernels import bf16_residual as K
+from mindspeed_like.kernels.bf16_ties import unpack
+from mindspeed_like.testing.bf16_patterns import hard_masters
 from mindspeed_like.testing.workspace import peak_extra_bytes
 
 HIGH_HALVES = [
@@ -96,13 +98,28 @@ def test_nan_stays_nan():
     assert torch.isnan(back[:2]).all() and torch.isnan(b[:2].float()).all()
     assert back[2] == 3.0
     buf = values.clone().view(torch.int16)
-    found = K.to_split(buf, chunk=2)
-    K.to_fp32(buf, found, chunk=2)
+    side = K.SparseTies(buf.device)
+    K.to_split(buf, side, chunk=2)
+    K.to_fp32(buf, side, chunk=2)
     assert torch.isnan(buf.view(torch.float32)[:2]).all() and buf.view(torch.float32)[2] == 3.0
 
 
+def _new_side(kind: str, n: int) -> K.Ties:
+    return K.SparseTies(torch.device("cpu")) if kind == "sparse" else K.BitTies(n, torch.device("cpu"))
+
+
+def _tie_flags(side: K.Ties, n: int) -> torch.Tensor:
+    """Which elements are ties (bool), from either representation."""
+    if isinstance(side, K.SparseTies):
+        flags = torch.zeros(n, dtype=torch.bool)
+        flags[side.indices] = True
+        return flags
+    return unpack(side.bits, 0, n).bool()
+
+
+@pytest.mark.parametrize("kind", ["sparse", "bits"])
 @pytest.mark.parametrize("chunk", [1, 3, 64, 4096, K.DEFAULT_CHUNK])
-def test_in_place_layouts_match_reference(crafted, chunk):
+def test_in_place_layouts_match_reference(crafted, chunk, kind):
     # odd lengths exercise the rotations, tiny chunks the recursion
     small = chunk <= 64
     sizes = [1, 2, 3, 7, 100, 255] + [1001] * (chunk >= 3) + [4099] * (chunk >= 64)  # chunk 1: deep recursion
@@ -111,14 +128,20 @@ def test_in_place_layouts_match_reference(crafted, chunk):
         if small:
             master = crafted[torch.randperm(crafted.numel(), generator=torch.Generator().manual_seed(n))[:n]]
         buf = master.clone().view(torch.int16)
-        side = K.to_split(buf, chunk)
+        side = _new_side(kind, n)
+        K.to_split(buf, side, chunk)
         b, r, ref_side = K.split_reference(master)
-        assert torch.equal(buf[:n], _bits(b)), (n, chunk)  # split layout: contiguous bf16 weights ...
+        nan = torch.isnan(master)
+        assert torch.equal(buf[:n][~nan], _bits(b)[~nan]), (n, chunk)  # split layout: contiguous bf16 weights ...
+        assert torch.isnan(buf[:n][nan].view(torch.bfloat16).float()).all()
         assert torch.equal(buf[n:], r), (n, chunk)  # ... then residuals
-        assert torch.equal(side, ref_side)
-        assert torch.equal(_bits(K.master_copy(buf, side, master.shape, chunk)), _bits(master))
+        assert torch.equal(_tie_flags(side, n).nonzero().flatten(), ref_side)
+        copy = K.master_copy(buf, side, master.shape, chunk)
+        assert torch.equal(_bits(copy)[~nan], _bits(master)[~nan]) and torch.isnan(copy[nan]).all()
         K.to_fp32(buf, side, chunk)
-        assert torch.equal(buf.view(torch.int32), _bits(master)), (n, chunk)
+        back = buf.view(torch.float32)
+        assert torch.equal(_bits(back)[~nan], _bits(master)[~nan]), (n, chunk)
+        assert torch.isnan(back[nan]).all()
 
 
 def test_views_share_one_storage():
@@ -129,13 +152,13 @@ def test_views_share_one_storage():
     assert view.is_contiguous() and view.untyped_storage().data_ptr() == master.untyped_storage().data_ptr()
     assert buf.untyped_storage().nbytes() == 4 * weight.numel()
     assert torch.equal(_bits(view), _bits(weight))
-    K.to_fp32(buf, K._empty_side(buf.device))
+    K.to_fp32(buf, K.SparseTies(buf.device))
     assert torch.equal(master, weight.float())  # a fresh buffer's master is the bf16 weight exactly
 
 
 def test_bad_buffers_are_rejected():
     with pytest.raises(ValueError, match="int16 buffer of even length"):
-        K.to_split(torch.zeros(3, dtype=torch.int16))
+        K.to_split(torch.zeros(3, dtype=torch.int16), K.SparseTies(torch.device("cpu")))
     with pytest.raises(TypeError, match="bf16"):
         K.new_buffer(torch.zeros(3))
     with pytest.raises(TypeError, match="fp32"):
@@ -149,9 +172,10 @@ def test_workspace_is_bounded_by_the_chunk():
     peaks = []
     for n in (1 << 12, 1 << 16):
         buf = torch.randn(n).view(torch.int16)
-        side = K.to_split(buf, chunk)
+        side = K.SparseTies(buf.device)
+        K.to_split(buf, side, chunk)
         peaks.append(peak_extra_bytes(lambda buf=buf, side=side: K.to_fp32(buf, side, chunk)))
-        peaks.append(peak_extra_bytes(lambda buf=buf: K.to_split(buf, chunk)))
+        peaks.append(peak_extra_bytes(lambda buf=buf, side=side: K.to_split(buf, side, chunk)))
     # int64 temporaries of one chunk (~26 B/element of a chunk), never a buffer-sized copy
     # (the 2^16-element buffer is 256 KiB; 32 B * 1024 = 32 KiB)
     assert max(peaks) <= 32 * chunk, peaks
@@ -172,3 +196,101 @@ def test_every_fp32_pattern_round_trips():
         nan = torch.isnan(master)
         assert torch.equal(_bits(back)[~nan], _bits(master)[~nan])
         assert torch.isnan(back[nan]).all()
+
+
+# ---------------------------------------------------------------- the tie bitmask (cuda backend)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 1001, 4099])
+def test_bit_ties_ranges_match_reference(n):
+    """Encode and decode in ranges with unaligned starts (bits of a byte shared by two ranges are
+    merged, never lost): weights are torch's cast, residuals and ties the reference's, decoding is
+    exact; NaN stays NaN."""
+    master = hard_masters(n, seed=n)
+    b, r, ref_side = K.split_reference(master)
+    nan = torch.isnan(master)
+    buf = K.new_buffer(torch.zeros(n, dtype=torch.bfloat16))
+    side = K.BitTies(n, buf.device)
+    cuts = sorted({0, n, *torch.randint(0, n + 1, (5,), generator=torch.Generator().manual_seed(1)).tolist()})
+    for a, z in zip(cuts, cuts[1:]):
+        K.encode_split(buf, a, z, master[a:z], side)
+    side.commit()
+    assert torch.equal(buf[:n][~nan], _bits(b)[~nan])
+    assert torch.isnan(buf[:n][nan].view(torch.bfloat16).float()).all()
+    assert torch.equal(buf[n:], r)
+    assert torch.equal(unpack(side.bits, 0, n).nonzero().flatten(), ref_side)
+    assert side.count() == ref_side.numel() and side.nbytes() == (n + 7) // 8
+    out = torch.full((n,), 7.0)
+    for a, z in zip(cuts, cuts[1:]):
+        K.decode_split(buf, a, z, side, out[a:z])
+    assert torch.equal(_bits(out)[~nan], _bits(master)[~nan]) and torch.isnan(out[nan]).all()
+
+
+def test_bit_ties_encode_is_safe_in_place():
+    """``master`` overlapping the outputs (the in-place layouts, the DistributedOptimizer's scratch)
+    reads every element before writing it."""
+    n = 1000
+    master = hard_masters(n, seed=3)
+    words = master.clone().view(torch.int16)
+    pairs = words.view(-1, 2)
+    side = K.BitTies(n, words.device)
+    side.encode(words.view(torch.float32), pairs[:, 1], pairs[:, 0], 0)
+    b, r, ref_side = K.split_reference(master)
+    nan = torch.isnan(master)
+    assert torch.equal(pairs[:, 1][~nan], _bits(b)[~nan]) and torch.equal(pairs[:, 0], r)
+    side.decode(pairs[:, 1], pairs[:, 0], 0, words.view(torch.float32))
+    assert torch.equal(words.view(torch.int32)[~nan], _bits(master)[~nan])
+
+
+def test_backend_picks_the_tie_record_and_chunk():
+    from mindspeed_like.kernels.backend import force_backend
+
+    buf = torch.zeros(16, dtype=torch.int16)
+    assert isinstance(K.new_ties(8, buf), K.SparseTies) and K.chunk_for(buf) == K.DEFAULT_CHUNK
+    with force_backend("cuda"):
+        assert isinstance(K.new_ties(8, buf), K.BitTies) and K.chunk_for(buf) == K.CUDA_CHUNK
+
+
+def test_triton_kernels_match_the_eager_ops_and_the_reference():
+    """The kernels the cuda backend runs, in Triton's interpreter on CPU tensors (a fresh process:
+    the interpreter must be chosen before triton is imported): bitwise the eager bitmask ops on
+    crafted patterns (aligned and unaligned ranges, bits merged into partly used bytes), and the
+    reference on random data with every hard case. Script: ``bf16_ties_interpreted.py``."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = pathlib.Path(__file__).with_name("bf16_ties_interpreted.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().endswith("interpreted kernels: bitwise the eager ops and the reference"), done.stdout
+
+
+def test_kernel_check_falls_back_once_on_a_wrong_kernel(monkeypatch, caplog):
+    """Before first use on a device the kernels are compared with the eager ops; a kernel that
+    differs (or raises) is not used, said once, and the eager ops serve that device."""
+    import logging
+
+    from mindspeed_like.kernels import bf16_ties
+    from mindspeed_like.kernels.backends import cuda_bf16_residual as cuda
+
+    monkeypatch.setattr(cuda, "unavailable", lambda: None)
+    monkeypatch.setattr(cuda, "decode", bf16_ties.decode_eager)
+    monkeypatch.setattr(cuda, "encode", bf16_ties.encode_eager)
+    device = torch.device("cpu")
+    assert bf16_ties._kernels_work(device)  # the eager ops standing in: identical
+
+    def off_by_one(master, weights, residual, bits, start):
+        bf16_ties.encode_eager(master, weights, residual, bits, start)
+        residual[-1] += 1
+
+    monkeypatch.setattr(cuda, "encode", off_by_one)
+    with caplog.at_level(logging.WARNING, logger="mindspeed_like"):
+        assert not bf16_ties._kernels_work(device)
+    assert "results differ" in caplog.text and "eager torch ops" in caplog.text
+    monkeypatch.setattr(cuda, "decode", lambda *args: 1 / 0)
+    assert not bf16_ties._kernels_work(device)
+    assert "ZeroDivisionError" in caplog.text

@@ -1,17 +1,32 @@
-"""The Float16 optimizer step without the layout shuffle: torch's own Adam math, chunk by chunk.
+"""The Float16 optimizer step without the layout shuffle: torch's own Adam math on batches of pieces.
 
 Converting a whole buffer to the fp32 layout and back is a perfect shuffle of its int16 halves,
 ``log2(n / chunk)`` in-place passes each way: it made the step 2.6-2.7x megatron's. Adam is
-elementwise, so the same update can run on a chunk at a time instead: decode the chunk's exact
-masters from the split layout into a small fp32 workspace, call torch's functional
-``torch.optim.adam.adam`` on that workspace and the matching slices of the gradient and of the
-optimizer's ``exp_avg`` / ``exp_avg_sq`` (the same function, flags and hyperparameters
-``Adam.step`` passes), and encode the result straight back. The buffer stays in the split layout,
-the workspace is one chunk, and each chunk is touched once while it is in cache.
+elementwise, so the same update can run on pieces instead: the shared parameters are cut into
+pieces packed into *batches* of at most ``chunk`` elements (a parameter larger than the room
+left is split at a multiple of :data:`ALIGN`); per batch each piece's exact masters are decoded
+from the split layout into its slot of one fp32 workspace, torch's functional
+``torch.optim.adam.adam`` runs ONCE on the list of workspace pieces and the matching slices of
+the gradients and of ``exp_avg`` / ``exp_avg_sq`` (the same function, flags and hyperparameters
+``Adam.step`` passes: torch picks the same single-tensor, foreach or fused implementation as
+megatron's own step), and each piece is encoded straight back. The buffers stay in the split
+layout; the workspace is one batch.
 
-Bitwise equal to ``optimizer.step()`` on the full fp32 master: each element sees the same
-operations in the same order; the step counter, which the functional API increments once per
-call, is reset before every chunk so all chunks see the count a full step sees.
+One algorithm, two devices (the chunk and the tie record come with the buffers, by device:
+``kernels/bf16_residual.chunk_for`` / ``new_ties``):
+
+- CPU: batches of 2**18 elements stay in cache between decode, update and encode; ties are an
+  index table (host syncs are free there).
+- CUDA: batches of 2**24 elements (a 64 MiB workspace, plus torch's own foreach temporaries of
+  one batch) are a handful of launches each; ties are a bitmask and decode/encode one Triton
+  kernel per piece: no ``.item()``, ``.tolist()``, ``nonzero()`` or data-dependent shape in the
+  step (torch's non-capturable Adam keeps ``step`` on the host and reads it there).
+
+Bitwise equal to ``optimizer.step()`` on the full fp32 masters: each element sees the same
+operations in the same order, whatever list it is batched in (torch's foreach ops are
+elementwise; the bias corrections come from each tensor's own step, read per tensor). The step
+counter, which the functional API increments once per call, is reset to its value before the
+step ahead of every batch a parameter is in, so every piece sees the count a full step sees.
 State is created by the optimizer's own ``_init_group`` (lazily, as in ``Adam.step``), so the
 checkpointed state is torch's. Anything else (other optimizer classes, differentiable groups,
 step hooks, a torch without these entry points) takes the shuffling path, which is exact too.
@@ -22,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch.optim import adam as torch_adam
@@ -29,6 +45,9 @@ from torch.optim import adam as torch_adam
 from mindspeed_like.kernels import bf16_residual as kernel
 
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
+ALIGN = 128
+"""Pieces of one parameter are cut, and workspace slots start, at multiples of 128 elements: whole
+bytes of a tie bitmask (8 elements each) and 512-byte aligned fp32 slots (vectorized loads)."""
 
 
 def unsupported(optimizer) -> str | None:
@@ -77,13 +96,50 @@ def _adam_kwargs(optimizer, group: dict, has_complex: bool) -> dict:
     )
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[start, stop)`` of shared parameter ``slot``, at ``at`` in the batch's workspace."""
+
+    slot: int
+    start: int
+    stop: int
+    at: int
+
+
+def plan(sizes: list[int], capacity: int) -> list[list[Piece]]:
+    """Batches of pieces of parameters of ``sizes`` elements, each batch at most ``capacity``
+    elements of workspace (rounded up to :data:`ALIGN`); a parameter appears at most once per
+    batch, its pieces in order."""
+    capacity = max(ALIGN, capacity // ALIGN * ALIGN)
+    batches: list[list[Piece]] = []
+    batch: list[Piece] = []
+    used = 0
+    for slot, n in enumerate(sizes):
+        start = 0
+        while start < n:
+            take = n - start
+            room = capacity - used
+            if take > room:
+                take = room // ALIGN * ALIGN
+            if take == 0:
+                batches.append(batch)
+                batch, used = [], 0
+                continue
+            batch.append(Piece(slot, start, start + take, used))
+            used += -(-take // ALIGN) * ALIGN
+            start += take
+    if batch:
+        batches.append(batch)
+    return batches
+
+
 @torch.no_grad()
 def step(optimizer, entries: dict[int, object], chunk: int) -> bool:
     """One ``Adam.step`` of ``optimizer``; shared params (``entries``: id of the fp32 main param
-    -> its ``Shared``) are stepped chunk by chunk in their split layout, the rest as torch does.
-    Returns False, having changed nothing but torch's lazy state creation, when a shared param's
-    gradient or state is not contiguous (it could not be sliced in place): the caller then takes
-    the shuffling path."""
+    -> its ``Shared``) are stepped in batches of pieces in their split layout, the rest as torch
+    does. Returns False, having changed nothing but torch's lazy state creation, when a shared
+    param's gradient or state is not contiguous (it could not be sliced in place): the caller
+    then takes the shuffling path."""
     prepared = []
     for group in optimizer.param_groups:
         lists = ([], [], [], [], [], [])  # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
@@ -99,27 +155,56 @@ def step(optimizer, entries: dict[int, object], chunk: int) -> bool:
         if plain:
             lists = (params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
             torch_adam.adam(*([xs[i] for i in plain] if xs else [] for xs in lists), **kwargs)
-        for i, param in enumerate(params):
-            entry = entries.get(id(param))
-            if entry is not None:
-                tensors = (grads[i], exp_avgs[i], exp_avg_sqs[i], *([max_sqs[i]] if max_sqs else []))
-                _step_shared(entry, tensors, steps[i], chunk, kwargs)
+        shared = [
+            _Shared(entries[id(p)], grads[i], exp_avgs[i], exp_avg_sqs[i], max_sqs[i] if max_sqs else None, steps[i])
+            for i, p in enumerate(params)
+            if id(p) in entries
+        ]
+        if shared:
+            _step_shared(shared, chunk, kwargs)
     return True
 
 
-def _step_shared(entry, tensors: tuple, step_t: torch.Tensor, chunk: int, kwargs: dict) -> None:
-    grad, exp_avg, exp_avg_sq, *max_sq = (t.view(-1) for t in tensors)
-    buf, n = entry.buf, entry.buf.numel() // 2
-    before = step_t.clone()
-    workspace = torch.empty(min(chunk, n), dtype=torch.float32, device=buf.device)
-    ties = []
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        master = kernel.decode_split(buf, start, stop, entry.side, workspace[: stop - start])
-        step_t.copy_(before)
-        rows = slice(start, stop)
-        torch_adam.adam(
-            [master], [grad[rows]], [exp_avg[rows]], [exp_avg_sq[rows]], [m[rows] for m in max_sq], [step_t], **kwargs
-        )
-        ties.append(kernel.encode_split(buf, start, stop, master))
-    entry.side = torch.cat(ties) if ties else kernel._empty_side(buf.device)
+@dataclass
+class _Shared:
+    """One shared parameter in this step: its buffer entry, flat gradient and state, step counter."""
+
+    entry: object
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    max_sq: torch.Tensor | None
+    step: torch.Tensor
+    before: torch.Tensor = field(init=False)  # the step count before this step
+    n: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grad, self.exp_avg, self.exp_avg_sq = (t.view(-1) for t in (self.grad, self.exp_avg, self.exp_avg_sq))
+        self.max_sq = None if self.max_sq is None else self.max_sq.view(-1)
+        self.before = self.step.clone()
+        self.n = self.entry.buf.numel() // 2
+
+
+def _step_shared(shared: list[_Shared], chunk: int, kwargs: dict) -> None:
+    batches = plan([s.n for s in shared], chunk)
+    device = shared[0].entry.buf.device
+    size = max(piece.at + piece.stop - piece.start for batch in batches for piece in batch)
+    workspace = torch.empty(size, dtype=torch.float32, device=device)
+    for batch in batches:
+        masters, columns = [], ([], [], [], [], [])  # grads, exp_avgs, exp_avg_sqs, max_sqs, steps
+        for piece in batch:
+            s, rows = shared[piece.slot], slice(piece.start, piece.stop)
+            master = workspace[piece.at : piece.at + piece.stop - piece.start]
+            kernel.decode_split(s.entry.buf, piece.start, piece.stop, s.entry.side, master)
+            masters.append(master)
+            s.step.copy_(s.before)  # every batch sees the count before the step
+            for column, t in zip(columns, (s.grad, s.exp_avg, s.exp_avg_sq, s.max_sq)):
+                if t is not None:
+                    column.append(t[rows])
+            columns[4].append(s.step)
+        torch_adam.adam(masters, *columns, **kwargs)
+        for piece, master in zip(batch, masters):
+            s = shared[piece.slot]
+            kernel.encode_split(s.entry.buf, piece.start, piece.stop, master, s.entry.side)
+    for s in shared:
+        s.entry.side.commit()

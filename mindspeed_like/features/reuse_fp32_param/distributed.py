@@ -19,6 +19,12 @@ master's high half *is* the rank's own bf16 shard already in the param buffer. S
 - **checkpoint methods** (layout ``materialized``) get real fp32 master tensors decoded from
   bf16 + residual (megatron's own memory for them, until the next step splits them again), so
   every checkpoint format megatron has reads and writes plain fp32 masters.
+
+Ties (``kernels/bf16_ties.py``) are kept per bucket shard, indexed by the element's position in
+the shard: an index table on the host, a bitmask (``ceil(S / 8)`` bytes) on CUDA, where every
+move above is then free of host syncs (chunks of ``kernels/bf16_residual.chunk_for``: 2**24
+elements on CUDA; a chunk whose masters overlap the bf16 values it reads is staged through one
+chunk-sized copy, which keeps the read-before-write order above).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class BucketShard:
     scratch: int  # int16 offset of the fp32 masters during the step
     descending: bool  # build order (see module docstring)
     residual: torch.Tensor
-    side: torch.Tensor
+    side: kernel.Ties
 
 
 @dataclass
@@ -58,8 +64,8 @@ class DistState:
     chunk: int = kernel.DEFAULT_CHUNK
 
     def extra_bytes(self) -> int:
-        """Residual shards and side tables (held outside megatron's param buffer)."""
-        return sum(b.residual.untyped_storage().nbytes() + b.side.numel() * 8 for b in self.buckets)
+        """Residual shards and tie records (held outside megatron's param buffer)."""
+        return sum(b.residual.untyped_storage().nbytes() + b.side.nbytes() for b in self.buckets)
 
     # -- layouts
 
@@ -80,16 +86,13 @@ class DistState:
             for bucket in self.buckets:
                 _split_scratch(bucket, self.chunk)
         elif self.layout == "materialized":
-            ties: list[list[torch.Tensor]] = [[] for _ in self.buckets]
             for entry in self.entries:
                 bucket = self.buckets[entry.bucket]
-                b, r, side = kernel.split_reference(entry.main.data)
-                n = entry.main.numel()
-                bucket.param16[bucket.own + entry.offset : bucket.own + entry.offset + n] = b.view(torch.int16)
-                bucket.residual[entry.offset : entry.offset + n] = r
-                ties[entry.bucket].append(side + entry.offset)
-            for bucket, found in zip(self.buckets, ties):
-                bucket.side = torch.cat(found).sort().values if found else kernel._empty_side(bucket.residual.device)
+                lo, hi = entry.offset, entry.offset + entry.main.numel()
+                weights = bucket.param16[bucket.own + lo : bucket.own + hi]
+                bucket.side.encode(entry.main.data.view(-1), weights, bucket.residual[lo:hi], lo)
+            for bucket in self.buckets:
+                bucket.side.commit()
         else:
             return
         for entry in self.entries:
@@ -102,11 +105,10 @@ class DistState:
             return
         for entry in self.entries:
             bucket = self.buckets[entry.bucket]
-            n = entry.main.numel()
-            lo = torch.searchsorted(bucket.side, torch.tensor([entry.offset, entry.offset + n])).tolist()
-            side = bucket.side[lo[0] : lo[1]] - entry.offset
-            bf16 = bucket.param16[bucket.own + entry.offset : bucket.own + entry.offset + n].view(torch.bfloat16)
-            entry.main.data = kernel.join_reference(bf16, bucket.residual[entry.offset : entry.offset + n], side)
+            lo, hi = entry.offset, entry.offset + entry.main.numel()
+            master = torch.empty(hi - lo, dtype=torch.float32, device=bucket.residual.device)
+            bucket.side.decode(bucket.param16[bucket.own + lo : bucket.own + hi], bucket.residual[lo:hi], lo, master)
+            entry.main.data = master
         self.layout = "materialized"
 
 
@@ -123,18 +125,15 @@ def _build_scratch(bucket: BucketShard, chunk: int) -> None:
     p16, own, base = bucket.param16, bucket.own, bucket.scratch
     for i0, i1 in _chunks(bucket.size, chunk, bucket.descending):
         masters = p16[base + 2 * i0 : base + 2 * i1].view(torch.float32)
-        kernel.decode_into(
-            p16[own + i0 : own + i1], bucket.residual[i0:i1], kernel.side_range(bucket.side, i0, i1), masters
-        )
+        bucket.side.decode(p16[own + i0 : own + i1], bucket.residual[i0:i1], i0, masters)
 
 
 def _split_scratch(bucket: BucketShard, chunk: int) -> None:
     p16, own, base = bucket.param16, bucket.own, bucket.scratch
-    ties = []
     for i0, i1 in _chunks(bucket.size, chunk, not bucket.descending):
         master = p16[base + 2 * i0 : base + 2 * i1].view(torch.float32)
-        ties.append(kernel.encode_into(master, p16[own + i0 : own + i1], bucket.residual[i0:i1]) + i0)
-    bucket.side = torch.cat(ties).sort().values if ties else kernel._empty_side(p16.device)
+        bucket.side.encode(master, p16[own + i0 : own + i1], bucket.residual[i0:i1], i0)
+    bucket.side.commit()
 
 
 def unsupported_reason(opt) -> str | None:
@@ -165,6 +164,8 @@ def build(opt) -> DistState | str:
     dp = dist.get_world_size(opt.data_parallel_group)
     rank = dist.get_rank(opt.data_parallel_group)
     state = DistState()
+    if opt.buffers:
+        state.chunk = kernel.chunk_for(opt.buffers[0].buckets[0].param_data)
     index: dict[tuple[int, int], int] = {}
     pairs = [
         (model, main)
@@ -191,7 +192,7 @@ def build(opt) -> DistState | str:
                     scratch=(rank - 1) * size if last else rank * size,
                     descending=not last,
                     residual=torch.zeros(size, dtype=torch.int16, device=data.device),
-                    side=kernel._empty_side(data.device),
+                    side=kernel.new_ties(size, data),
                 )
             )
         bucket = state.buckets[index[key]]

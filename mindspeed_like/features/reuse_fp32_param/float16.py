@@ -4,8 +4,10 @@ Each bf16 parameter and its fp32 master become one 4-byte-per-element buffer
 (``mindspeed_like.kernels.bf16_residual``): between steps it holds ``[bf16 weights | int16
 residuals]`` and the model's parameter is a contiguous bf16 *view* of its first half; around the
 inner ``optimizer.step()`` the buffer is the exact fp32 master (the optimizer's parameter is the
-same buffer viewed as fp32). Rare ties that a 16-bit residual cannot hold go to a per-parameter
-side table. The wrappers that drive the layouts are in ``wrappers.py``.
+same buffer viewed as fp32). Rare ties that a 16-bit residual cannot hold are kept per parameter
+beside the buffer (``side``: an index table on the host, a bitmask of 0.125 B/param on CUDA;
+``kernels/bf16_ties.py``). The wrappers that drive the layouts are in ``wrappers.py``; the
+optimizer step that never leaves the split layout is ``chunked_step.py``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Shared:
     model_param: torch.nn.Parameter
     main_param: torch.Tensor
     buf: torch.Tensor
-    side: torch.Tensor
+    side: kernel.Ties
 
     @property
     def shape(self) -> torch.Size:
@@ -54,7 +56,7 @@ class ReuseState:
 
     entries: list[Shared] = field(default_factory=list)
     layout: str = "split"  # "split" between steps, "fp32" around the inner optimizer step
-    chunk: int = kernel.DEFAULT_CHUNK
+    chunk: int = kernel.DEFAULT_CHUNK  # elements: the device's (kernel.chunk_for), set by share()
 
     def to_fp32(self) -> None:
         if self.layout == "fp32":
@@ -67,14 +69,15 @@ class ReuseState:
         if self.layout == "split":
             return
         for entry in self.entries:
-            entry.side = kernel.to_split(entry.buf, self.chunk)
+            kernel.to_split(entry.buf, entry.side, self.chunk)
         self.layout = "split"
 
     def side_table_bytes(self) -> int:
-        return sum(e.side.numel() * e.side.element_size() for e in self.entries)
+        """Bytes of the tie records (index tables or bitmasks)."""
+        return sum(e.side.nbytes() for e in self.entries)
 
     def extra_bytes(self) -> int:
-        """Bytes held outside the shared param storages (the side tables)."""
+        """Bytes held outside the shared param storages (the tie records)."""
         return self.side_table_bytes()
 
 
@@ -106,5 +109,7 @@ def share(optimizer, fall_back: Fallback) -> None:
             buf = kernel.new_buffer(model.data)  # master == bf16 weight exactly: residuals 0
             model.data = kernel.bf16_view(buf, model.shape)
             main.data = kernel.fp32_view(buf, model.shape)
-            state.entries.append(Shared(model, main, buf, kernel._empty_side(buf.device)))
+            state.entries.append(Shared(model, main, buf, kernel.new_ties(model.numel(), buf)))
+    if state.entries:
+        state.chunk = kernel.chunk_for(state.entries[0].buf)
     setattr(optimizer, STATE_ATTR, state)

@@ -218,7 +218,7 @@ def copy_model_params_to_main_params(wrapped, instance, args, kwargs):
         state.to_split()
         for entry in state.entries:
             entry.buf[entry.buf.numel() // 2 :].zero_()
-            entry.side = kernel._empty_side(entry.buf.device)
+            entry.side.clear()
 
 
 def state_dict(wrapped, instance, args, kwargs):

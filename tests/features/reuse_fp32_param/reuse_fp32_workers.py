@@ -257,3 +257,56 @@ def dist_checkpoint_load(directory: str, first: int, total: int) -> dict:
             loaded_with, total - first, data=data, prepare=_dist_load(path), after=_dist_after, **args
         )
     return plain(out)
+
+
+# ---------------------------------------------------------------- the CUDA path, forced on the CPU
+
+
+def _read_masters_before(step_number: int, box: dict):
+    """Before optimizer step ``step_number``: a checkpoint read (``state_dict``: the masters are
+    materialized, and the step then splits them back from that layout)."""
+
+    def prepare(model, opt):
+        from mindspeed_like.features.reuse_fp32_param import state_of
+
+        inner = inner_optimizers(opt)[0]
+        real, count = opt.step, [0]
+
+        def step():
+            count[0] += 1
+            if count[0] == step_number:
+                inner.state_dict()
+                state = state_of(inner)
+                box["materialized"] = None if state is None else state.layout
+            return real()
+
+        opt.step = step
+
+    return prepare
+
+
+def _dist_after_with_ties(box: dict):
+    def after(model, opt):
+        from mindspeed_like.features.reuse_fp32_param import state_of
+
+        state = state_of(inner_optimizers(opt)[0])
+        if state is not None:
+            box["kinds"] = sorted({type(b.side).__name__ for b in state.buckets})
+            box["extra"] = state.extra_bytes()
+            residuals = sum(b.residual.untyped_storage().nbytes() for b in state.buckets)
+            box["expected_extra"] = residuals + sum((b.size + 7) // 8 for b in state.buckets)
+        return _dist_after(model, opt)
+
+    return after
+
+
+def distributed_optimizer_cuda_path(steps: int) -> dict:
+    """DP=2 DistributedOptimizer, flag off vs on with the ``cuda`` backend forced (tie bitmasks)."""
+    from mindspeed_like.kernels.backend import force_backend
+
+    args = dict(use_distributed_optimizer=True)
+    box: dict = {}
+    out = {"base": train(False, steps, prepare=_read_masters_before(4, {}), after=_dist_after, **args)}
+    with force_backend("cuda"):
+        out["ours"] = train(True, steps, prepare=_read_masters_before(4, box), after=_dist_after_with_ties(box), **args)
+    return plain({**out, **box})
