@@ -154,9 +154,9 @@ megatron-lm-smoke-versions: $(STAMP) $(foreach t,$(filter-out core_v$(PRIMARY_VE
 # `import transformer_engine.pytorch` gets the te-client-module; tiny random Qwen3 / Qwen3-MoE convert,
 # match HF's logits, train and export bitwise (tests/te_backend/test_megatron_bridge.py). 0.3.1 is the
 # last release for Python 3.11 and megatron-core 0.15-0.16; --no-deps: it declares TE, mamba-ssm and
-# more that it does not import for these models. It does import triton (megatron.bridge's utils; on a
-# fresh clone the lane failed with 9 ModuleNotFoundErrors for it: a venv that once had the megatron-lm
-# extra hid the missing step), so triton is installed here too.
+# more that it does not import for these models. It does need triton (megatron.bridge imports megatron.core's
+# inference/contexts/attention_context/triton/tensor_ops.py, which imports it; on a fresh clone the lane failed
+# with 9 ModuleNotFoundErrors; a venv that once had the megatron-lm extra hid the missing step).
 MEGATRON_BRIDGE_VERSION ?= 0.3.1
 megatron-bridge-smoke: $(STAMP)
 	$(PY) -m pip install -q --no-deps megatron-bridge==$(MEGATRON_BRIDGE_VERSION)
