@@ -37,10 +37,12 @@ the bucket is block scaled (so blocks never straddle parameters; otherwise segme
 and ``self.state[p][name]`` is a view of its segment. A step is, per bucket:
 gradients and (for remainders) weights gathered into flat fp32 workspaces with ``torch._foreach_copy_``,
 non-fp32 states decoded in one op each, the Adam(W) update as single ops on the flat buffers, states
-encoded back, weights scattered with ``torch._foreach_copy_``, all piece by piece of
-:data:`STEP_CHUNK` elements so each piece stays in cache. No Python loop over parameters does
-tensor math; the transient fp32 workspace is one piece's grads, masters and decoded moments (TE's
-unfused path materializes fp32 copies of every non-fp32 state).
+encoded back, weights scattered with ``torch._foreach_copy_``, all piece by piece (:func:`step_chunk`:
+:data:`STEP_CHUNK` elements on a host so each piece stays in cache, :data:`CUDA_STEP_CHUNK` on CUDA
+where each op of a piece is one kernel launch). No Python loop over parameters does tensor math,
+and nothing in the step reads tensor data on the host (no sync on an accelerator); the transient
+fp32 workspace is one piece's grads, masters and decoded moments (TE's unfused path materializes
+fp32 copies of every non-fp32 state).
 
 A skipped step (megatron found inf/nan in the grads) never calls :meth:`step`; nothing here
 changes state outside :meth:`step`, :meth:`set_scaled_state` and :meth:`load_state_dict`.
@@ -55,6 +57,8 @@ from typing import Any
 
 import torch
 
+from mindspeed_like.kernels.backend import backend_for
+
 BLOCK = 128
 STEP_CHUNK = 1 << 17
 """Elements per piece of the step (a multiple of BLOCK, so block scales never straddle pieces).
@@ -62,6 +66,11 @@ Why pieces: every op of the step was a pass over the whole bucket (tens of MB), 
 ~15 elementwise ops streamed memory ~15 times; on a piece of 2^17 elements (0.5 MiB per fp32
 array) the decode, the update and the encode run while the piece is in cache. Per-element math
 is unchanged, so results are bitwise those of the whole-bucket pass."""
+CUDA_STEP_CHUNK = 1 << 24
+"""Elements per piece on CUDA (the ``cuda`` backend): a GPU has no cache to stay in, and each of
+the ~20 elementwise ops of a piece is a kernel launch; pieces of 2^17 made a 300M-parameter step
+~2,300 pieces, ~50,000 launches. 2^24 elements: two 64 MiB fp32 workspaces plus the decoded
+moments of one piece."""
 FP8 = torch.uint8  # megatron / TE spelling of an fp8 (E4M3) state
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, FP8)
 MASTER_DTYPES = (torch.float32, torch.float16)
@@ -72,6 +81,11 @@ STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 
 def _pad(n: int, align: int = BLOCK) -> int:
     return -(-n // align) * align
+
+
+def step_chunk(param: torch.Tensor) -> int:
+    """Elements per piece of the step for a parameter on this device (its backend)."""
+    return CUDA_STEP_CHUNK if backend_for(param) == "cuda" else STEP_CHUNK
 
 
 # ---------------------------------------------------------------- block codecs (flat tensors)
@@ -166,22 +180,24 @@ class _Bucket:
     align: int = BLOCK  # segment alignment: BLOCK when a state is block scaled, else 1 (no padding)
     stores: dict[str, _Store] = field(default_factory=dict)
     remainders: torch.Tensor | None = None
-    plan: list[tuple[int, int, list[tuple[int, int, int]]]] | None = None  # see :meth:`chunks`
+    plans: dict[int, list[tuple[int, int, list[tuple[int, int, int]]]]] = field(default_factory=dict)
 
-    def chunks(self) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
-        """The step's chunks ``(lo, hi, pieces)``; a piece ``(i, a, b)`` is elements ``[a, b)`` of
-        param ``i`` (flattened), which sit at ``offsets[i] + a`` of the flat layout."""
-        if self.plan is None:
-            self.plan = []
-            for lo in range(0, self.size, STEP_CHUNK):
-                hi = min(self.size, lo + STEP_CHUNK)
+    def chunks(self, chunk: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+        """The step's chunks of ``chunk`` elements ``(lo, hi, pieces)``; a piece ``(i, a, b)`` is
+        elements ``[a, b)`` of param ``i`` (flattened), which sit at ``offsets[i] + a`` of the flat
+        layout."""
+        plan = self.plans.get(chunk)
+        if plan is None:
+            plan = self.plans[chunk] = []
+            for lo in range(0, self.size, chunk):
+                hi = min(self.size, lo + chunk)
                 pieces = []
                 for i, p in enumerate(self.params):
                     a, b = max(lo, self.offsets[i]) - self.offsets[i], min(hi, self.offsets[i] + p.numel())
                     if b - self.offsets[i] > a:
                         pieces.append((i, a, b - self.offsets[i]))
-                self.plan.append((lo, hi, pieces))
-        return self.plan
+                plan.append((lo, hi, pieces))
+        return plan
 
     def segment(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -474,8 +490,9 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         flat_grads = [None if x is None else x.detach().reshape(-1) for x in grads]
         # megatron's params are contiguous views; any other is stepped in a contiguous copy
         flat_params = [p.detach().reshape(-1) if p.is_contiguous() else p.detach().flatten() for p in bucket.params]
-        workspace = torch.empty(2, min(STEP_CHUNK, bucket.size), dtype=torch.float32, device=device)
-        for lo, hi, pieces in bucket.chunks():
+        chunk = step_chunk(bucket.params[0])
+        workspace = torch.empty(2, min(chunk, bucket.size), dtype=torch.float32, device=device)
+        for lo, hi, pieces in bucket.chunks(chunk):
             g = workspace[0, : hi - lo].zero_()
             live = [(i, a, b) for i, a, b in pieces if flat_grads[i] is not None]
             torch._foreach_copy_(

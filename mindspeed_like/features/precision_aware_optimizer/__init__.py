@@ -73,7 +73,7 @@ FEATURE = Feature(
     ),
     enabled=lambda ctx: not ctx["no_portable_precision_aware_optimizer"],
     switched_by="megatron's --use-precision-aware-optimizer without TE (on by default)",
-    backend="portable",
+    backend=lambda ctx: "cuda" if ctx.device == "cuda" else "portable",  # kernels.backend_for
     validate_args_hook=check_megatron_args,
     switch_on={"no_portable_precision_aware_optimizer": False},
     switch_off={"no_portable_precision_aware_optimizer": True},

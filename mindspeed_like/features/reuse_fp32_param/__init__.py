@@ -119,7 +119,7 @@ FEATURE = Feature(
             "residual shards save 2 B/param/DP; bitwise identical training)",
         ),
     ),
-    backend="portable",
+    backend=lambda ctx: "cuda" if ctx.device == "cuda" else "portable",  # kernels.backend_for
     validate_args_hook=w.bf16_required,
     switch_on={"reuse_fp32_param": True},
     before_switch_off=live.before_switch_off,

@@ -160,7 +160,7 @@ def test_remainder_identity_on_special_values():
     bucket = opt._buckets[id(p)]
     w = torch.zeros(bucket.size)
     w[: p.numel()] = master
-    opt._store_master(bucket, 0, bucket.size, bucket.chunks()[0][2], [p.view(-1)], w)
+    opt._store_master(bucket, 0, bucket.size, bucket.chunks(bucket.size)[0][2], [p.view(-1)], w)
     assert torch.equal(opt.master_param(p).view(torch.int32), master.view(torch.int32))
 
 
@@ -248,6 +248,55 @@ def test_step_in_pieces_is_bitwise_the_whole_bucket_step(dtype, monkeypatch):
         return [(p.clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params]
 
     whole, pieces = run(1 << 30), run(2 * BLOCK)
+    for (w1, s1), (w2, s2) in zip(whole, pieces):
+        assert torch.equal(w1, w2)
+        assert all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+class _NoHostRead(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on any op that reads tensor data on the host (a device sync on an accelerator)."""
+
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        assert func not in self.READS, f"host read in the step: {func}"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8], ids=str)
+def test_cuda_backend_steps_in_its_own_pieces_without_host_reads(dtype, monkeypatch):
+    """On CUDA (the ``cuda`` backend, forced here on CPU tensors) the step takes pieces of
+    CUDA_STEP_CHUNK elements (2 blocks here, the host's STEP_CHUNK made whole-bucket): the same
+    bits as the whole-bucket step, and no op reads tensor data on the host."""
+    from mindspeed_like.kernels import adam
+    from mindspeed_like.kernels.backend import force_backend
+
+    monkeypatch.setattr(adam, "STEP_CHUNK", 1 << 30)
+
+    def run(backend: str):
+        params = _weights()
+        opt = PrecisionAwareAdam(
+            params,
+            lr=LR,
+            betas=BETAS,
+            weight_decay=WD,
+            master_weights=True,
+            store_param_remainders=True,
+            use_decoupled_grad=True,
+            exp_avg_dtype=dtype,
+            exp_avg_sq_dtype=dtype,
+        )
+        for gs in _grads(3):
+            for p, g in zip(params, gs):
+                p.decoupled_grad = g.view(p.shape).bfloat16()
+            with force_backend(backend), _NoHostRead():
+                opt.step()
+        chunks = {c for b in opt._buckets.values() for c in b.plans}
+        return [(p.clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params], chunks
+
+    monkeypatch.setattr(adam, "CUDA_STEP_CHUNK", 2 * BLOCK)
+    (whole, host_chunks), (pieces, cuda_chunks) = run("portable"), run("cuda")
+    assert host_chunks == {1 << 30} and cuda_chunks == {2 * BLOCK}
     for (w1, s1), (w2, s2) in zip(whole, pieces):
         assert torch.equal(w1, w2)
         assert all(torch.equal(s1[k], s2[k]) for k in s1)
