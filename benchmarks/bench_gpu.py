@@ -155,7 +155,7 @@ def headline(out: Path, record: str) -> str:
         for metric, label in (("tokens_per_s", "tokens/s"), ("process_peak_bytes", "peak")):
             if by.get(metric, {}).get("ratio") is not None:
                 parts.append(f"{label} {by[metric]['ratio']:.2f}x")
-        if "mfu" in by:
+        if by.get("mfu", {}).get("features") is not None:
             parts.append(f"MFU {by['mfu']['megatron']:.1%} -> {by['mfu']['features']:.1%}")
         peak = rec.get("extra", {}).get("peak_flops_per_s")
         if peak:
@@ -213,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - start
     print(f"\n== bench-gpu summary ({total:.0f} s; records in {out}, logs in {out / 'logs'})")
     for row in summary:
-        print(f"{row['item']:<22} {row['status']:<28} {row['seconds']:6.0f} s  {headline(out, row.get('record', ''))}")
+        try:
+            figures = headline(out, row.get("record", ""))
+        except Exception as error:  # the summary reads records back; a surprise in one must not hide the rest
+            figures = f"(record unreadable: {type(error).__name__}: {error})"
+        print(f"{row['item']:<22} {row['status']:<28} {row['seconds']:6.0f} s  {figures}")
     failed = [row for row in summary if row["status"] != "ok" and not row["status"].startswith("skipped: set")]
     return 1 if failed else 0
 

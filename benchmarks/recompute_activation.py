@@ -6,7 +6,8 @@ sizes read after the forward, parameters excluded), the peak of live tensor byte
 fwd+bwd (every storage an op creates, summed after each op: exact bytes, not RSS; the
 parameters and the input are not counted), and the median fwd+bwd time (runs interleaved
 off/on so machine noise hits both alike). Then the demo GPT's (``mindspeed-like demo``
-sizes) whole-model peak for one micro-batch fwd+bwd.
+sizes) whole-model peak for one micro-batch fwd+bwd. ``--device cuda``: the same on the GPU (the
+counts are of that device's storages; times with the device synchronised around each pass).
 
 Targets (checked, printed as met/missed): held bytes drop by at least tokens x ffn x dtype
 size per layer (the activation output); time overhead under 5% of the block's fwd+bwd.
@@ -82,8 +83,10 @@ def _interleaved_times(step_off, step_on, repeats: int) -> tuple[float, float]:
     for _ in range(repeats):
         for on_flag, step, times in ((False, step_off, off), (True, step_on, on)):
             _set_flag(on_flag)
+            common.sync()
             start = time.perf_counter()
             step()
+            common.sync()
             times.append(time.perf_counter() - start)
     common.add_samples("megatron", off)  # kept in the record under the next row
     common.add_samples("recompute", on)
@@ -124,10 +127,11 @@ def _measure_off_on(
 
 def bench_mlp(args, results: common.Results, label: str, hidden: int, ffn: int, seq: int, **overrides) -> None:
     torch.manual_seed(0)
-    mlp = _mlp_block(hidden, ffn, **overrides)
+    device = common.device()
+    mlp = _mlp_block(hidden, ffn, **overrides).to(device)
     params = list(mlp.parameters())
-    x = torch.randn(seq, 1, hidden, requires_grad=True)
-    grad = torch.randn(seq, 1, hidden)
+    x = torch.randn(seq, 1, hidden, device=device, requires_grad=True)
+    grad = torch.randn(seq, 1, hidden, device=device)
 
     def forward():
         out, _ = mlp(x)
@@ -155,10 +159,12 @@ def bench_demo_gpt(args, results: common.Results) -> None:
     layers, hidden, seq, batch = 4, 256, 128, 8
     torch.manual_seed(0)
     init_parallel(seed=1234)
+    device = common.device()
     model = tiny_gpt(num_layers=layers, hidden_size=hidden, num_attention_heads=8, seq_length=seq, vocab_size=256)
+    model = model.to(device)
     params = list(model.parameters())
-    tokens = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
-    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    tokens = torch.randint(0, 256, (batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
 
     def forward():
         return model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).float().mean()
@@ -180,7 +186,8 @@ def bench_demo_gpt(args, results: common.Results) -> None:
 
 
 def run(args, results: common.Results) -> None:
-    mindspeed_like.configure(device="cpu")
+    common.configure()
+    common.init_process_group()
     init_parallel(seed=1234)
     hidden, ffn, seq = (1024, 2752, 512) if args.quick else (4096, 11008, 2048)
     hidden, ffn, seq = args.hidden or hidden, args.ffn or ffn, args.seq or seq
@@ -191,14 +198,7 @@ def run(args, results: common.Results) -> None:
 
 
 def main() -> None:
-    parser = common.parser(
-        __doc__.splitlines()[0],
-        devices=("cpu",),
-        why=(
-            "its per-op peak counter and timing loop are not ported to accelerators; on a GPU the "
-            "compare presets at level 2 measure the recompute in the model (make bench-gpu)"
-        ),
-    )
+    parser = common.parser(__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, help="MLP hidden size (default 4096; --quick 1024)")
     parser.add_argument("--ffn", type=int, help="MLP ffn size (default 11008; --quick 2752)")
     parser.add_argument("--seq", type=int, help="tokens (sequence length, batch 1; default 2048; --quick 512)")
