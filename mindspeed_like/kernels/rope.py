@@ -280,7 +280,7 @@ def apply_rope(
         out = _npu(t4, cos, sin, mode)
     elif chosen == "reference":
         out = _reference(t4, cos, sin, mode)
-    elif chosen in ("npu", "portable"):
+    elif chosen in ("npu", "cuda", "portable"):  # no CUDA-specific RoPE: cuda runs the portable op
         if mode != "mla" and cos.shape[-1] < t4.shape[-1] and compiled.active(t4):
             out = compiled.rope(t4, cos, _signed_sin(sin, mode), mode == "interleave")
         else:
