@@ -219,6 +219,7 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
     """Train one arm; return its losses, step times, memory split and the features that ran."""
     from mindspeed_like.adapters.detect import detect_device
     from mindspeed_like.compare.measure import ActivationProbe, process_peak_bytes, state_bytes, step_time_summary
+    from mindspeed_like.compare.profile import StepProfiler
     from mindspeed_like.run_arguments import quiet_expected_warnings
     from mindspeed_like.runtime import ENGINE
     from mindspeed_like.testing import destroy_parallel, train_steps
@@ -238,6 +239,8 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
         index = torch.cuda.current_device() if device == "cuda" else 0
         chunks = [chunk.to(torch.device(device, index)) for chunk in chunks]
     probe = ActivationProbe(step=spec["steps"] - 1)
+    label = spec["arm"] + (f"-r{spec['repeat'] + 1}" if spec.get("repeats", 1) > 1 else "")
+    profiler = StepProfiler(label, spec["steps"], device, rank)
     held: dict[str, Any] = {}
     stamps: list[float] = []
 
@@ -249,6 +252,7 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
 
     def on_step(step: int, loss: float) -> None:
         stamps.append(time.perf_counter())
+        profiler.after_step(step)
         if rank == 0 and spec.get("progress", True):
             ms = (stamps[-1] - stamps[-2]) * 1000
             label = f"{spec['arm']}" + (f" #{spec['repeat'] + 1}" if spec.get("repeats", 1) > 1 else "")
