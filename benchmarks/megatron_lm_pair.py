@@ -92,7 +92,8 @@ def run_arm(label: str, script_args: list[str], extra: list[str], timeout: float
         failure = f"timed out after {timeout:.0f} s"
     wall = time.perf_counter() - start
     log_dir.mkdir(parents=True, exist_ok=True)
-    (log_dir / f"megatron_lm_pair-{label.replace(' ', '_')}.log").write_text(" ".join(command) + "\n" + output)
+    safe = re.sub(r"[^\w.-]+", "_", label).strip("_")
+    (log_dir / f"megatron_lm_pair-{safe}.log").write_text(" ".join(command) + "\n" + output)
     times = [float(v) for v in ITERATION_MS.findall(output)]
     losses = [float(v) for v in LM_LOSS.findall(output)]
     allocated = [float(v) for v in MAX_ALLOCATED.findall(output)]
@@ -125,8 +126,10 @@ def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_PATH", ""), help="Megatron-LM checkout")
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2], help="the runner's optimization levels")
-    p.add_argument("--train-iters", type=int, default=None, help="iterations per arm (default 16; --quick 6)")
-    p.add_argument("--timeout", type=float, default=240, help="seconds per arm")
+    p.add_argument(
+        "--train-iters", type=common.positive_int, default=None, help="iterations per arm (default 16; --quick 6)"
+    )
+    p.add_argument("--timeout", type=common.above(0), default=240, help="seconds per arm")
     p.add_argument("--logs", default=None, help="folder for each arm's log (default: beside the record)")
     args = p.parse_args()
     checkout = Path(args.megatron_lm)
