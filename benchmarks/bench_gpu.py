@@ -190,8 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         "--budget", type=float, default=None, help="seconds for the whole set (default 480; --smoke: no limit)"
     )
     parser.add_argument("--smoke", action="store_true", help="every item at tiny sizes (a check that each runs)")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="these items only (names: see ITEMS)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="these items only (names: --list)")
+    parser.add_argument("--list", action="store_true", help="print the items (name, timeout, command) and exit")
     args = parser.parse_args(argv)
+    if args.list:
+        for item in ITEMS:
+            print(f"{item.name:<22} {item.timeout:4d} s  {' '.join(item.command('cuda', False, Path('OUT')))}")
+        return 0
     args.device = args.device or ("cpu" if args.smoke else "cuda")
     args.budget = args.budget or (float("inf") if args.smoke else 480.0)
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench-gpu-smoke-")) if args.smoke else ROOT / "results")
