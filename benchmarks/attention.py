@@ -168,7 +168,9 @@ def check_targets(results: common.Results) -> list[str]:
 
 def main() -> None:
     parser = common.parser(__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", help="sequence lengths (default 1024 2048 4096)")
+    parser.add_argument(
+        "--lengths", type=common.positive_int, nargs="+", help="sequence lengths (default 1024 2048 4096)"
+    )
     args = parser.parse_args()
     results = common.Results("attention")
     run(args, results)

@@ -46,6 +46,7 @@ if str(_ROOT) not in sys.path:  # a plain `python benchmarks/x.py` from a checko
     sys.path.insert(0, str(_ROOT))
 
 from mindspeed_like.toolkit import records  # noqa: E402
+from mindspeed_like.toolkit.cli_values import above, output_file, positive_int, record_name  # noqa: E402, F401 (scripts use common.above)
 
 _RECORD: records.Record | None = None
 _TABLES: list[Results] = []
@@ -91,13 +92,19 @@ def parser(description: str, devices: Sequence[str] | None = None, why: str = ""
     p = _Parser(description=description, allow_abbrev=False)
     if devices is not None:
         p.devices, p.why = tuple(devices), why
-    p.add_argument("--json", metavar="PATH", help="write the record to this file instead of results/<record>.json")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        type=output_file,
+        help="write the record to this file instead of results/<record>.json",
+    )
     p.add_argument(
         "--record",
         metavar="NAME",
+        type=record_name,
         help="record name (results/NAME.json); default: the script's name, with -quick for --quick",
     )
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per case (the median is reported)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed repeats per case (the median is reported)")
     p.add_argument("--quick", action="store_true", help="smaller shapes, for a smoke run")
     p.add_argument(
         "--device",
@@ -251,7 +258,7 @@ def add_model_size_options(p: argparse.ArgumentParser, default: dict[str, int]) 
     preset model (``default``; ``--quick``: :data:`QUICK_MODEL_SIZE`)."""
     for key in default:
         help_text = f"default {default[key]} (--quick: {QUICK_MODEL_SIZE[key]})"
-        p.add_argument("--" + key.replace("_", "-"), type=int, help=help_text)
+        p.add_argument("--" + key.replace("_", "-"), type=positive_int, help=help_text)
 
 
 def model_size(args: argparse.Namespace, default: dict[str, int]) -> dict[str, int]:

@@ -137,11 +137,13 @@ def main() -> None:
             " CP rank, not measured on a one-GPU machine"
         ),
     )
-    parser.add_argument("--seq", type=int, default=8192, help="total sequence for the memory table (default 8192)")
     parser.add_argument(
-        "--budget-mib", type=float, default=256.0, help="per-rank saved-for-backward budget (default 256 MiB)"
+        "--seq", type=common.positive_int, default=8192, help="total sequence for the memory table (default 8192)"
     )
-    parser.add_argument("--bandwidth-gbs", type=float, default=0.5, help="simulated link, GB/s (default 0.5)")
+    parser.add_argument(
+        "--budget-mib", type=common.above(0), default=256.0, help="per-rank saved-for-backward budget (default 256 MiB)"
+    )
+    parser.add_argument("--bandwidth-gbs", type=common.above(0), default=0.5, help="simulated link, GB/s (default 0.5)")
     args = parser.parse_args()
     seq = 2048 if args.quick else args.seq
     sizes = (1, 2) if args.quick else (1, 2, 4)

@@ -242,7 +242,7 @@ def main() -> None:
             " (make bench-gpu)"
         ),
     )
-    p.add_argument("--tokens", type=int, default=8192, help="routed token rows (default 8192)")
+    p.add_argument("--tokens", type=common.positive_int, default=8192, help="routed token rows (default 8192)")
     args = p.parse_args()
     results = common.Results("grouped_gemm")
     run(args, results)

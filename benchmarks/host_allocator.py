@@ -117,7 +117,7 @@ def main() -> None:
     )
     p.add_argument("--presets", nargs="+", choices=("llama", "moe", "qwen3-moe", "deepseek"), default=["llama", "moe"])
     common.add_model_size_options(p, DEFAULT_SIZE)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per process")
+    p.add_argument("--steps", type=common.positive_int, default=3, help="timed steps per process")
     p.add_argument("--arm", type=int, help=argparse.SUPPRESS)
     p.add_argument("--preset", help=argparse.SUPPRESS)
     p.add_argument("--size", help=argparse.SUPPRESS)

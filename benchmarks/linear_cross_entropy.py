@@ -196,12 +196,14 @@ def check_targets(results: common.Results) -> list[str]:
 
 def main() -> None:
     parser = common.parser(__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=1024, help="tokens per pass (default 1024)")
-    parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    parser.add_argument("--tokens", type=common.positive_int, default=1024, help="tokens per pass (default 1024)")
+    parser.add_argument("--hidden", type=common.positive_int, default=1024, help="hidden size (default 1024)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (default 1 2)")
     parser.add_argument(
-        "--vocabs", type=int, nargs="+", help=f"vocabulary sizes (default {' '.join(map(str, VOCABS))})"
+        "--tp", type=common.positive_int, nargs="+", default=[1, 2], help="tensor-parallel sizes (default 1 2)"
+    )
+    parser.add_argument(
+        "--vocabs", type=common.positive_int, nargs="+", help=f"vocabulary sizes (default {' '.join(map(str, VOCABS))})"
     )
     parser.add_argument("--whole-model-only", action="store_true", help="only the whole-GPT peak")
     args = parser.parse_args()

@@ -291,7 +291,7 @@ def main() -> None:
     p.add_argument("--levels", type=int, nargs="+", default=[1, 2])
     p.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default="transformer_engine")
     common.add_model_size_options(p, DEFAULT_SIZE)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per arm process")
+    p.add_argument("--steps", type=common.positive_int, default=3, help="timed steps per arm process")
     p.add_argument("--arm", type=int, help=argparse.SUPPRESS)  # a worker: this level's arm (0: megatron)
     p.add_argument("--preset", help=argparse.SUPPRESS)
     p.add_argument("--size", help=argparse.SUPPRESS)

@@ -165,8 +165,10 @@ def main() -> None:
             " device per rank); the optimizer step's time on a GPU: benchmarks/optimizer_step.py"
         ),
     )
-    p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--steps", type=int, default=None, help="training steps per case (default 4; --curve: 300)")
+    p.add_argument("--dp", type=common.positive_int, nargs="+", default=[1, 2, 4])
+    p.add_argument(
+        "--steps", type=common.positive_int, default=None, help="training steps per case (default 4; --curve: 300)"
+    )
     p.add_argument("--curve", action="store_true", help="300-step loss curves per state dtype instead")
     args = p.parse_args()
     sys.path.insert(0, HERE)

@@ -157,7 +157,12 @@ def run_case(size: dict, flags: dict, fields: dict, distributed: bool, steps: in
 
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps per case ({WARMUP} untimed; default 12)")
+    p.add_argument(
+        "--steps",
+        type=common.positive_int,
+        default=None,
+        help=f"optimizer steps per case ({WARMUP} untimed; default 12)",
+    )
     args = p.parse_args()
     steps = max(args.steps or (4 if args.quick else 12), WARMUP + 1)
     size = QUICK_SIZE if args.quick else PRESET_SIZE

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import warnings
 
+from mindspeed_like.toolkit.cli_values import at_least
+
 
 def add_model_arguments(group, **defaults: int) -> None:
     """The model size and training arguments the demo and `compare` share (named as Megatron-LM's)."""
@@ -14,7 +16,7 @@ def add_model_arguments(group, **defaults: int) -> None:
         group.add_argument(
             "--" + name.replace("_", "-"), type=int, default=defaults[name], help=f"(default {defaults[name]})"
         )
-    group.add_argument("--lr", type=float, default=3e-3)
+    group.add_argument("--lr", type=at_least(0), default=3e-3, help="learning rate, finite and >= 0 (default 3e-3)")
     group.add_argument("--seed", type=int, default=1234)
 
 

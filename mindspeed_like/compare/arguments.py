@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from mindspeed_like.compare.presets import PRESETS
+from mindspeed_like.toolkit.cli_values import above, non_negative_int, output_directory, record_name
 
 DEFAULT_LEVEL = 2
 DEFAULT_REPEATS = 3
@@ -66,17 +67,23 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"runs of each arm, alternating (default {DEFAULT_REPEATS}): ratios are the median of the per-repeat "
         "ratios, with their min-max",
     )
-    group.add_argument("--out", default="compare-out", help="directory for compare.json and compare.png")
+    group.add_argument(
+        "--out", type=output_directory, default="compare-out", help="directory for compare.json and compare.png"
+    )
     group.add_argument(
         "--record",
         nargs="?",
         const="",
         default=None,
+        type=record_name,
         metavar="NAME",
         help="also write the record to results/NAME.json (default name: compare-<preset>[-<non-default options>])",
     )
-    group.add_argument("--timeout", type=float, default=3600, help="seconds per arm before its processes are killed")
+    group.add_argument("--timeout", type=above(0), default=3600, help="seconds per arm before its processes are killed")
     group.add_argument("--quiet", action="store_true", help="no progress line per step")
     group.add_argument(
-        "--threads", type=int, default=0, help="CPU threads per process (default: the host's cores / processes)"
+        "--threads",
+        type=non_negative_int,
+        default=0,
+        help="CPU threads per process (default: the host's cores / processes)",
     )

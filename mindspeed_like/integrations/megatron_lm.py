@@ -36,6 +36,7 @@ from mindspeed_like.toolkit.binding import Call
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag, ValidateArgsHook, always_on
 from mindspeed_like.toolkit.errors import ConfigError, FeatureUnsupported, LevelConflict
 from mindspeed_like.toolkit.targets import TRAINING_ARGUMENTS
+from mindspeed_like.toolkit.uncaught import message_only
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ class ParseArgs:
     announce: bool = True  # False: validate_args is wrapped and prints the features line (final by then)
 
     def __call__(self, wrapped, instance, args, kwargs):
+        try:
+            return self._parse(wrapped, args, kwargs)
+        except ConfigError as error:  # ends the run: its message, not a traceback (toolkit/uncaught.py)
+            raise message_only(error) from None
+
+    def _parse(self, wrapped, args, kwargs):
         call = Call(wrapped, args, kwargs)
         user_provider = call["extra_args_provider"]
         ours: list[Flag] = []
@@ -109,6 +116,12 @@ class ValidateArgs:
     features: tuple[str, ...] = ()
 
     def __call__(self, wrapped, instance, args, kwargs):
+        try:
+            return self._validate(wrapped, args, kwargs)
+        except ConfigError as error:  # ends the run: its message, not a traceback (toolkit/uncaught.py)
+            raise message_only(error) from None
+
+    def _validate(self, wrapped, args, kwargs):
         namespace = Call(wrapped, args, kwargs)["args"]
         hooks, features = self.hooks, list(self.features)
         for _ in range(len(hooks) + 1):
