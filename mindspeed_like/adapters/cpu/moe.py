@@ -1,9 +1,6 @@
 """CPU adapter, mixture of experts (SequentialMLP; allgather and alltoall dispatchers; EP).
 
 Targets (megatron/core/transformer/moe, 0.13-0.16):
-* ``moe_utils.RouterGatingLinearFunction.forward/backward``: test ``te_general_gemm is not None``,
-  a name bound only when TransformerEngine imports (NameError without it). Their host twins
-  see ``te_general_gemm = None`` while the module lacks the name (optional: newer helper).
 * ``moe_utils.maybe_move_tensor_to_cpu``: converts split sizes to host numbers only for CUDA
   tensors; on CPU the ``as_numpy`` request is ignored and gloo's ``all_to_all_single`` gets
   tensors as split sizes (TypeError with EP>1). Wrapped: a CPU tensor asked for ``as_numpy``
@@ -19,18 +16,20 @@ Targets (megatron/core/transformer/moe, 0.13-0.16):
 * ``router.TopKRouter.__init__``, ``router.Router.gating``: buffers/weights on
   ``torch.cuda.current_device()``; ``moe_utils.track_moe_metrics`` (optional): ``'cuda'``
   metric tensors; host twins.
+
+The router's gating GEMM (``moe_utils.RouterGatingLinearFunction``, whose ``te_general_gemm`` is
+unbound without TransformerEngine) is not a host matter: fix-moe-router-without-te covers it on
+every device.
 """
 
 from __future__ import annotations
 
 from mindspeed_like.adapters.cpu.devices import on_host
-from mindspeed_like.adapters.cpu.host_view import host_wrapper, run_on_host
+from mindspeed_like.adapters.cpu.host_view import run_on_host
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.binding import Call
 from mindspeed_like.toolkit.fallback import Fallback
 from mindspeed_like.toolkit.targets import CORE, MOE
-
-_without_te = host_wrapper(missing_globals={"te_general_gemm": None})
 
 
 def _host_numbers(wrapped, instance, args, kwargs):
@@ -58,20 +57,6 @@ def _shared_experts_init(wrapped, instance, args, kwargs):
 
 
 PATCHES = [
-    Patch(
-        f"{MOE}.moe_utils.RouterGatingLinearFunction.forward",
-        Kind.WRAP,
-        _without_te,
-        optional=True,
-        why="te_general_gemm is unbound without TransformerEngine",
-    ),
-    Patch(
-        f"{MOE}.moe_utils.RouterGatingLinearFunction.backward",
-        Kind.WRAP,
-        _without_te,
-        optional=True,
-        why="te_general_gemm is unbound without TransformerEngine",
-    ),
     Patch(
         f"{MOE}.moe_utils.maybe_move_tensor_to_cpu",
         Kind.WRAP,
