@@ -44,10 +44,11 @@ from mindspeed_like.kernels.backend import backend_for
 from mindspeed_like.kernels.bf16_ties import TIE, BitTies, SparseTies, Ties, new_ties
 
 DEFAULT_CHUNK = 1 << 18  # elements; ~8 MB peak workspace (int64 temporaries of one chunk)
-CUDA_CHUNK = 1 << 24
-"""Elements per chunk on CUDA: the optimizer step's fp32 workspace (64 MiB) and the layout moves'
-pieces. A CPU chunk is sized for its caches; on a GPU each chunk is a few kernel launches, and
-2**18-element chunks made the step launch-bound."""
+CUDA_CHUNK = 1 << 25
+"""Elements per chunk on CUDA: the optimizer step's fp32 workspace (128 MiB; torch's foreach Adam
+adds one more batch-sized temporary) and the layout moves' pieces. A CPU chunk is sized for its
+caches; on a GPU each chunk costs a Python call of torch's Adam and a dozen launches, and
+2**18-element chunks made the step launch-bound (``optimizer_step_check`` times 2**23..2**26)."""
 
 if sys.byteorder != "little":  # pragma: no cover - every supported accelerator host is little endian
     raise ImportError("mindspeed_like.kernels.bf16_residual assumes a little-endian host")

@@ -17,8 +17,9 @@ One algorithm, two devices (the chunk and the tie record come with the buffers, 
 
 - CPU: batches of 2**18 elements stay in cache between decode, update and encode; ties are an
   index table (host syncs are free there).
-- CUDA: batches of 2**24 elements (a 64 MiB workspace, plus torch's own foreach temporaries of
-  one batch) are a handful of launches each; ties are a bitmask and decode/encode one Triton
+- CUDA: batches of 2**25 elements (a 128 MiB workspace, plus torch's own foreach temporaries of
+  one batch, where megatron's step makes them for all parameters at once) are a handful of
+  launches each; ties are a bitmask and decode/encode one Triton
   kernel per piece: no ``.item()``, ``.tolist()``, ``nonzero()`` or data-dependent shape in the
   step (torch's non-capturable Adam keeps ``step`` on the host and reads it there).
 

@@ -128,7 +128,7 @@ def test_float16_step_on_fake_cuda_is_torchs_foreach_adamw(monkeypatch):
     ``FakeTensorMode`` cannot slice a ``cuda`` tensor on a CPU-only build.)"""
     from torch.optim import adam as torch_adam
 
-    fake_cuda = pytest.importorskip("mindspeed_like.testing.fake_cuda").fake_cuda
+    from mindspeed_like.testing.fake_cuda import fake_cuda
 
     monkeypatch.setitem(bf16_ties._checked, torch.device("cuda", 0), False)  # no Triton here: eager bit ops
     foreach_calls = []
@@ -256,3 +256,17 @@ def test_distributed_layouts_round_trip_exactly(backend, last_rank):
         stepped[offset : offset + n] = entry.main
     state.to_split()
     check(stepped)
+
+
+def test_gpu_check_script_runs_its_cuda_path_here():
+    """``python3 -m mindspeed_like.testing.optimizer_step_check`` (the one prepared GPU run) on a tiny
+    model with the cuda backend forced: it builds both optimizers, finds them bitwise equal with the
+    bitmask in use, and reports every line."""
+    from mindspeed_like.testing import optimizer_step_check
+
+    out = optimizer_step_check.main(
+        ["--device", "cpu", "--quick", "--steps", "2", "--repeats", "2", "--no-precision-aware", "--backend", "cuda"]
+    )
+    assert out["bitwise"] == {"bf16 weights": True, "fp32 masters": True, "exp_avg": True, "exp_avg_sq": True}
+    assert any("tie record ['BitTies']" in line for line in out["lines"])
+    assert out["float16"]["megatron_ms"] > 0 and out["float16"]["reuse_ms"] > 0
