@@ -29,7 +29,8 @@ middle quarters, recurse) with every copy chunked, so the transient workspace is
 Backends: ``portable`` (the in-place chunked code with the index table; plain integer tensor
 ops, so it runs on any device, an NPU included: there is no torch_npu op for this, so ``npu``
 uses the same code), ``cuda`` (the same layouts with the bitmask, decoded and encoded by one
-Triton kernel each: no host sync; chunks of :data:`CUDA_CHUNK`) and ``reference``
+Triton kernel each: no host sync; chunks of :data:`CUDA_CHUNK`, optimizer-step batches of
+:data:`CUDA_BATCH`) and ``reference``
 (:func:`split_reference` / :func:`join_reference`, whole-tensor out-of-place math: the oracle
 of the tests). :func:`new_ties` and :func:`chunk_for` pick by the buffer's device.
 """
@@ -44,19 +45,29 @@ from mindspeed_like.kernels.backend import backend_for
 from mindspeed_like.kernels.bf16_ties import TIE, BitTies, SparseTies, Ties, new_ties
 
 DEFAULT_CHUNK = 1 << 18  # elements; ~8 MB peak workspace (int64 temporaries of one chunk)
-CUDA_CHUNK = 1 << 25
-"""Elements per chunk on CUDA: the optimizer step's fp32 workspace (128 MiB; torch's foreach Adam
-adds one more batch-sized temporary) and the layout moves' pieces. A CPU chunk is sized for its
-caches; on a GPU each chunk costs a Python call of torch's Adam and a dozen launches, and
-2**18-element chunks made the step launch-bound (``optimizer_step_check`` times 2**23..2**26)."""
+CUDA_CHUNK = 1 << 22
+"""Elements per chunk of the layout moves on CUDA (the DistributedOptimizer's scratch build and
+split, checkpoint copies, the in-place shuffle): kernel launches of 16 MiB-per-array ranges; the
+eager paths' int32/int64 temporaries of one chunk stay near 100 MiB."""
+CUDA_BATCH = 1 << 25
+"""Elements per batch of the Float16 optimizer step on CUDA (``features/reuse_fp32_param/
+chunked_step.py``): a 128 MiB fp32 workspace, plus torch's foreach temporaries of one batch. A CPU
+batch (:data:`DEFAULT_CHUNK`) is sized for its caches; on a GPU each batch costs a Python call of
+torch's Adam and a dozen launches, and 2**18-element batches made the step launch-bound
+(``testing/optimizer_step_check.py`` times 2**23..2**26)."""
 
 if sys.byteorder != "little":  # pragma: no cover - every supported accelerator host is little endian
     raise ImportError("mindspeed_like.kernels.bf16_residual assumes a little-endian host")
 
 
 def chunk_for(buf: torch.Tensor) -> int:
-    """Elements per chunk for a buffer on this device (its backend)."""
+    """Elements per chunk of the layout moves for a buffer on this device (its backend)."""
     return CUDA_CHUNK if backend_for(buf) == "cuda" else DEFAULT_CHUNK
+
+
+def batch_for(buf: torch.Tensor) -> int:
+    """Elements per batch of the optimizer step for a buffer on this device (its backend)."""
+    return CUDA_BATCH if backend_for(buf) == "cuda" else DEFAULT_CHUNK
 
 
 # ---------------------------------------------------------------- reference (out of place)
@@ -231,12 +242,14 @@ def master_copy(buf: torch.Tensor, side: Ties, shape: torch.Size, chunk: int = D
 
 
 __all__ = [
+    "CUDA_BATCH",
     "CUDA_CHUNK",
     "DEFAULT_CHUNK",
     "TIE",
     "BitTies",
     "SparseTies",
     "Ties",
+    "batch_for",
     "bf16_view",
     "chunk_for",
     "decode_split",

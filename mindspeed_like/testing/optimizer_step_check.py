@@ -196,7 +196,7 @@ def _reuse_details(device: torch.device, opt) -> dict:
     details = {
         "ties": sum(e.side.count() for s in states for e in s.entries),
         "record": sorted({type(e.side).__name__ for s in states for e in s.entries}),
-        "chunk": sorted({s.chunk for s in states}),
+        "batch": sorted({s.batch for s in states}),
         "sync": "not checked (not CUDA)",
     }
     if device.type == "cuda":
@@ -225,11 +225,11 @@ def _chunk_sweep(device: torch.device, opt) -> dict[int, tuple[float, float]]:
     from mindspeed_like.features.reuse_fp32_param import state_of
 
     states = [s for s in (state_of(inner) for inner in _inner(opt)) if s is not None]
-    default = states[0].chunk
+    default = states[0].batch
     sweep = {}
     for chunk in (1 << 23, 1 << 24, 1 << 25, 1 << 26):
         for state in states:
-            state.chunk = chunk
+            state.batch = chunk
         opt.step()
         times, peak = [], 0
         for _ in range(5):
@@ -239,7 +239,7 @@ def _chunk_sweep(device: torch.device, opt) -> dict[int, tuple[float, float]]:
             peak = max(peak, torch.cuda.max_memory_allocated(device) - before)
         sweep[chunk] = (statistics.median(times), peak / 2**30)
     for state in states:
-        state.chunk = default
+        state.batch = default
     return sweep
 
 
@@ -297,7 +297,7 @@ def _main(args) -> dict:
     verdict = "met" if ratio <= 1.1 else "MISSED"
     _say(
         f"Float16 step, reuse-fp32-param: {ours['ms']:.2f} ms, peak transient {ours['peak_gib']:.2f} GiB; "
-        f"ratio {ratio:.3f} (target <= 1.10: {verdict}); tie record {ours['record']}, chunk {ours['chunk']}",
+        f"ratio {ratio:.3f} (target <= 1.10: {verdict}); tie record {ours['record']}, batch {ours['batch']}",
         out,
     )
     same = {k: _same(base["state"][k], ours["state"].get(k, [])) for k in base["state"]}

@@ -247,8 +247,10 @@ def test_backend_picks_the_tie_record_and_chunk():
 
     buf = torch.zeros(16, dtype=torch.int16)
     assert isinstance(K.new_ties(8, buf), K.SparseTies) and K.chunk_for(buf) == K.DEFAULT_CHUNK
+    assert K.batch_for(buf) == K.DEFAULT_CHUNK
     with force_backend("cuda"):
         assert isinstance(K.new_ties(8, buf), K.BitTies) and K.chunk_for(buf) == K.CUDA_CHUNK
+        assert K.batch_for(buf) == K.CUDA_BATCH
 
 
 def test_triton_kernels_match_the_eager_ops_and_the_reference():

@@ -3,7 +3,7 @@
 Converting a whole buffer to the fp32 layout and back is a perfect shuffle of its int16 halves,
 ``log2(n / chunk)`` in-place passes each way: it made the step 2.6-2.7x megatron's. Adam is
 elementwise, so the same update can run on pieces instead: the shared parameters are cut into
-pieces packed into *batches* of at most ``chunk`` elements (a parameter larger than the room
+pieces packed into *batches* of at most ``batch`` elements (a parameter larger than the room
 left is split at a multiple of :data:`ALIGN`); per batch each piece's exact masters are decoded
 from the split layout into its slot of one fp32 workspace, torch's functional
 ``torch.optim.adam.adam`` runs ONCE on the list of workspace pieces and the matching slices of
@@ -12,8 +12,8 @@ the gradients and of ``exp_avg`` / ``exp_avg_sq`` (the same function, flags and 
 megatron's own step), and each piece is encoded straight back. The buffers stay in the split
 layout; the workspace is one batch.
 
-One algorithm, two devices (the chunk and the tie record come with the buffers, by device:
-``kernels/bf16_residual.chunk_for`` / ``new_ties``):
+One algorithm, two devices (the batch size and the tie record come with the buffers, by device:
+``kernels/bf16_residual.batch_for`` / ``new_ties``):
 
 - CPU: batches of 2**18 elements stay in cache between decode, update and encode; ties are an
   index table (host syncs are free there).
@@ -135,7 +135,7 @@ def plan(sizes: list[int], capacity: int) -> list[list[Piece]]:
 
 
 @torch.no_grad()
-def step(optimizer, entries: dict[int, object], chunk: int) -> bool:
+def step(optimizer, entries: dict[int, object], batch: int) -> bool:
     """One ``Adam.step`` of ``optimizer``; shared params (``entries``: id of the fp32 main param
     -> its ``Shared``) are stepped in batches of pieces in their split layout, the rest as torch
     does. Returns False, having changed nothing but torch's lazy state creation, when a shared
@@ -162,7 +162,7 @@ def step(optimizer, entries: dict[int, object], chunk: int) -> bool:
             if id(p) in entries
         ]
         if shared:
-            _step_shared(shared, chunk, kwargs)
+            _step_shared(shared, batch, kwargs)
     return True
 
 
@@ -186,8 +186,8 @@ class _Shared:
         self.n = self.entry.buf.numel() // 2
 
 
-def _step_shared(shared: list[_Shared], chunk: int, kwargs: dict) -> None:
-    batches = plan([s.n for s in shared], chunk)
+def _step_shared(shared: list[_Shared], batch_size: int, kwargs: dict) -> None:
+    batches = plan([s.n for s in shared], batch_size)
     device = shared[0].entry.buf.device
     size = max(piece.at + piece.stop - piece.start for batch in batches for piece in batch)
     workspace = torch.empty(size, dtype=torch.float32, device=device)

@@ -22,7 +22,7 @@ master's high half *is* the rank's own bf16 shard already in the param buffer. S
 
 Ties (``kernels/bf16_ties.py``) are kept per bucket shard, indexed by the element's position in
 the shard: an index table on the host, a bitmask (``ceil(S / 8)`` bytes) on CUDA, where every
-move above is then free of host syncs (chunks of ``kernels/bf16_residual.chunk_for``: 2**25
+move above is then free of host syncs (chunks of ``kernels/bf16_residual.chunk_for``: 2**22
 elements on CUDA; a chunk whose masters overlap the bf16 values it reads is staged through one
 chunk-sized copy, which keeps the read-before-write order above).
 """

@@ -56,7 +56,8 @@ class ReuseState:
 
     entries: list[Shared] = field(default_factory=list)
     layout: str = "split"  # "split" between steps, "fp32" around the inner optimizer step
-    chunk: int = kernel.DEFAULT_CHUNK  # elements: the device's (kernel.chunk_for), set by share()
+    chunk: int = kernel.DEFAULT_CHUNK  # elements per layout move: the device's (kernel.chunk_for)
+    batch: int = kernel.DEFAULT_CHUNK  # elements per batch of the optimizer step (kernel.batch_for)
 
     def to_fp32(self) -> None:
         if self.layout == "fp32":
@@ -112,4 +113,5 @@ def share(optimizer, fall_back: Fallback) -> None:
             state.entries.append(Shared(model, main, buf, kernel.new_ties(model.numel(), buf)))
     if state.entries:
         state.chunk = kernel.chunk_for(state.entries[0].buf)
+        state.batch = kernel.batch_for(state.entries[0].buf)
     setattr(optimizer, STATE_ATTR, state)

@@ -178,7 +178,7 @@ def step_with_ready_grads(wrapped, instance, args, kwargs):
         fallback = inner.step
 
         def inner_step(closure=None):  # torch's Adam math chunk by chunk on the split layout
-            if closure is not None or not chunked_step.step(inner, entries, state.chunk):
+            if closure is not None or not chunked_step.step(inner, entries, state.batch):
                 with torch.no_grad():
                     state.to_fp32()
                     return fallback(closure)

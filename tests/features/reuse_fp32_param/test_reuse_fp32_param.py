@@ -106,7 +106,7 @@ def test_chunked_step_is_bitwise_with_ties_across_chunk_edges(chunk, monkeypatch
     def prepare(model, opt):
         _crafted_masters(opt)
         if _state_of(opt) is not None:
-            _state_of(opt).chunk = chunk
+            _state_of(opt).batch = chunk
         counts["shuffled"] = 0  # loading the crafted masters converts; the steps must not
 
     optimizer = dict(optimizer="adam", weight_decay=0.1)
@@ -222,14 +222,20 @@ def test_flag_requires_bf16_fp32_optimizer():
 
 
 def test_level_2_in_fp32_steps_aside_with_a_logged_fallback(caplog):
-    """--optimization-level 2 means "where it applies": an fp32 run trains as megatron's, logged."""
+    """--optimization-level 2 means "where it applies": an fp32 run trains as megatron's, logged
+    (the precision-check integration steps it aside when get_megatron_optimizer sees fp32)."""
     import mindspeed_like
+    from mindspeed_like import runtime
 
     mindspeed_like.configure(device="cpu", optimization_level=2)
     init_parallel(seed=W.SEED)
     losses = train_steps(tiny_gpt(), 2)
     assert len(losses) == 2
-    assert "reuse-fp32-param: keeping megatron's separate fp32 masters (fp32 training" in caplog.text
+    assert (
+        "reuse-fp32-param (from --optimization-level 2) stepped aside: it acts only in bf16 training; "
+        "this run trains in fp32" in caplog.text
+    )
+    assert "reuse-fp32-param" not in runtime.current_context().enabled_names
     mindspeed_like.reset()
 
 

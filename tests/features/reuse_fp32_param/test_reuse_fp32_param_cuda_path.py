@@ -57,7 +57,7 @@ def test_float16_step_bitwise_with_ties_split_pieces_and_foreach():
             seen["kinds"] = {type(e.side).__name__ for e in state.entries}
             seen["ties"] = sum(e.side.count() for e in state.entries)
             seen["bytes"] = state.extra_bytes(), sum((e.buf.numel() // 2 + 7) // 8 for e in state.entries)
-            state.chunk = 1000
+            state.batch = 1000
 
     optimizer = dict(optimizer="adam", weight_decay=0.1)
     baseline = W.train(False, 5, prepare=prepare, optimizer=optimizer)
@@ -98,10 +98,10 @@ def _guarded_step(calls: list):
     def tolist(self):
         raise AssertionError("host sync in the step: .tolist()")
 
-    def step(optimizer, entries, chunk):
+    def step(optimizer, entries, batch):
         with pytest.MonkeyPatch.context() as patch, _NoHostSync(optimizer):
             patch.setattr(torch.Tensor, "tolist", tolist)
-            calls.append(real(optimizer, entries, chunk))
+            calls.append(real(optimizer, entries, batch))
         return calls[-1]
 
     return step
@@ -161,7 +161,7 @@ def test_float16_step_on_fake_cuda_is_torchs_foreach_adamw(monkeypatch):
             for main, ref, grad in zip(mains, reference, step_grads):
                 main.grad, ref.grad = grad.cuda(), grad.cuda()
             with _NoHostSync(ours):
-                assert chunked_step.step(ours, entries, chunk=256)
+                assert chunked_step.step(ours, entries, batch=256)
             theirs.step()
             for main, ref, entry in zip(mains, reference, entries.values()):
                 n = ref.numel()
