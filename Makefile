@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all test-compile test-cuda lint bench bench-gpu docs megatron-lm-smoke megatron-lm-smoke-versions megatron-bridge-smoke test-versions clean
+.PHONY: install demo test test-all test-compile test-cuda lint bench bench-gpu docs megatron-lm-smoke megatron-lm-smoke-versions megatron-bridge-smoke mbridge-smoke test-versions clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -162,6 +162,16 @@ megatron-bridge-smoke: $(STAMP)
 	$(PY) -m pip install -q --no-deps megatron-bridge==$(MEGATRON_BRIDGE_VERSION)
 	$(PY) -m pip install -q "transformers<5" omegaconf "hydra-core<=1.3.2,>1.3" accelerate rich six regex pyyaml tqdm triton
 	$(PY) -m pytest -q -s tests/te_backend/test_megatron_bridge.py
+
+# mbridge (verl's default Megatron <-> HF bridge) as a client on a CPU: tiny random Qwen3 / Qwen3-MoE through
+# AutoBridge.get_model with the import line and --transfer-to-host, logits within bf16 rounding of HF's, three
+# steps lower the loss (tests/te_backend/test_mbridge.py). mbridge lists no requirements in its metadata; it
+# imports transformers (<5: the API mbridge 0.15.1 was written for) and safetensors.
+MBRIDGE_VERSION ?= 0.15.1
+mbridge-smoke: $(STAMP)
+	$(PY) -m pip install -q --no-deps mbridge==$(MBRIDGE_VERSION)
+	$(PY) -m pip install -q "transformers<5" safetensors
+	$(PY) -m pytest -q -s tests/te_backend/test_mbridge.py
 
 clean:
 	rm -rf $(VENV) .venv-mc* build *.egg-info .pytest_cache

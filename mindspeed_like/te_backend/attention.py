@@ -12,6 +12,9 @@ that class at call time, so everything that acts on the local core attention act
 (flash-attention's kernel, context-parallel's ring / Ulysses / hybrid / all-gather-KV at CP > 1,
 megatron's own unfused math when neither is on). What TE adds over the local module:
 
+* the softmax never routes to megatron's compiled ``scaled_masked_softmax_cuda`` extension, whatever
+  the client's ``masked_softmax_fusion`` (mbridge's and verl's configs set it True): TE's attention
+  has its own kernels and never uses that extension; megatron's softmax in torch runs instead;
 * ``k_channels`` / ``v_channels`` (MLA: the query/key head dim differs from the value's), which
   megatron's local attention takes through ``fixes/local_attention_head_dims.py`` (an always-on
   fix: MLA on the local spec needs the same); megatron's unfused math and the flash kernel both
@@ -80,6 +83,10 @@ class TEDotProductAttention(TEExtraState, DotProductAttention):
             **head_dims,
         )
         self.qkv_format = "sbhd"
+        # TE's attention computes its softmax with its own kernels: megatron's compiled extension
+        # (scaled_masked_softmax_cuda, which masked_softmax_fusion=True asks for in fp16/bf16) is not one
+        # of them, and is absent on a host and on GPUs without megatron's compiled kernels (issue 37 9b)
+        self.scale_mask_softmax.scaled_masked_softmax_fusion = False
 
     def forward(
         self,

@@ -130,3 +130,25 @@ def test_hybrid_model_with_attention_mlp_and_moe_layers(te_backend):
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
     assert "decoder.layers.3.mlp.experts.linear_fc1.weight3" in names
     _learns(model)
+
+
+def test_te_attention_never_asks_for_megatrons_compiled_softmax(te_backend):
+    """Issue 37 9b: a client's ``masked_softmax_fusion=True`` (mbridge's, verl's) in bf16 made the TE
+    attention run megatron's local softmax through ``scaled_masked_softmax_cuda``, a compiled extension
+    TE never uses (ModuleNotFoundError here and on GPUs without megatron's kernels). It computes megatron's
+    softmax in torch: bitwise megatron's local attention with the fusion off."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mindspeed_like.te_backend.attention import TEDotProductAttention
+
+    fused = gpt_config(bf16=True, masked_softmax_fusion=True)
+    te = TEDotProductAttention(fused, 1, AttnMaskType.causal, "self")
+    local = DotProductAttention(gpt_config(bf16=True, masked_softmax_fusion=False), 1, AttnMaskType.causal, "self")
+    heads, dim = fused.num_attention_heads, fused.kv_channels
+    # the shape megatron's fused kernel accepts (16 < seq <= 4096, seq and batch x heads divisible by 4)
+    q, k, v = torch.randn(3, SEQ, 4, heads, dim, generator=torch.Generator().manual_seed(SEED)).bfloat16().unbind(0)
+    # not asked for at all, so also where the extension is installed (TE would not use it there either);
+    # where it is absent, fixes/masked_softmax_without_extension.py covers megatron's own local attention
+    assert te.scale_mask_softmax.scaled_masked_softmax_fusion is False
+    assert torch.equal(te(q, k, v, None), local(q, k, v, None))
