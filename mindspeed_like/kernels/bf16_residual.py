@@ -218,10 +218,13 @@ def fp32_view(buf: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return buf.view(torch.float32).view(shape)
 
 
-def decode_split(buf: torch.Tensor, start: int, stop: int, side: Ties, out: torch.Tensor) -> torch.Tensor:
-    """The exact masters of elements ``[start, stop)`` of a split-layout buffer into fp32 ``out``."""
+def decode_split(
+    buf: torch.Tensor, start: int, stop: int, side: Ties, out: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """The exact masters of elements ``[start, stop)`` of a split-layout buffer into fp32 ``out``
+    (times ``scale``, one fp32 multiply, when given)."""
     n = buf.numel() // 2
-    return side.decode(buf[start:stop], buf[n + start : n + stop], start, out)
+    return side.decode(buf[start:stop], buf[n + start : n + stop], start, out, scale)
 
 
 def encode_split(buf: torch.Tensor, start: int, stop: int, master: torch.Tensor, side: Ties) -> None:

@@ -20,7 +20,9 @@ representations spend it differently:
   or where Triton is unavailable or failed its check) eager torch ops with the same integer math.
 
 Both take ranges of the buffer (or bucket shard) they belong to: ``decode(weights, residual,
-start, out)`` writes the exact masters of elements ``[start, start + len)``;
+start, out, scale=None)`` writes the exact masters of elements ``[start, start + len)`` (times
+``scale``, one fp32 multiply, when given: AdamW's decoupled weight decay folded into the decode,
+the very multiply ``torch.optim.AdamW`` makes, ``x * float32(scale)`` correctly rounded);
 ``encode(master, weights, residual, start)`` writes the bf16 bits and residuals and records the
 range's ties; ``commit()`` makes recorded ties current (the index table merges them; the bitmask
 was written in place), so decoding and encoding several ranges of one buffer in one pass is
@@ -82,13 +84,15 @@ class SparseTies:
         lo, hi = torch.searchsorted(self.indices, bounds).tolist()
         return self.indices[lo:hi] - start
 
-    def decode(self, weights: torch.Tensor, residual: torch.Tensor, start: int, out: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self, weights: torch.Tensor, residual: torch.Tensor, start: int, out: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
         m = torch.bitwise_left_shift(_as_int32(weights), 16).add_(residual)  # (b << 16) + r modulo 2**32
         ties = self.in_range(start, start + weights.numel())
         if ties.numel():
             m[ties] += TIE
         out.view(torch.int32).copy_(m)
-        return out
+        return out if scale is None else out.mul_(scale)
 
     def encode(self, master: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, start: int) -> None:
         bf16 = master.to(torch.bfloat16).view(torch.int16)
@@ -140,13 +144,19 @@ def unpack(bits: torch.Tensor, start: int, n: int) -> torch.Tensor:
 
 
 def decode_eager(
-    weights: torch.Tensor, residual: torch.Tensor, bits: torch.Tensor, start: int, out: torch.Tensor
+    weights: torch.Tensor,
+    residual: torch.Tensor,
+    bits: torch.Tensor,
+    start: int,
+    out: torch.Tensor,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """``m = (b << 16) + r + (bit << 15)`` in int32 (two's complement: the pattern modulo 2**32)."""
+    """``m = (b << 16) + r + (bit << 15)`` in int32 (two's complement: the pattern modulo 2**32),
+    times ``scale`` (fp32) when given."""
     m = torch.bitwise_left_shift(_as_int32(weights), 16).add_(residual)
     m.add_(unpack(bits, start, weights.numel()) << 15)
     out.view(torch.int32).copy_(m)
-    return out
+    return out if scale is None else out.mul_(scale)
 
 
 def split_bits(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -240,10 +250,11 @@ def _differs(cuda, master: torch.Tensor) -> str | None:
         bits = torch.full(((n + 13) // 8,), 0xA5, dtype=torch.uint8, device=master.device)
         encode(master[:1000], w[:1000], r[:1000], bits, 3)  # an unaligned range first ...
         encode(master[1000:], w[1000:], r[1000:], bits, 1003)  # ... then the rest
-        out = torch.empty_like(master)
+        out, scaled = torch.empty_like(master), torch.empty_like(master)
         decode(w[5:], r[5:], bits, 8, out[5:])  # unaligned decode
         decode(w[:5], r[:5], bits, 3, out[:5])
-        results.append((w, r, bits, out.view(torch.int32)))
+        decode(w, r, bits, 3, scaled, 1 - 1e-4 * 0.1)  # AdamW's weight decay folded in
+        results.append((w, r, bits, out.view(torch.int32), scaled.view(torch.int32)))
     if not all(torch.equal(a, b) for a, b in zip(*results)):
         return "their results differ from the eager ops' on crafted bit patterns"
     return None
@@ -270,17 +281,18 @@ class BitTies:
     def commit(self) -> None:
         """Nothing to do: ``encode`` wrote the bits in place."""
 
-    def decode(self, weights: torch.Tensor, residual: torch.Tensor, start: int, out: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self, weights: torch.Tensor, residual: torch.Tensor, start: int, out: torch.Tensor, scale: float | None = None
+    ) -> torch.Tensor:
         if _fused(weights, residual, out, self.bits):
             from mindspeed_like.kernels.backends import cuda_bf16_residual as cuda
 
             if _overlap(out, weights) or _overlap(out, residual):
                 target = torch.empty_like(out)
-                cuda.decode(weights, residual, self.bits, start, target)
+                cuda.decode(weights, residual, self.bits, start, target, scale)
                 return out.copy_(target)
-            cuda.decode(weights, residual, self.bits, start, out)
-            return out
-        return decode_eager(weights, residual, self.bits, start, out)
+            return cuda.decode(weights, residual, self.bits, start, out, scale)
+        return decode_eager(weights, residual, self.bits, start, out, scale)
 
     def encode(self, master: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor, start: int) -> None:
         if _fused(master, weights, residual, self.bits):

@@ -23,6 +23,13 @@ One algorithm, two devices (the batch size and the tie record come with the buff
   kernel per piece: no ``.item()``, ``.tolist()``, ``nonzero()`` or data-dependent shape in the
   step (torch's non-capturable Adam keeps ``step`` on the host and reads it there).
 
+AdamW's decoupled weight decay, ``param.mul_(1 - lr * weight_decay)``, is the first thing torch's
+single-tensor and foreach Adam do to a parameter, and it is one correctly rounded fp32 multiply by
+that scalar (rounded to fp32, as torch rounds it): it is folded into the decode (``scale``) and
+torch's call gets ``weight_decay=0``, which saves a read and a write of every master (~8% of the
+step's memory traffic). Not folded for the fused implementation (its own kernel applies the decay)
+or a tensor ``lr`` (capturable).
+
 Bitwise equal to ``optimizer.step()`` on the full fp32 masters: each element sees the same
 operations in the same order, whatever list it is batched in (torch's foreach ops are
 elementwise; the bias corrections come from each tensor's own step, read per tensor). The step
@@ -186,8 +193,19 @@ class _Shared:
         self.n = self.entry.buf.numel() // 2
 
 
+def fold_weight_decay(kwargs: dict) -> tuple[dict, float | None]:
+    """(the kwargs for torch's call, the decode's scale): see the module docstring."""
+    lr, decay = kwargs["lr"], kwargs["weight_decay"]
+    if kwargs["fused"] or kwargs["differentiable"] or not kwargs["decoupled_weight_decay"] or decay == 0:
+        return kwargs, None
+    if isinstance(lr, torch.Tensor) or isinstance(decay, torch.Tensor):
+        return kwargs, None
+    return {**kwargs, "weight_decay": 0.0}, 1 - lr * decay
+
+
 def _step_shared(shared: list[_Shared], batch_size: int, kwargs: dict) -> None:
     batches = plan([s.n for s in shared], batch_size)
+    kwargs, scale = fold_weight_decay(kwargs)
     device = shared[0].entry.buf.device
     size = max(piece.at + piece.stop - piece.start for batch in batches for piece in batch)
     workspace = torch.empty(size, dtype=torch.float32, device=device)
@@ -196,7 +214,7 @@ def _step_shared(shared: list[_Shared], batch_size: int, kwargs: dict) -> None:
         for piece in batch:
             s, rows = shared[piece.slot], slice(piece.start, piece.stop)
             master = workspace[piece.at : piece.at + piece.stop - piece.start]
-            kernel.decode_split(s.entry.buf, piece.start, piece.stop, s.entry.side, master)
+            kernel.decode_split(s.entry.buf, piece.start, piece.stop, s.entry.side, master, scale)
             masters.append(master)
             s.step.copy_(s.before)  # every batch sees the count before the step
             for column, t in zip(columns, (s.grad, s.exp_avg, s.exp_avg_sq, s.max_sq)):

@@ -37,7 +37,7 @@ def unavailable() -> str | None:
 if triton is not None:
 
     @triton.jit(do_not_specialize=["n", "start"])
-    def _decode_kernel(w_ptr, r_ptr, bits_ptr, out_ptr, n, start, BLOCK: tl.constexpr):
+    def _decode_kernel(w_ptr, r_ptr, bits_ptr, out_ptr, n, start, scale, SCALED: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         live = offs < n
@@ -46,7 +46,10 @@ if triton is not None:
         k = offs + start
         byte = tl.load(bits_ptr + k // 8, mask=live, other=0).to(tl.int32)
         tie = (byte >> (k % 8).to(tl.int32)) & 1
-        tl.store(out_ptr + offs, (w << 16) + r + (tie << 15), mask=live)
+        m = ((w << 16) + r + (tie << 15)).to(tl.float32, bitcast=True)
+        if SCALED:  # one fp32 multiply, as torch's AdamW makes it (its weight decay)
+            m = m * scale
+        tl.store(out_ptr + offs, m, mask=live)
 
     @triton.jit(do_not_specialize=["n", "start", "nbytes"])
     def _encode_kernel(m_ptr, w_ptr, r_ptr, bits_ptr, n, start, nbytes, ROWS: tl.constexpr):
@@ -73,13 +76,22 @@ if triton is not None:
 
 
 def decode(
-    weights: torch.Tensor, residual: torch.Tensor, bits: torch.Tensor, start: int, out: torch.Tensor
+    weights: torch.Tensor,
+    residual: torch.Tensor,
+    bits: torch.Tensor,
+    start: int,
+    out: torch.Tensor,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """Exact fp32 masters of a range into ``out``: ``(b << 16) + r + (bit << 15)``."""
+    """Exact fp32 masters of a range into ``out``: ``(b << 16) + r + (bit << 15)``, times ``scale``
+    (an fp32 multiply; Triton passes a Python float as fp32, rounded as torch's scalar is) if given."""
     n = weights.numel()
     if n:
         grid = (triton.cdiv(n, DECODE_BLOCK),)
-        _decode_kernel[grid](weights, residual, bits, out.view(torch.int32), n, start, BLOCK=DECODE_BLOCK)
+        scaled = scale is not None
+        _decode_kernel[grid](
+            weights, residual, bits, out, n, start, scale if scaled else 1.0, SCALED=scaled, BLOCK=DECODE_BLOCK
+        )
     return out
 
 

@@ -270,3 +270,20 @@ def test_gpu_check_script_runs_its_cuda_path_here():
     assert out["bitwise"] == {"bf16 weights": True, "fp32 masters": True, "exp_avg": True, "exp_avg_sq": True}
     assert any("tie record ['BitTies']" in line for line in out["lines"])
     assert out["float16"]["megatron_ms"] > 0 and out["float16"]["reuse_ms"] > 0
+
+
+def test_weight_decay_is_folded_only_where_torch_applies_it_as_one_multiply():
+    """AdamW's decoupled decay goes into the decode (torch's call then gets weight_decay=0) for the
+    single-tensor and foreach implementations with a float lr; never for fused, L2 (Adam) decay,
+    a tensor lr or no decay. (Bitwise effect: the step tests above run with weight decay 0.1.)"""
+    base = dict(lr=1e-3, weight_decay=0.1, fused=None, differentiable=False, decoupled_weight_decay=True)
+    kwargs, scale = chunked_step.fold_weight_decay(base)
+    assert kwargs["weight_decay"] == 0.0 and scale == 1 - 1e-3 * 0.1 and base["weight_decay"] == 0.1
+    for change in (
+        dict(fused=True),
+        dict(decoupled_weight_decay=False),
+        dict(lr=torch.tensor(1e-3)),
+        dict(weight_decay=0),
+    ):
+        kwargs, scale = chunked_step.fold_weight_decay({**base, **change})
+        assert scale is None and kwargs["weight_decay"] == {**base, **change}["weight_decay"], change
