@@ -10,7 +10,7 @@ of an even bf16 value. Those rare elements (about 1 in 131,072 for well-mixed lo
 sorted index table on the host, a bitmask (0.125 B/element) on CUDA; their residual is stored
 as 0. Decoding is ``m = (b << 16) + r (+ 32768 for a tie)``: exact for every
 finite value, including subnormals, +-0 and values that round up into the next binade or to
-+-inf. NaN masters decode to a NaN (the bf16 NaN widened; payload and sign are not kept) and
++-inf. NaN masters decode to a NaN (the bf16 NaN widened; the payload is not kept) and
 +-inf round-trip exactly.
 
 Layouts of one parameter's buffer ``buf`` (int16, ``2 * n`` elements, little endian):
@@ -32,7 +32,8 @@ uses the same code), ``cuda`` (the same layouts with the bitmask, decoded and en
 Triton kernel each: no host sync; chunks of :data:`CUDA_CHUNK`, optimizer-step batches of
 :data:`CUDA_BATCH`) and ``reference``
 (:func:`split_reference` / :func:`join_reference`, whole-tensor out-of-place math: the oracle
-of the tests). :func:`new_ties` and :func:`chunk_for` pick by the buffer's device.
+of the tests). :func:`new_ties`, :func:`chunk_for` and :func:`batch_for` pick by the buffer's
+device.
 """
 
 from __future__ import annotations
