@@ -142,10 +142,10 @@ def _step_aside(ctx: Context, conflict: LevelConflict) -> None:
     if _process_rank() != 0:  # every rank steps aside; the log line is said once per job, as Megatron's
         return
     logger.warning(
-        "%s (from --optimization-level %s) stepped aside: %s was given",
+        "%s (from --optimization-level %s) stepped aside: %s",
         feature.name,
         ctx.config["optimization_level"],
-        conflict.given,
+        conflict.reason,
     )
 
 

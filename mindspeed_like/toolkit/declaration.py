@@ -19,6 +19,7 @@ from packaging.version import Version
 from mindspeed_like.engine import Patch
 from mindspeed_like.toolkit.errors import FeatureUnsupported, LevelConflict
 from mindspeed_like.toolkit.fallback import Fallback
+from mindspeed_like.toolkit.precision import PRECISIONS, precision_checked
 
 if TYPE_CHECKING:
     import argparse
@@ -182,6 +183,11 @@ class Feature:
         switched on or off later (e.g. "its RMSNorm modules"); empty for features that act at
         call time. Switching such a feature while a megatron model exists is a logged fallback
         (a ConfigError under --strict): that model keeps what it was built with.
+    precisions: the training precisions the feature acts in (of ``toolkit.precision.PRECISIONS``:
+        fp32, fp16, bf16); empty: every one. A run in another precision is a ``LevelConflict``
+        where the precision becomes known (see ``toolkit/precision.py``): switched on by
+        ``--optimization-level`` the feature steps aside saying why, asked for by name it is the
+        error. The Megatron-LM check runs first in the feature's ``validate_args_hook``.
     """
 
     name: str
@@ -203,6 +209,7 @@ class Feature:
     optimization_level: int | None = None
     before_switch_off: Callable[[], None] | None = None
     built_at_construction: str = ""
+    precisions: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip() or " " in self.name:
@@ -219,6 +226,11 @@ class Feature:
                 raise ValueError(f"feature {self.name!r}: optimization_level must be 1 or 2 (or None)")
             if not self.switch_on:
                 raise ValueError(f"feature {self.name!r}: an optimization_level needs switch_on (the values it sets)")
+        unknown = set(self.precisions) - set(PRECISIONS)
+        if unknown:
+            raise ValueError(f"feature {self.name!r}: precisions {sorted(unknown)} are not of {PRECISIONS}")
+        if self.precisions:
+            object.__setattr__(self, "validate_args_hook", precision_checked(self, self.validate_args_hook))
 
     @property
     def off_values(self) -> dict[str, Any]:

@@ -13,13 +13,15 @@ class LevelConflict(ConfigError):
     Raised where the conflict is found (a feature's validate, a validate_args hook, a wrapper);
     the runtime decides what it means: a feature that only ``--optimization-level`` switched on
     steps aside (one log line), an explicit flag wins over a level; a feature the user asked for
-    by name makes this the error, with its message.
+    by name makes this the error, with its message. ``reason``: what the step-aside line says
+    instead of "``given`` was given" (e.g. why a precision leaves the feature nothing to do).
     """
 
-    def __init__(self, feature: str, given: str, message: str) -> None:
+    def __init__(self, feature: str, given: str, message: str, reason: str = "") -> None:
         super().__init__(message)
         self.feature = feature
         self.given = given
+        self.reason = reason or f"{given} was given"
 
 
 class FeatureUnsupported(RuntimeError):

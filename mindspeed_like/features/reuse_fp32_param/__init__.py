@@ -124,6 +124,7 @@ FEATURE = Feature(
     switch_on={"reuse_fp32_param": True},
     before_switch_off=live.before_switch_off,
     optimization_level=2,
+    precisions=("bf16",),  # a bf16 weight is the high half of its fp32 master; fp16's is not
 )
 
 __all__ = ["FEATURE", "ReuseFp32ParamUnsupported", "state_of"]
