@@ -140,7 +140,7 @@ def _snapshot(ddp, opt) -> dict[str, list[torch.Tensor]]:
             saved = inner.state_dict()["fp32_from_fp16_params"]  # the checkpoint path
             masters += [p.detach().view(torch.int32).clone() for g in saved for p in g]
         torch_opt = getattr(inner, "optimizer", None)
-        if isinstance(torch_opt, torch.optim.Adam):  # torch's AdamW (the precision-aware one has its own)
+        if isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):  # not the precision-aware Adam
             for group in torch_opt.param_groups:
                 for p in group["params"]:
                     exp_avg.append(torch_opt.state[p]["exp_avg"].detach().clone())
