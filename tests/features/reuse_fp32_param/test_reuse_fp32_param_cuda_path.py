@@ -5,10 +5,13 @@ with the eager ops before first use).
 
 - bitwise megatron's Float16 optimizer over several steps, with exact ties crafted into every
   parameter, pieces split across batches and parameters, and torch's foreach Adam;
-- no host sync in the step: a dispatch guard on the real step, and fake ``cuda`` tensors
-  (``FakeTensorMode``: no data, so any ``.item()``, ``.tolist()`` or ``nonzero()`` raises, and a
-  cpu/cuda mix raises) for everything around torch's Adam call;
-- the DistributedOptimizer at DP=2 (2 gloo processes), checkpoint reads included.
+- no host sync in the step: a dispatch guard that fails on any host read of tensor data (and on
+  ``.tolist()``) but the step counters', around the real step;
+- on tensors that live "on the GPU" (``testing/fake_cuda.py``: CUDA's placement rule on every op):
+  torch picks its foreach Adam, and the pieces are bitwise ``torch.optim.AdamW``'s step;
+- the DistributedOptimizer's layouts at unaligned offsets, and (slow) at DP=2 in 2 gloo
+  processes with a checkpoint read mid-training;
+- the prepared GPU check script, on a tiny model.
 """
 
 from __future__ import annotations
