@@ -47,7 +47,6 @@ from mindspeed_like.kernels.backend import backend_for
 
 TIE = 32768  # d = +32768 does not fit an int16 residual: recorded as a tie
 _log = logging.getLogger("mindspeed_like")
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
@@ -125,10 +124,7 @@ class SparseTies:
 
 
 def _shifts(device: torch.device) -> torch.Tensor:
-    shifts = _SHIFTS.get(device)
-    if shifts is None:
-        shifts = _SHIFTS[device] = torch.arange(8, dtype=torch.int32, device=device)
-    return shifts
+    return torch.arange(8, dtype=torch.int32, device=device)
 
 
 def _window(bits: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, int]:
@@ -198,8 +194,11 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve these tensors (CUDA, contiguous, kernels checked)."""
+    """Whether the Triton kernels serve these tensors: contiguous, in CUDA memory (the storage's
+    own device: ``testing/fake_cuda`` labels host memory "cuda"), kernels checked on the device."""
     if not tensors[0].is_cuda or not all(t.is_contiguous() for t in tensors):
+        return False
+    if tensors[0].untyped_storage().device.type != "cuda":
         return False
     device = tensors[0].device
     ok = _checked.get(device)

@@ -70,7 +70,7 @@ def check_tie_kernels(device: torch.device, out: dict) -> None:
     used = bf16_ties._fused(torch.zeros(8, dtype=torch.int16, device=device))
     patterns = bf16_ties.crafted(device).numel()
     if not used:
-        _say("tie kernels: NOT used (see the warning above); the eager bit ops run", out)
+        _say("tie kernels: NOT used here; the eager bit ops run (a warning above says why if they failed)", out)
         return
     n = 1 << 24
     master = torch.randn(n, device=device)
