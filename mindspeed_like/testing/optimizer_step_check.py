@@ -267,6 +267,8 @@ def _main(args) -> dict:
     started = time.perf_counter()
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:  # set_device needs an index ("cuda" alone raised on the H100 run)
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     size = QUICK if args.quick else SIZE
     out: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
