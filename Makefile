@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all test-compile test-cuda lint bench bench-gpu docs megatron-lm-smoke megatron-lm-smoke-versions megatron-bridge-smoke mbridge-smoke test-versions clean
+.PHONY: install demo test test-all test-compile test-cuda lint bench bench-gpu docs megatron-lm-smoke megatron-lm-smoke-versions test-megatron-lm-flags megatron-bridge-smoke mbridge-smoke test-versions clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -149,6 +149,16 @@ megatron-lm-smoke-versions: $(STAMP) $(foreach t,$(filter-out core_v$(PRIMARY_VE
 		PATH="$(CURDIR)/$$venv/bin:$$PATH" MEGATRON_LM_PATH="$(CURDIR)/$$dir" $$venv/bin/python -m pytest -q -m '' \
 			tests/integration/test_megatron_lm_integration.py tests/features/*/test_*_megatron_lm.py; \
 	done
+
+# The Megatron-LM flag sweep: pretrain_gpt.py with the import line, 3 iterations, for each flag of the checkout's
+# arguments.py a CPU run can exercise (read from Megatron-LM's parser), in batches that are bisected when they do
+# not train as the run without them did; the record goes to results/megatron-lm-flags.json, its table to
+# docs/megatron-lm.md (make docs). Under 10 minutes on a 2-core CPU (MEGATRON_LM_FLAGS_JOBS runs at a time,
+# default 2). Without MEGATRON_LM_PATH its tests are skipped with the reason (as in CI without a checkout).
+test-megatron-lm-flags: $(STAMP)
+	@if [ -f "$(MEGATRON_LM_PATH)/pretrain_gpt.py" ]; then $(PY) -m pip install -q -e '.[test,megatron-lm]'; fi
+	PATH="$(abspath $(VENV))/bin:$$PATH" MEGATRON_LM_PATH="$(MEGATRON_LM_PATH)" \
+		$(PY) -m pytest -q -rs -m '' tests/megatron_lm_flags
 
 # Megatron-Bridge (NVIDIA's HF <-> Megatron converter) as a client, without TransformerEngine: its own
 # `import transformer_engine.pytorch` gets the te-client-module; tiny random Qwen3 / Qwen3-MoE convert,

@@ -564,6 +564,55 @@ _REGION = re.compile(
 )
 
 
+# The Megatron-LM flag sweep (tests/megatron_lm_flags, `make test-megatron-lm-flags`): one row per case.
+_FLAG_OUTCOMES = (
+    ("same losses", "same"),
+    ("changed losses", "changed"),
+    ("no training", "no training"),
+    ("refused (message)", "refused"),
+    ("stopped by Megatron-LM at start-up", "stopped at start-up"),
+    ("crashed", ("crashed at start-up", "crashed mid-run", "hung")),
+    ("not tried", "not tried"),
+)
+
+
+@table("megatron_lm_flags")
+def _megatron_lm_flags(recs: Records) -> list[str]:
+    """Per argument group: the flags tried and what they did."""
+    rows = recs.rows("megatron-lm-flags")
+    groups = list(dict.fromkeys(row["group"] for row in rows))
+
+    def count(group_rows: list[dict[str, Any]], outcome: str | tuple[str, ...]) -> int:
+        wanted = (outcome,) if isinstance(outcome, str) else outcome
+        return sum(row["outcome"] in wanted for row in group_rows)
+
+    table_rows = []
+    for group in [*groups, None]:
+        group_rows = [row for row in rows if group is None or row["group"] == group]
+        tried = len(group_rows) - count(group_rows, "not tried")
+        table_rows.append([group or "**all**", tried, *(count(group_rows, outcome) for _, outcome in _FLAG_OUTCOMES)])
+    return markdown(["group", "tried", *(header for header, _ in _FLAG_OUTCOMES)], table_rows)
+
+
+@table("megatron_lm_flags.all")
+def _megatron_lm_flags_all(recs: Records) -> list[str]:
+    """Every case: the flag as passed, what it ran beside, its outcome and the evidence."""
+
+    def detail(row: dict[str, Any]) -> str:
+        return " ".join(str(row["detail"]).replace("|", "\\|").split())[:240]
+
+    return columns_table(
+        recs.rows("megatron-lm-flags"),
+        [
+            Col("flag", lambda row: f"`{row['flag']}`"),
+            Col("group", "group"),
+            Col("beside", lambda row: f"`{row['companions']}`" if row["companions"] else ""),
+            Col("outcome", "outcome"),
+            Col("what it did", detail),
+        ],
+    )
+
+
 @dataclass
 class Difference:
     """One generated region whose text is not what the records render."""

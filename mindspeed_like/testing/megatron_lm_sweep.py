@@ -1,0 +1,226 @@
+"""The Megatron-LM flag sweep: run ``pretrain_gpt.py`` with the import line for every case of
+:mod:`mindspeed_like.testing.megatron_lm_flags`, in batches, and say what each flag did.
+
+A run is ``python -m mindspeed_like.run pretrain_gpt.py`` (one process, the import line first) on
+the tiny model of :data:`megatron_lm.TINY` for :data:`ITERATIONS` iterations. Cases that need the
+same companions share a run (a batch, at most :data:`BATCH` cases, never two of one flag); each
+batch's printed ``lm loss`` and ``grad norm`` are compared with the run of its companions alone,
+on a CPU megatron's own path (the import line switches no acceleration on; without it megatron
+cannot start on a CPU). A batch that does not train as its reference did is bisected down to the
+flag responsible. The outcome of each case (:data:`OUTCOMES`):
+
+* ``same``: trained; every printed loss and grad norm equal to the run without it (digit for digit);
+* ``changed``: trained, finite losses, different ones (the flag changes the math: precision, a
+  schedule, skipped iterations; or a flag that acts on an earlier batch member);
+* ``no training``: exited 0 without an iteration (``--skip-train``);
+* ``refused``: stopped at start-up by mindspeed_like with its message (a flag a CPU cannot run);
+* ``stopped at start-up``: stopped by Megatron-LM itself before training (its argument checks,
+  a package it imports), its last error line recorded;
+* ``crashed at start-up`` (a CUDA call before training) / ``crashed mid-run`` / ``hung``: failures.
+
+The previous record (results/megatron-lm-flags.json) tells which cases changed the math or
+stopped last time: those run alone, so a batch is not bisected for them every time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from mindspeed_like.testing import megatron_lm
+from mindspeed_like.testing.megatron_lm_flags import Case, fill
+
+ITERATIONS = 3
+BATCH = 8
+TIMEOUT = 300
+SAME, CHANGED, NO_TRAINING, REFUSED, STOPPED = "same", "changed", "no training", "refused", "stopped at start-up"
+CRASHED_START, CRASHED_MID, HUNG, NOT_TRIED = "crashed at start-up", "crashed mid-run", "hung", "not tried"
+OUTCOMES = (SAME, CHANGED, NO_TRAINING, REFUSED, STOPPED, CRASHED_START, CRASHED_MID, HUNG, NOT_TRIED)
+PASSED = (SAME, CHANGED, NO_TRAINING)
+FAILURES = (CRASHED_START, CRASHED_MID, HUNG)
+# the last marker Megatron-LM prints before its training loop starts: a failure after it is mid-run
+TRAINING_STARTS = "after dataloaders are built"
+LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
+PRINTED = re.compile(r"\| (lm loss|grad norm): ([^ |]+)")
+ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception|Interrupt)|AssertionError|SystemExit)\b.*|.*: error: .*")
+NEEDS_CUDA = re.compile(r"cuda|nvcc|nccl|not compiled with|nvml|cudart", re.IGNORECASE)
+
+
+def base_arguments() -> list[str]:
+    """The tiny model of the opt-in Megatron-LM tests, for ITERATIONS iterations."""
+    base = list(megatron_lm.TINY)
+    base[base.index("--train-iters") + 1] = str(ITERATIONS)
+    return base
+
+
+@dataclass
+class Run:
+    extra: list[str]
+    returncode: int | None  # None: timed out
+    output: str
+    seconds: float
+    printed: dict[int, dict[str, str]] = field(default_factory=dict)
+
+    @property
+    def started_training(self) -> bool:
+        return TRAINING_STARTS in self.output or bool(self.printed)
+
+    def error_line(self) -> str:
+        lines = [line.strip() for line in self.output.splitlines() if line.strip()]
+        refusal = [i for i, line in enumerate(lines) if line.startswith("mindspeed_like: ")]
+        if refusal:  # our message and its detail lines (toolkit/uncaught.py)
+            start = refusal[-1]
+            return " ".join(lines[start : start + 4]).split(" (raised at")[0]
+        errors = [line for line in lines if ERROR_LINE.match(line)]
+        return (errors[-1] if errors else (lines[-1] if lines else ""))[:400]
+
+
+def run_pretrain(extra: list[str], timeout: float = TIMEOUT) -> Run:
+    """``pretrain_gpt.py`` with the import line (``python -m mindspeed_like.run``: one process)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MINDSPEED_LIKE_ARGS", "MINDSPEED_LIKE_TRACEBACK")}
+    bin_dir = os.path.dirname(sys.executable)  # megatron compiles its helpers with the python3 on PATH
+    env.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.setdefault("TORCHDYNAMO_DISABLE", "1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)  # mindspeed_like.run makes the one-process world with a free port
+    command = [sys.executable, *megatron_lm.launcher(), *base_arguments(), *extra]
+    start = time.monotonic()
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+        returncode, output = result.returncode, result.stdout + result.stderr
+    except subprocess.TimeoutExpired as expired:
+        returncode = None
+        output = "".join(
+            part.decode() if isinstance(part, bytes) else (part or "") for part in (expired.stdout, expired.stderr)
+        )
+    run = Run(extra, returncode, output, time.monotonic() - start)
+    for line in output.splitlines():
+        match = LINE.search(line)
+        if match:
+            run.printed[int(match.group(1))] = dict(PRINTED.findall(line))
+    return run
+
+
+def outcome(run: Run, reference: Run | None) -> tuple[str, str]:
+    """What ``run`` did, compared with ``reference`` (the same companions without the cases)."""
+    if run.returncode is None:
+        return HUNG, f"no exit within {TIMEOUT} s (iterations printed: {sorted(run.printed)})"
+    if run.returncode != 0:
+        line = run.error_line()
+        if "mindspeed_like: " in line:
+            return REFUSED, line.removeprefix("mindspeed_like: ")
+        if run.started_training:
+            return CRASHED_MID, line
+        if NEEDS_CUDA.search(line):
+            return CRASHED_START, line
+        return STOPPED, line
+    if not run.printed:
+        return NO_TRAINING, "exited 0 without a training iteration"
+    losses = [float(v["lm loss"]) for v in run.printed.values() if "lm loss" in v]
+    if not losses or not all(math.isfinite(x) for x in losses):
+        return CRASHED_MID, f"non-finite or missing losses: {run.printed}"
+    if reference is None or not reference.printed:
+        return CHANGED, "no reference run to compare with"
+    common = sorted(set(run.printed) & set(reference.printed))
+    if common and all(run.printed[i] == reference.printed[i] for i in common):
+        return SAME, f"iterations {common[0]}-{common[-1]}"
+    differs = [i for i in common if run.printed[i] != reference.printed[i]]
+    if not common:
+        return CHANGED, f"printed iterations {sorted(run.printed)}, the reference {sorted(reference.printed)}"
+    first = differs[0]
+    return CHANGED, f"iteration {first}: {run.printed[first]} vs {reference.printed[first]}"
+
+
+@dataclass
+class Result:
+    case: Case
+    outcome: str
+    detail: str
+    batch: int  # the size of the run that decided it
+    seconds: float
+
+
+def sweep(
+    cases: Iterable[Case],
+    previous: dict[str, str] | None = None,
+    jobs: int = 2,
+    runner: Callable[[list[str]], Run] = run_pretrain,
+    log: Callable[[str], None] = print,
+) -> tuple[list[Result], dict[str, float]]:
+    """Every case's result; and the number of runs and the wall seconds."""
+    previous = previous or {}
+    cases = list(cases)
+    results: list[Result] = [Result(c, NOT_TRIED, c.note, 0, 0.0) for c in cases if c.note]
+    todo = [c for c in cases if not c.note]
+    tmp = tempfile.mkdtemp(prefix="megatron-lm-flags-")
+    counter = {"runs": 0}
+    start = time.monotonic()
+
+    def execute(tokens: tuple[str, ...]) -> Run:
+        folder = tempfile.mkdtemp(dir=tmp)
+        run = runner(fill(tokens, folder, checkpoint))
+        counter["runs"] += 1
+        return run
+
+    checkpoint = os.path.join(tmp, "checkpoint")
+    groups: dict[tuple[str, ...], list[Case]] = {}
+    for case in todo:
+        groups.setdefault(case.companions, []).append(case)
+    if any("{checkpoint}" in c.companions for c in todo):
+        prepared = execute(("--save", checkpoint, "--save-interval", "2", "--exit-interval", "2"))
+        log(f"checkpoint for the --load cases: {outcome(prepared, None)[0]} ({prepared.seconds:.0f} s)")
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        references = dict(zip(groups, pool.map(execute, groups)))
+        pending: list[list[Case]] = []
+        for companions, members in groups.items():
+            reference = references[companions]
+            kind, detail = outcome(reference, None) if companions else (CHANGED, "")
+            if companions and kind not in PASSED:
+                why = f"its companions {' '.join(companions)} alone: {kind}: {detail}"
+                results += [Result(c, NOT_TRIED, why, 0, 0.0) for c in members]
+                continue
+            pending += _batches(members, previous)
+        log(f"{len(groups)} reference runs; {len(pending)} batches of {len(todo)} cases")
+        while pending:
+            runs = list(pool.map(lambda batch: execute(_tokens(batch)), pending))
+            split: list[list[Case]] = []
+            for batch, run in zip(pending, runs):
+                kind, detail = outcome(run, references[batch[0].companions])
+                if len(batch) == 1 or kind in (SAME, NO_TRAINING):
+                    results += [Result(c, kind, detail, len(batch), run.seconds) for c in batch]
+                    log(f"{kind}: {', '.join(c.name for c in batch)}" + (f" ({detail})" if len(batch) == 1 else ""))
+                else:
+                    half = len(batch) // 2
+                    split += [batch[:half], batch[half:]]
+                    log(f"bisecting ({kind}): {', '.join(c.name for c in batch)}")
+            pending = split
+    order = {case: index for index, case in enumerate(cases)}
+    results.sort(key=lambda r: order[r.case])
+    return results, {"runs": counter["runs"], "wall_seconds": time.monotonic() - start}
+
+
+def _batches(members: list[Case], previous: dict[str, str]) -> list[list[Case]]:
+    """Cases that kept the losses last time (or are new) share runs, at most BATCH and one case per
+    flag each; the others run alone."""
+    alone = [[c] for c in members if previous.get(c.name, SAME) not in (SAME, NO_TRAINING)]
+    shared = [c for c in members if previous.get(c.name, SAME) in (SAME, NO_TRAINING)]
+    batches: list[list[Case]] = []
+    for case in shared:
+        target = next((b for b in batches if len(b) < BATCH and all(o.dest != case.dest for o in b)), None)
+        if target is None:
+            batches.append([case])
+        else:
+            target.append(case)
+    return alone + batches
+
+
+def _tokens(batch: list[Case]) -> tuple[str, ...]:
+    return (*batch[0].companions, *(token for case in batch for token in case.args))
