@@ -101,9 +101,7 @@ def test_no_flag_crashes_a_run(swept):
 @pytest.mark.slow
 def test_reporting_flags_leave_the_losses_alone(swept):
     changed = [
-        f"{r.case.name}: {r.detail}"
-        for r in swept
-        if r.case.group in REPORTING_GROUPS and r.outcome == sweep.CHANGED
+        f"{r.case.name}: {r.detail}" for r in swept if r.case.group in REPORTING_GROUPS and r.outcome == sweep.CHANGED
     ]
     assert changed == [], "\n".join(changed)
 
