@@ -158,6 +158,7 @@ def step(optimizer, entries: dict[int, object], batch: int) -> bool:
             if id(param) in entries and not all(t.is_contiguous() for t in per_param):
                 return False
         prepared.append((lists, _adam_kwargs(optimizer, group, has_complex)))
+    entries = {key: entry for key, entry in entries.items() if entry.buf.numel()}  # empty: torch's own step
     for (params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps), kwargs in prepared:
         plain = [i for i, p in enumerate(params) if id(p) not in entries]
         if plain:
