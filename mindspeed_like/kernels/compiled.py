@@ -69,7 +69,21 @@ def _say_once(key: str, level: int, message: str) -> None:
 
 
 def unavailable(device: torch.device) -> str | None:
-    """Why kernels cannot be compiled for ``device`` here, or None."""
+    """Why kernels cannot be compiled for ``device`` here, or None.
+
+    Asked on every kernel call: the answer is cached per device type and the environment it reads
+    (looking for a C++ compiler on PATH cost ~50 us of ``stat`` calls per call, a measurable part of
+    a step's host time wherever the device waits for the host)."""
+    key = (device.type, os.environ.get("TORCHDYNAMO_DISABLE", ""), os.environ.get("CXX"), os.environ.get("PATH"))
+    if key not in _unavailable:
+        _unavailable[key] = _unavailable_uncached(device)
+    return _unavailable[key]
+
+
+_unavailable: dict[tuple, str | None] = {}
+
+
+def _unavailable_uncached(device: torch.device) -> str | None:
     if os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0"):
         return "TORCHDYNAMO_DISABLE is set"
     if not torch._dynamo.is_dynamo_supported():
@@ -166,12 +180,16 @@ def rms_norm_math(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[tor
 
 
 def rms_norm_backward_math(grad, x, gamma, rstd) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx in x's dtype, fp32 dgamma ``[hidden]``); the eager kernel's algebra."""
-    xf, g_r = x.float(), grad.float() * rstd
-    gx = g_r * xf
-    proj = (gx * gamma).sum(dim=1, keepdim=True) / x.shape[1]
-    dx = g_r * gamma - xf * (rstd * rstd * proj)
-    return dx.to(x.dtype), gx.sum(dim=0)
+    """(dx in x's dtype, fp32 dgamma ``[hidden]``): the eager kernel's operations in its order
+    (``kernels/rmsnorm.py`` ``rms_norm_backward``: megatron's autograd order, so non-finite
+    values land where megatron's do)."""
+    xf, g = x.float(), grad.float()
+    grad_gamma = (g * (xf * rstd)).sum(dim=0)
+    g_hat = g * gamma
+    grad_mean = ((g_hat * xf).sum(dim=1, keepdim=True) * -0.5) * rstd.pow(3)
+    grad_x_rstd = g_hat * rstd
+    grad_x_pow = (grad_mean / x.shape[1]) * (xf * 2)
+    return (grad_x_rstd + grad_x_pow).to(x.dtype), grad_gamma
 
 
 def _rope_swap(x: torch.Tensor, interleave: bool) -> torch.Tensor:
