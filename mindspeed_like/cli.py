@@ -190,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("demo", cmd_demo, "train a small GPT with megatron-core through the adaptor on this machine"),
         ("compare", cmd_compare, "train a preset twice (megatron-core's path, then the features) and compare"),
         ("run", None, "run a training script with the adaptor imported first: run SCRIPT [ARGS...]"),
+        ("plan", None, "predict every rank's memory (megatron's path and the features) for Megatron-LM arguments"),
         ("audit", cmd_audit, "check every declared patch target against megatron-core sources (not imported)"),
     ):
         sub = commands.add_parser(name, help=help_text, allow_abbrev=False)
@@ -237,6 +238,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         run_main(argv[1:])
         return 0
+    if argv[:1] == ["plan"]:  # Megatron-LM's arguments (or compare's options): plan parses them itself
+        from mindspeed_like.plan.cli import main as plan_main
+
+        return plan_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     flag_names = {flag.name for flag in runtime.flags()}

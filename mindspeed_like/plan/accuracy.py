@@ -1,0 +1,211 @@
+"""The plan checked against measurement: every CPU `mindspeed-like compare` record in results/,
+predicted from its own options and compared metric by metric, with Megatron-LM's
+``report_theoretical_memory`` beside it.
+
+    python -m mindspeed_like.plan.accuracy            # the table
+    python -m mindspeed_like.plan.accuracy --record   # also results/plan-accuracy.json (docs/plan.md renders it)
+
+Compared as compare reports them: per rank, the largest rank of each arm. Model state and
+activations are exact byte counts (storages); the process peak is the OS's peak RSS on a CPU host.
+Two kinds of bytes are compared as measured, and the table says where:
+
+- expert parallel: a rank's experts get the rows its router sends, which the plan cannot know; the
+  plan's balanced split is compared with the mean over the ranks (the largest rank beside it);
+- reuse-fp32-param's int16 residual shard under the distributed optimizer is held outside the
+  tensors compare's optimizer meter reads; the plan counts it (peak) but compares the metered part.
+
+The baseline records (``compare-plan-baseline*``) calibrate the CPU process runtime and are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mindspeed_like.plan.peak import BASELINE_RECORDS
+from mindspeed_like.toolkit import records
+
+RECORD = "plan-accuracy"
+TABLE = "plan_accuracy"
+STATE_METRICS = ("weights_bytes", "gradients_bytes", "optimizer_bytes", "model_state_bytes")
+METRICS = (*STATE_METRICS, "activations_bytes", "process_peak_bytes")
+# the targets of issue 38, as fractions
+TARGETS = {"model_state_bytes": 0.02, "activations_bytes": 0.10, "process_peak_bytes": 0.10}
+
+
+@dataclass(frozen=True)
+class Case:
+    record: str
+    arm: str
+    layout: str
+    measured: dict[str, float]
+    predicted: dict[str, float]
+    theory: dict[str, float] | None
+    notes: tuple[str, ...]
+
+    def error(self, metric: str) -> float:
+        return self.predicted[metric] / self.measured[metric] - 1
+
+    def theory_error(self, metric: str) -> float | None:
+        if self.theory is None or metric not in self.theory:
+            return None
+        return self.theory[metric] / self.measured[metric] - 1
+
+
+def compare_records(folder: Path | None = None) -> list[Path]:
+    folder = folder or records.results_dir()
+    skip = set(BASELINE_RECORDS.values())
+    return [
+        p
+        for p in sorted(folder.glob("compare-*.json"))
+        if p.stem not in skip and not records.is_accelerator_record(p.stem)
+    ]
+
+
+def layout_text(options: dict[str, Any]) -> str:
+    parts = []
+    for key, label in (
+        ("tensor_model_parallel_size", "TP"),
+        ("pipeline_model_parallel_size", "PP"),
+        ("context_parallel_size", "CP"),
+        ("data_parallel_size", "DP"),
+        ("expert_model_parallel_size", "EP"),
+    ):
+        if options.get(key, 1) > 1:
+            parts.append(f"{label}{options[key]}")
+    if options.get("sequence_parallel"):
+        parts.append("SP")
+    if options.get("num_layers_per_virtual_pipeline_stage"):
+        parts.append("VPP")
+    if options.get("use_distributed_optimizer"):
+        parts.append("distopt")
+    if options.get("transformer_impl") == "local":
+        parts.append("local spec")
+    return " ".join(parts) or "1 rank"
+
+
+def cases_of(path: Path) -> list[Case]:
+    """Both arms of one compare record, predicted from the record's own options."""
+    from mindspeed_like.plan import features, theory
+    from mindspeed_like.plan.compare_args import run_from_compare
+    from mindspeed_like.plan.predict import predict
+
+    rec = records.read(path)
+    options = dict(rec["options"])
+    args = argparse.Namespace(**options)
+    flags = options.get("flags") or {}
+    switches = features.resolve(values=flags)
+    run = run_from_compare(args, flags, rec["host"].get("device", "cpu"))
+    pred = predict(run, switches.paths(run), switches.enabled)
+    rows = {row["metric"]: row for row in rec["rows"] if "metric" in row}
+    theory_figures = theory.report(run) if run.layout.pp == 1 else None
+    size = (
+        f"{options['num_layers']}L h{options['hidden_size']} s{options['seq_length']} mbs{options['micro_batch_size']}"
+    )
+    out = []
+    for arm in pred.arms():
+        per_stage = run.layout.world_size // run.layout.pp
+        measured, predicted, notes = {}, {}, []
+        for metric in METRICS:
+            values = rows[metric][f"{arm.name}_per_rank"]
+            mine = [arm.stages[r // per_stage].metrics(metered_only=True)[metric] for r in range(len(values))]
+            if metric == "activations_bytes" and run.layout.ep > 1:
+                measured[metric] = statistics.fmean(values)
+                notes.append(f"EP: activations vs the mean over ranks (largest rank {max(values) / 2**20:.1f} MiB)")
+            else:
+                measured[metric] = max(values)
+            predicted[metric] = max(mine)
+        if any(not line.metered for s in arm.stages for line in s.state):
+            notes.append("reuse-fp32-param's residual shard is not in compare's optimizer meter: compared without it")
+        theory_arm = None
+        if theory_figures is not None and arm.name == "megatron":
+            theory_arm = {k: theory_figures[k] for k in ("model_state_bytes", "activations_bytes")}
+        label = f"{options['preset']} {size}, {layout_text(options)}"
+        if arm.name == "features":
+            level = flags.get("optimization_level")
+            label += f", level {level}" if level is not None else ", " + ", ".join(sorted(flags))
+        out.append(Case(path.stem, arm.name, label, measured, predicted, theory_arm, tuple(notes)))
+    return out
+
+
+def all_cases(folder: Path | None = None) -> list[Case]:
+    return [case for path in compare_records(folder) for case in cases_of(path)]
+
+
+def row_of(case: Case) -> dict[str, Any]:
+    row: dict[str, Any] = {"table": TABLE, "record": case.record, "arm": case.arm, "case": case.layout}
+    for metric in METRICS:
+        short = metric.removesuffix("_bytes")
+        row[f"measured_{short}"] = case.measured[metric]
+        row[f"predicted_{short}"] = case.predicted[metric]
+        row[f"error_{short}_pct"] = 100 * case.error(metric)
+    for metric in ("model_state_bytes", "activations_bytes"):
+        err = case.theory_error(metric)
+        row[f"theory_error_{metric.removesuffix('_bytes')}_pct"] = None if err is None else 100 * err
+    row["notes"] = "; ".join(case.notes)
+    return row
+
+
+def missed(case: Case) -> list[str]:
+    """The targets this case misses, as text."""
+    out = []
+    for metric, bound in TARGETS.items():
+        err = case.error(metric)
+        if abs(err) > bound:
+            out.append(f"{case.record} {case.arm} {metric}: {100 * err:+.2f}% (target +-{100 * bound:.0f}%)")
+    return out
+
+
+def table(cases: Sequence[Case]) -> list[str]:
+    header = (
+        f"{'case':58s} {'arm':9s} {'state':>7s} {'activ':>7s} {'peak':>7s} | {'theory state':>12s} {'theory act':>10s}"
+    )
+    lines = [header, "-" * len(header)]
+    for case in cases:
+        t_state, t_act = case.theory_error("model_state_bytes"), case.theory_error("activations_bytes")
+        lines.append(
+            f"{case.layout[:58]:58s} {case.arm:9s} {100 * case.error('model_state_bytes'):+6.2f}% "
+            f"{100 * case.error('activations_bytes'):+6.2f}% {100 * case.error('process_peak_bytes'):+6.2f}% | "
+            f"{_pct(t_state):>12s} {_pct(t_act):>10s}"
+        )
+    return lines
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.1f}%"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mindspeed_like.plan.accuracy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--record", action="store_true", help=f"write results/{RECORD}.json")
+    args = parser.parse_args(argv)
+    from mindspeed_like.run_arguments import quiet_expected_warnings
+
+    quiet_expected_warnings()
+    cases = all_cases()
+    print("\n".join(table(cases)))
+    misses = [m for case in cases for m in missed(case)]
+    print(f"\n{len(cases)} cases; targets missed: {len(misses)}")
+    for m in misses:
+        print("  " + m)
+    if args.record:
+        rec = records.Record(RECORD, command=["python", "-m", "mindspeed_like.plan.accuracy", "--record"])
+        for case in cases:
+            rec.add_row(**row_of(case))
+        rec.extra["targets_pct"] = {k: 100 * v for k, v in TARGETS.items()}
+        rec.extra["records"] = sorted({case.record for case in cases})
+        print("wrote", rec.write())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

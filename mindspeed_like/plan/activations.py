@@ -1,0 +1,497 @@
+"""Bytes saved for backward by one microbatch's forward of one model chunk, op by op.
+
+What autograd keeps is a list of tensors per op, and each is counted once by its storage (as
+``SavedBytesMeter`` counts them: a view of a saved storage adds nothing). The rows below are the
+tensors megatron-core 0.13-0.19 saves on the paths this library runs without TransformerEngine
+(the te-backend under megatron's TE spec, and the local spec: the same saves but for MoE experts),
+read off the real model with a saved-tensor hook per module and written as shapes:
+
+    t   = micro_batch x seq / CP     tokens of this rank's sequence chunk
+    tsp = t / TP under --sequence-parallel, else t   (the residual stream, norms, linear inputs)
+    a, g, d, f, fm, fs, V: heads, query groups, head dim, ffn, expert ffn, shared-expert ffn and
+    vocabulary on this rank (divided by TP / expert TP); R = t x top-k routed rows (expected: the
+    actual split depends on the router)
+
+Each row names the feature that changes it from megatron's own row (``Paths``), so the features'
+share of the saving is read row by row. A feature whose effect is not written here changes nothing
+in this model, and ``plan`` says which of the switched-on ones those are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mindspeed_like.plan.paths import Paths
+from mindspeed_like.plan.spec import BYTES, Model, Run
+
+FP32, INT64, INT32, BOOL = 4, 8, 4, 1
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One kind of tensor kept for backward: ``count`` storages of ``bytes`` each."""
+
+    component: str  # attention, mlp, moe, norm, loss, embedding, mtp
+    what: str
+    bytes: int
+    count: int = 1
+    feature: str | None = None  # the feature whose path this row is (None: megatron's own)
+
+    @property
+    def total(self) -> int:
+        return self.bytes * self.count
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-rank sizes of one microbatch (module docstring)."""
+
+    b: int
+    s: int  # sequence on this rank (seq / CP)
+    t: int
+    tsp: int
+    h: int
+    a: int
+    g: int
+    d: int
+    f: int
+    v: int
+    p: int  # bytes of the model's dtype
+
+    @classmethod
+    def of(cls, run: Run) -> Dims:
+        m, lay = run.model, run.layout
+        s = m.seq_length // lay.cp
+        t = lay.micro_batch_size * s
+        tp = lay.tp
+        return cls(
+            b=lay.micro_batch_size,
+            s=s,
+            t=t,
+            tsp=t // tp if lay.sequence_parallel else t,
+            h=m.hidden_size,
+            a=m.num_attention_heads // tp,
+            g=max(1, m.num_query_groups // tp),
+            d=m.kv_channels,
+            f=m.ffn_hidden_size // tp,
+            v=m.vocab_size // tp,
+            p=BYTES[run.precision.params],
+        )
+
+
+def norm(
+    n: int, width: int, model: Model, paths: Paths, dims: Dims, where: str, component: str = "norm"
+) -> list[Saved]:
+    """A norm over ``n`` tokens of ``width``; its output is saved by the op that reads it (a linear)."""
+    if model.normalization == "LayerNorm":
+        return [Saved(component, f"{where}: LayerNorm input, mean, rstd", dims.p * n * width + 2 * dims.p * n)]
+    if paths.fused_rmsnorm:
+        return [
+            Saved(
+                component,
+                f"{where}: input + fp32 rstd (fused RMSNorm)",
+                dims.p * n * width + FP32 * n,
+                feature="fused-rmsnorm",
+            )
+        ]
+    return [
+        Saved(component, f"{where}: fp32 copies of the input and normalized output", FP32 * n * width, count=2),
+        Saved(component, f"{where}: fp32 rstd", FP32 * n),
+    ]
+
+
+def linear_input(n: int, width: int, dims: Dims, where: str, component: str) -> Saved:
+    return Saved(component, f"{where}: linear input", dims.p * n * width)
+
+
+def rope(model: Model, paths: Paths, dims: Dims, width: int, calls: int = 2) -> list[Saved]:
+    """Rotary embedding: megatron's unfused apply keeps cos and sin per call; the fused kernel one
+    freqs tensor per layer (per call under MLA, which rotates q and k apart)."""
+    if model.position_embedding_type != "rope" and not model.multi_latent_attention:
+        return []
+    if paths.fused_rope:
+        n = 2 if model.multi_latent_attention else 1
+        return [
+            Saved(
+                "attention",
+                "rotary freqs (fused RoPE)",
+                dims.p * dims.s * width,
+                count=n,
+                feature="fused-rotary-pos-emb",
+            )
+        ]
+    return [Saved("attention", "rotary cos / sin per q and k", dims.p * dims.s * width, count=2 * calls)]
+
+
+def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
+    """Self-attention (not MLA) from the norm to the output projection's input."""
+    m, lay = run.model, run.layout
+    p, t, tsp, a, g, d = dims.p, dims.t, dims.tsp, dims.a, dims.g, dims.d
+    out: list[Saved] = []
+    if run.transformer_impl == "transformer_engine":
+        out += norm(tsp, dims.h, m, paths, dims, "input norm (fused into linear_qkv)")
+    else:
+        out += norm(tsp, dims.h, m, paths, dims, "input_layernorm")
+    out.append(linear_input(tsp, dims.h, dims, "linear_qkv", "attention"))
+    qkv = p * t * (a + 2 * g) * d  # the projection's output: q, k and v are views of it
+    rope_on = m.position_embedding_type == "rope"
+    qkv_viewed = False
+    if m.qk_layernorm:
+        if paths.fused_rmsnorm and m.normalization == "RMSNorm":
+            out.append(
+                Saved(
+                    "attention",
+                    "q_layernorm: q (copy) + fp32 rstd",
+                    p * t * a * d + FP32 * t * a,
+                    feature="fused-rmsnorm",
+                )
+            )
+            out.append(
+                Saved(
+                    "attention", "k_layernorm: fp32 rstd (input: a view of qkv)", FP32 * t * g, feature="fused-rmsnorm"
+                )
+            )
+            qkv_viewed = True
+        else:
+            out.append(
+                Saved("attention", "q_layernorm: fp32 input/output copies + rstd", 2 * FP32 * t * a * d + FP32 * t * a)
+            )
+            out.append(
+                Saved("attention", "k_layernorm: fp32 input/output copies + rstd", 2 * FP32 * t * g * d + FP32 * t * g)
+            )
+    out += rope(m, paths, dims, d)
+    if lay.cp > 1:
+        out += _context_parallel_core(run, dims, qkv, rope_on or m.qk_layernorm)
+    elif paths.flash_attention:
+        new_q = rope_on or m.qk_layernorm
+        rows = [Saved("core_attn", "q (rotated)", p * t * a * d, feature="flash-attention")] if new_q else []
+        rows.append(Saved("core_attn", "k (rotated)", p * t * g * d, feature="flash-attention") if new_q else None)
+        rows = [r for r in rows if r is not None]
+        qkv_viewed = True  # v (and q, k without RoPE) are views of the projection's output
+        rows.append(
+            Saved("core_attn", "attention output (= linear_proj input)", p * t * a * d, feature="flash-attention")
+        )
+        rows.append(Saved("core_attn", "fp32 log-sum-exp", FP32 * dims.b * a * dims.s, feature="flash-attention"))
+        out += rows
+    else:
+        new_q = rope_on or m.qk_layernorm
+        expanded = g < a
+        out.append(Saved("core_attn", "q" + (" (rotated)" if new_q else ""), p * t * a * d) if new_q else None)
+        if expanded:
+            out.append(Saved("core_attn", "k, v expanded to every head (GQA)", p * t * a * d, count=2))
+        else:
+            out.append(Saved("core_attn", "k (rotated)", p * t * a * d) if new_q else None)
+        if not new_q or not expanded:
+            qkv_viewed = True
+        out += [
+            Saved("core_attn", "softmax probabilities (model dtype, for the value matmul)", p * dims.b * a * dims.s**2),
+            Saved("core_attn", "fp32 softmax output", FP32 * dims.b * a * dims.s**2),
+            Saved("core_attn", "causal mask (bool s x s)", BOOL * dims.s**2),
+            Saved("attention", "attention output (linear_proj input)", p * t * a * d),
+        ]
+    if qkv_viewed:
+        out.append(Saved("attention", "qkv projection output (v viewed from it)", qkv))
+    return [r for r in out if r is not None]
+
+
+def _context_parallel_core(run: Run, dims: Dims, qkv: int, rotated: bool) -> list[Saved]:
+    """The context-parallel feature's attention (both arms: megatron has no local CP attention): q,
+    k, v of this rank's chunks, the output and the per-block log-sum-exp."""
+    p, t, a, g, d = dims.p, dims.t, dims.a, dims.g, dims.d
+    rows = []
+    if rotated:
+        rows += [Saved("core_attn", "q (rotated)", p * t * a * d), Saved("core_attn", "k (rotated)", p * t * g * d)]
+    rows += [
+        Saved("attention", "qkv projection output (v viewed from it)", qkv),
+        Saved("core_attn", "attention output (the CP kernel's [b, heads, s, d] layout)", p * t * a * d),
+        Saved("attention", "attention output (linear_proj input)", p * t * a * d),
+        Saved("core_attn", "fp32 log-sum-exp", FP32 * dims.b * a * dims.s),
+    ]
+    return rows
+
+
+def mla(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
+    """Multi-latent attention (DeepSeek): down projections, normed latent up projections, cores."""
+    m = run.model
+    p, t, tsp, a = dims.p, dims.t, dims.tsp, dims.a
+    qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+    dv = m.v_head_dim
+    out = norm(tsp, dims.h, m, paths, dims, "input_layernorm")
+    out.append(linear_input(tsp, dims.h, dims, "q/kv down projections (one input)", "attention"))
+    if m.q_lora_rank:
+        out += norm(tsp, m.q_lora_rank, m, paths, dims, "q LoRA norm (fused into linear_q_up_proj)", "attention")
+        out.append(linear_input(tsp, m.q_lora_rank, dims, "linear_q_up_proj", "attention"))
+    kvl = m.kv_lora_rank
+    if paths.fused_rmsnorm:
+        out.append(
+            Saved(
+                "attention",
+                "kv down output (the kv norm's input is a view)",
+                p * tsp * (kvl + m.qk_pos_emb_head_dim),
+                feature="fused-rmsnorm",
+            )
+        )
+        out.append(Saved("attention", "kv LoRA norm: fp32 rstd", FP32 * tsp, feature="fused-rmsnorm"))
+    else:
+        out += norm(tsp, kvl, m, paths, dims, "kv LoRA norm (fused into linear_kv_up_proj)", "attention")
+    out.append(linear_input(tsp, kvl, dims, "linear_kv_up_proj", "attention"))
+    out += rope(m, paths, dims, m.qk_pos_emb_head_dim)
+    if paths.flash_attention:
+        out += [
+            Saved(
+                "core_attn",
+                "q, k, v (v zero-padded to the q/k head dim), output",
+                p * t * a * qk,
+                count=4,
+                feature="flash-attention",
+            ),
+            Saved("core_attn", "fp32 log-sum-exp", FP32 * dims.b * a * dims.s, feature="flash-attention"),
+        ]
+    else:
+        out += [
+            Saved("core_attn", "q, k (rope part concatenated)", p * t * a * qk, count=2),
+            Saved("core_attn", "v", p * t * a * dv),
+            Saved("core_attn", "softmax probabilities (model dtype)", p * dims.b * a * dims.s**2),
+            Saved("core_attn", "fp32 softmax output", FP32 * dims.b * a * dims.s**2),
+            Saved("core_attn", "causal mask (bool s x s)", BOOL * dims.s**2),
+        ]
+    out.append(Saved("attention", "linear_proj input", p * t * a * dv))
+    return out
+
+
+def dense_mlp(
+    run: Run,
+    paths: Paths,
+    dims: Dims,
+    layer_in_chunk: int,
+    width: int,
+    label: str = "mlp",
+    norm_rows: bool = True,
+    input_saved: bool = False,
+) -> list[Saved]:
+    """A dense MLP of ffn ``width`` on this rank: norm, fc1 input, activation, fc2 input."""
+    m = run.model
+    p, t, tsp = dims.p, dims.t, dims.tsp
+    out: list[Saved] = []
+    if norm_rows:
+        where = (
+            "pre-MLP norm (fused into linear_fc1)"
+            if run.transformer_impl == "transformer_engine"
+            else "pre_mlp_layernorm"
+        )
+        out += norm(tsp, dims.h, m, paths, dims, where)
+    if not input_saved:
+        out.append(linear_input(tsp, dims.h, dims, f"{label} linear_fc1", "mlp"))
+    if m.gated_linear_unit:
+        out.append(Saved("mlp", f"{label} fc1 output (SwiGLU input)", p * t * 2 * width))
+        if not paths.fused_swiglu:
+            out.append(Saved("mlp", f"{label} SwiGLU halves (silu(x1), x2)", p * t * width, count=2))
+    else:
+        out.append(Saved("mlp", f"{label} fc1 output (activation input)", p * t * width))
+    out.append(_activation_output(paths, layer_in_chunk, p * t * width, label))
+    return out
+
+
+def _activation_output(paths: Paths, layer_in_chunk: int, nbytes: int, label: str) -> Saved:
+    limit = paths.recompute_activation_layers
+    if paths.recompute_activation and (limit is None or layer_in_chunk < limit):
+        return Saved(
+            "mlp",
+            f"{label} activation output: freed, recomputed in backward",
+            0,
+            feature="recompute-activation-function",
+        )
+    return Saved("mlp", f"{label} activation output (linear_fc2 input)", nbytes)
+
+
+def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[Saved]:
+    """An MoE layer: norm, router, token dispatch, experts, shared experts."""
+    m, lay = run.model, run.layout
+    p, t, tsp = dims.p, dims.t, dims.tsp
+    k, experts = m.moe_router_topk, m.num_experts
+    local = experts // lay.ep
+    fm = m.moe_ffn_hidden_size // lay.expert_tp
+    rows_r = t * k  # expected routed rows on this rank (balanced routing)
+    probs = FP32 if m.moe_router_dtype in ("fp32", "fp64") else p
+    gathered = tsp * (lay.tp if lay.sequence_parallel else 1) * lay.ep  # tokens the dispatcher routes
+    out = norm(tsp, dims.h, m, paths, dims, "pre_mlp_layernorm")
+    out.append(linear_input(tsp, dims.h, dims, "router (and shared experts' fc1)", "moe"))
+    out += _router(m, paths, tsp)
+    if paths.fused_permute:
+        out.append(Saved("moe", "fused permute: row indices", INT64 * rows_r, count=4, feature="moe-permute"))
+    else:
+        out += [
+            Saved("moe", "routing map (bool experts x tokens)", BOOL * experts * gathered),
+            Saved("moe", "routing probs (experts x tokens)", probs * experts * gathered),
+            Saved("moe", "permutation indices", INT64 * rows_r),
+        ]
+    if paths.moe_zero_memory:
+        out += [
+            Saved(
+                "moe",
+                "experts: dispatched rows (recomputed in backward)",
+                p * rows_r * dims.h,
+                feature="moe-zero-memory",
+            ),
+            Saved("moe", "experts: routing probs of the rows", probs * rows_r, feature="moe-zero-memory"),
+        ]
+    else:
+        stacked = run.transformer_impl == "transformer_engine"
+        out += [
+            Saved("moe", "experts: routing probs of the rows", probs * rows_r),
+            Saved("moe", "experts: fc1 input rows", p * rows_r * dims.h),
+            Saved("moe", "experts: fc1 output (activation input)", p * rows_r * 2 * fm),
+        ]
+        if not paths.fused_swiglu:
+            out.append(Saved("moe", "experts: SwiGLU halves and the probs-weighted output", p * rows_r * fm, count=3))
+        if stacked:
+            out.append(
+                Saved(
+                    "moe",
+                    "experts: stacked fc1 / fc2 weights of the grouped GEMM (te-backend)",
+                    p * local * 3 * fm * dims.h,
+                )
+            )
+        act = _activation_output(paths, layer_in_chunk, p * rows_r * fm, "experts")
+        out.append(Saved("moe", act.what, act.bytes, feature=act.feature))
+    if m.moe_shared_expert_intermediate_size:
+        fs = m.moe_shared_expert_intermediate_size // lay.tp
+        out += dense_mlp(run, paths, dims, layer_in_chunk, fs, "shared experts", norm_rows=False, input_saved=True)
+    return out
+
+
+def _router(m: Model, paths: Paths, tsp: int) -> list[Saved]:
+    """The router's saves, as measured per kind: top-k softmax; with a load-balancing loss (its
+    full fp32 scores); sigmoid with expert groups (DeepSeek)."""
+    k, e = m.moe_router_topk, m.num_experts
+    rows = [
+        Saved("moe", "router: top-k fp32 scores", FP32 * tsp * k),
+        Saved("moe", "router: top-k indices", INT64 * tsp * k),
+    ]
+    if m.moe_router_score_function == "sigmoid" and m.moe_router_num_groups:
+        if paths.fused_router:
+            rows += [
+                Saved(
+                    "moe",
+                    "router: fp32 scores, group/aux terms",
+                    FP32 * tsp * e + 2 * FP32 * tsp + 8 * 2 * e + 4,
+                    feature="moe-router",
+                )
+            ]
+        else:
+            rows += [
+                Saved(
+                    "moe",
+                    "router: fp32 scores / sigmoid, group masks and top-k indices",
+                    2 * FP32 * tsp * e
+                    + BOOL * tsp * e
+                    + 2 * INT64 * tsp * k
+                    + INT64 * tsp * m.moe_router_num_groups
+                    + 2 * FP32 * tsp
+                    + 8 * 2 * e
+                    + 4,
+                ),
+            ]
+    elif m.moe_aux_loss:
+        extra = 0 if paths.fused_router else INT64 * tsp * k
+        rows += [
+            Saved(
+                "moe",
+                "router: fp32 scores for the load-balancing loss",
+                FP32 * tsp * e + extra + 8 * e + 4,
+                feature="moe-router" if paths.fused_router else None,
+            )
+        ]
+    return rows
+
+
+def embedding(run: Run, dims: Dims) -> list[Saved]:
+    rows = [Saved("embedding", "token ids (int64)", INT64 * dims.b * dims.s)]
+    if run.model.position_embedding_type == "learned_absolute":
+        rows.append(Saved("embedding", "position ids (int64)", INT64 * dims.s))
+    return rows
+
+
+def head(run: Run, paths: Paths, dims: Dims, outputs: int = 1) -> list[Saved]:
+    """Final norm, output layer and loss (``outputs`` > 1 with multi-token prediction: megatron runs
+    the output layer once on the decoder's and the MTP layers' hidden states concatenated)."""
+    m = run.model
+    p, t, tsp = dims.p, dims.t, dims.tsp
+    out = norm(tsp, dims.h, m, paths, dims, "final_layernorm")
+    if paths.fused_linear_cross_entropy:
+        out += [
+            Saved(
+                "loss",
+                "output layer input (gathered hidden states)",
+                p * outputs * t * dims.h,
+                feature="fused-linear-cross-entropy",
+            ),
+            Saved(
+                "loss",
+                "per-token fp32 log-sum-exp + int32 target",
+                (FP32 + INT32) * t,
+                count=outputs,
+                feature="fused-linear-cross-entropy",
+            ),
+        ]
+    else:
+        out += [
+            Saved("loss", "output layer input", p * outputs * tsp * dims.h),
+            Saved(
+                "loss", "fp32 softmax of the logits (vocab-parallel cross entropy)", FP32 * t * dims.v, count=outputs
+            ),
+            Saved("loss", "targets (int64) and their vocab-shard mask", (INT64 + BOOL) * t, count=outputs),
+        ]
+    return out
+
+
+def mtp_layer(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
+    """One multi-token-prediction layer: the shifted tokens' embedding, the two norms, eh_proj, a
+    transformer layer (the decoder's last layer kind) and its final norm; the shifted labels."""
+    m = run.model
+    tsp = dims.tsp
+    out = [Saved("mtp", "shifted token ids (int64)", INT64 * dims.b * dims.s)]
+    out += [
+        Saved(r.component, "mtp " + r.what, r.bytes, r.count, r.feature)
+        for r in norm(tsp, dims.h, m, paths, dims, "enorm")
+    ]
+    out += [
+        Saved(r.component, "mtp " + r.what, r.bytes, r.count, r.feature)
+        for r in norm(tsp, dims.h, m, paths, dims, "hnorm")
+    ]
+    out.append(linear_input(tsp, 2 * dims.h, dims, "eh_proj", "mtp"))
+    out += layer(run, paths, dims, m.num_layers - 1, 0)
+    out += [
+        Saved(r.component, "mtp " + r.what, r.bytes, r.count, r.feature)
+        for r in norm(tsp, dims.h, m, paths, dims, "final_layernorm")
+    ]
+    out.append(Saved("mtp", "shifted labels (int64), loss mask (fp32)", (INT64 + FP32) * dims.b * dims.s + INT64))
+    return out
+
+
+def layer(run: Run, paths: Paths, dims: Dims, index: int, layer_in_chunk: int) -> list[Saved]:
+    """One decoder layer (``index`` in the model; ``layer_in_chunk`` its position in its chunk)."""
+    m = run.model
+    rows = mla(run, paths, dims) if m.multi_latent_attention else attention(run, paths, dims)
+    if m.layer_is_moe(index):
+        rows += moe_layer(run, paths, dims, layer_in_chunk)
+    else:
+        rows += dense_mlp(run, paths, dims, layer_in_chunk, dims.f)
+    return rows
+
+
+def chunk(run: Run, paths: Paths, layers: tuple[int, ...], first: bool, last: bool) -> dict[str, list[Saved]]:
+    """Every saved row of one microbatch through one model chunk, grouped: ``embedding``,
+    ``layer <i>`` per decoder layer, ``mtp``, ``head``."""
+    dims = Dims.of(run)
+    out: dict[str, list[Saved]] = {}
+    if first:
+        out["embedding"] = embedding(run, dims)
+    for position, index in enumerate(layers):
+        out[f"layer {index}"] = layer(run, paths, dims, index, position)
+    if last:
+        mtp = run.model.mtp_num_layers
+        for i in range(mtp):
+            out[f"mtp {i}"] = mtp_layer(run, paths, dims)
+        out["head"] = head(run, paths, dims, outputs=1 + mtp)
+    return out

@@ -1,0 +1,249 @@
+"""`mindspeed-like plan` / `python -m mindspeed_like.plan`: the command line.
+
+    mindspeed-like plan <Megatron-LM arguments> [--device-memory 80GiB] [--world-size N] [--fit] [--json]
+    mindspeed-like plan --preset llama --num-layers 4 ... --optimization-level 2     (compare's options)
+
+Everything not plan's own is a Megatron-LM option (or one of this library's feature flags); with
+``--preset`` the options are `mindspeed-like compare`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from mindspeed_like.toolkit.errors import ConfigError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+def memory_size(text: str) -> int:
+    """``80GiB``, ``80GB``, ``81920MiB``, ``85899345920``: bytes."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match[2].lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 80GiB, 80GB, 81920MiB)")
+    return int(float(match[1]) * _UNITS[match[2].lower()])
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mindspeed-like plan",
+        description=__doc__,
+        add_help=False,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = parser.add_argument_group("plan")
+    g.add_argument("-h", "--help", action="store_true", help="this help")
+    g.add_argument(
+        "--device-memory",
+        type=memory_size,
+        default=None,
+        help="memory of one device (e.g. 80GiB): --fit's budget; with it the plan says whether each rank fits",
+    )
+    g.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks of the run (default TP x PP x CP); with --fit, the layouts searched",
+    )
+    g.add_argument(
+        "--fit",
+        action="store_true",
+        help="the flags that fit --device-memory with the least predicted step time, as a command line",
+    )
+    g.add_argument(
+        "--json", action="store_true", help="machine-readable: per rank, megatron and features, compare's metric names"
+    )
+    g.add_argument(
+        "--parser",
+        choices=("auto", "megatron-lm", "builtin"),
+        default="auto",
+        help="auto: Megatron-LM's own parser where megatron.training is importable, else the built-in one",
+    )
+    g.add_argument(
+        "--target-device",
+        choices=("cuda", "npu", "cpu"),
+        default=None,
+        help="where the run will train (default: cuda for a Megatron-LM command line, this host for compare's "
+        "options); a CPU host's process peak includes the interpreter and the model build",
+    )
+    g.add_argument("-v", "--verbose", action="store_true", help="every saved tensor and state line")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, rest = plan_parser().parse_known_args(argv)
+    if own.help:
+        plan_parser().print_help()
+        print("\nMegatron-LM's model/layout options read (the rest are accepted):")
+        from mindspeed_like.plan.megatron_args import build_parser
+
+        print("  " + " ".join(sorted(o for a in build_parser()._actions for o in a.option_strings)))
+        return 0
+    try:
+        result = plan(rest, own)
+    except ConfigError as error:
+        print(f"mindspeed-like plan: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if own.json else result)
+    return 0
+
+
+def plan(rest: list[str], own: argparse.Namespace) -> Any:
+    """Read the run, predict, and render (text, or the JSON object with ``own.json``)."""
+    from mindspeed_like.plan import report
+    from mindspeed_like.plan.predict import predict
+
+    run, switches = read_run(rest, own)
+    notes = []
+    if run.layout.ep > 1:
+        notes.append(
+            "expert parallel: each rank's routed rows are taken as balanced (the router decides them at run time; "
+            "a rank can hold more)"
+        )
+    pred = predict(run, switches.paths(run), switches.enabled, tuple(notes))
+    line = switches_line(switches)
+    fit_result = None
+    if own.fit:
+        from mindspeed_like.plan.fit import fit, render_fit
+
+        if own.device_memory is None:
+            raise ConfigError("plan: --fit needs --device-memory (e.g. --device-memory 80GiB)")
+        fit_result = fit(run, switches, own.device_memory, own.world_size)
+        if not own.json:
+            return report.text(pred, line, own.verbose) + "\n\n" + render_fit(fit_result)
+    if own.json:
+        extra: dict[str, Any] = {
+            "features": {
+                "enabled": list(switches.enabled),
+                "level": switches.level,
+                "level_by_default": switches.defaulted,
+            },
+        }
+        if own.device_memory is not None:
+            extra["device_memory_bytes"] = own.device_memory
+        if fit_result is not None:
+            from mindspeed_like.plan.fit import fit_json
+
+            extra["fit"] = fit_json(fit_result)
+        return report.as_json(pred, extra)
+    out = report.text(pred, line, own.verbose)
+    if own.device_memory is not None:
+        out += "\n" + fits_line(pred, own.device_memory)
+    return out
+
+
+def switches_line(switches) -> str:
+    level = f"--optimization-level {switches.level}" if switches.level is not None else "the flags given"
+    how = " (no feature flag given: level 2, as compare does)" if switches.defaulted else ""
+    return f"features arm: {level}{how}: " + (", ".join(switches.enabled) or "none")
+
+
+def fits_line(pred, budget: int) -> str:
+    from mindspeed_like.plan.report import size
+
+    out = []
+    for arm in pred.arms():
+        peak = max(s.peak.total for s in arm.stages)
+        verdict = "fits" if peak <= budget else f"does NOT fit ({size(peak - budget)} over)"
+        out.append(f"{arm.name}: {size(peak)} of {size(budget)}: {verdict}")
+    return "device memory: " + "; ".join(out)
+
+
+def read_run(rest: list[str], own: argparse.Namespace):
+    """The :class:`Run` and the feature switches from compare's options (``--preset``) or a
+    Megatron-LM command line."""
+    from mindspeed_like.plan import features
+
+    if any(token == "--preset" or token.startswith("--preset=") for token in rest):
+        return _from_compare(rest, own)
+    from mindspeed_like.plan import megatron_args
+
+    device = own.target_device or "cuda"
+    ns, unknown = megatron_args.parse_builtin(rest)
+    switches = features.resolve(argv=rest)
+    ours = _our_options()
+    not_modeled = megatron_args.classify_unknown(unknown, ours | set(_plan_options()))
+    source = "builtin"
+    if own.parser in ("auto", "megatron-lm"):
+        try:
+            ns = megatron_args.parse_with_megatron_lm(rest, own.world_size or _model_parallel(ns))
+            source = "megatron-lm"
+        except ImportError:
+            if own.parser == "megatron-lm":
+                raise ConfigError(
+                    "plan: --parser megatron-lm: megatron.training is not importable (put Megatron-LM on PYTHONPATH)"
+                ) from None
+    if source == "builtin":
+        ns = megatron_args.derive(ns, own.world_size)
+    run = megatron_args.run_from_namespace(
+        ns,
+        device=device,
+        flags=switches.given(),
+        command=tuple(rest),
+        source=source,
+        not_modeled=not_modeled,
+    )
+    return run, switches
+
+
+def _model_parallel(ns: argparse.Namespace) -> int:
+    return ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size * ns.context_parallel_size
+
+
+def _our_options() -> set[str]:
+    from mindspeed_like import runtime
+
+    names = set()
+    for flag in runtime.flags():
+        names.update(flag.option_strings)
+        names.add("--no-" + flag.option_strings[0].removeprefix("--"))
+    return names
+
+
+def _plan_options() -> list[str]:
+    return [o for a in plan_parser()._actions for o in a.option_strings]
+
+
+def _from_compare(rest: list[str], own: argparse.Namespace):
+    from mindspeed_like import runtime
+    from mindspeed_like.compare import add_compare_arguments, check_arguments
+    from mindspeed_like.config import add_flag, add_negation, negatable
+    from mindspeed_like.plan import features
+    from mindspeed_like.plan.compare_args import run_from_compare
+
+    parser = argparse.ArgumentParser(prog="mindspeed-like plan (compare's options)", allow_abbrev=False)
+    add_compare_arguments(parser)
+    group = parser.add_argument_group("feature flags")
+    for flag in runtime.flags():
+        add_flag(group, flag)
+    for flag in negatable(runtime.flags()):
+        add_negation(group, flag)
+    args = parser.parse_args(rest)
+    names = {flag.name for flag in runtime.flags()}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    check_arguments(args, values)
+    switches = features.resolve(values=values)
+    device = own.target_device or runtime.context_for(switches.config).device
+    return run_from_compare(args, values, device, command=("--preset", *[t for t in rest if t != "--preset"])), switches

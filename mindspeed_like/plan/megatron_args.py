@@ -1,0 +1,480 @@
+"""A Megatron-LM command line (what a user passes to pretrain_gpt.py) read into a :class:`Run`.
+
+Two parsers give the same namespace (Megatron-LM's ``dest`` names):
+
+- Megatron-LM's own (``parse_args`` + ``validate_args``) when ``megatron.training`` is importable
+  (``--parser megatron-lm``, or ``auto`` there): its defaults and derived values exactly, its
+  errors. Importing it costs ~7 s of CPU (megatron.core and torch).
+- The built-in one: the options below with Megatron-LM 0.16's names and defaults (a test checks
+  them against Megatron-LM's parser where it is installed) and the derived values
+  ``validate_args`` computes (ffn 4h or SwiGLU's 8h/3 rounded down to 64, kv_channels, query
+  groups, the padded vocabulary, virtual stages, data parallel size, fp32 gradient accumulation
+  for bf16). It imports neither megatron nor torch. Any other Megatron-LM option is accepted and
+  listed as not modeled unless it cannot change memory (learning rate, data, logging, ...); an
+  option Megatron-LM does not have is an error with a suggestion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+from collections.abc import Sequence
+from typing import Any
+
+from mindspeed_like.plan.spec import Layout, Model, Precision, Recompute, Run, moe_pattern, pad_vocab
+from mindspeed_like.toolkit.errors import ConfigError
+
+_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+
+
+def _freq(text: str) -> int | list[int]:
+    """Megatron-LM's ``moe_freq_type``: an int, or a Python list expression such as ``([0]*3+[1]*58)``."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = _eval_list(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError) as error:
+        raise argparse.ArgumentTypeError(f"not an int or a list expression such as ([0]+[1]*23): {text!r}") from error
+    return value
+
+
+def _eval_list(node: ast.AST) -> list[int]:
+    """Lists of ints, ``+`` and ``* int`` only (what Megatron-LM's examples write); no eval()."""
+    if isinstance(node, ast.List):
+        return [int(ast.literal_eval(e)) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _eval_list(node.left) + _eval_list(node.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        if isinstance(node.right, ast.Constant):
+            return _eval_list(node.left) * int(node.right.value)
+        return _eval_list(node.right) * int(ast.literal_eval(node.left))
+    raise ValueError("unsupported expression")
+
+
+def add_megatron_options(parser: argparse.ArgumentParser) -> None:
+    """The Megatron-LM options the memory and time models read, with Megatron-LM 0.16's defaults."""
+    g = parser.add_argument_group("Megatron-LM model and layout (its names and defaults)")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    for name in (
+        "ffn_hidden_size",
+        "kv_channels",
+        "max_position_embeddings",
+        "micro_batch_size",
+        "global_batch_size",
+        "vocab_size",
+        "padded_vocab_size",
+        "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size",
+        "moe_router_num_groups",
+        "moe_router_group_topk",
+        "q_lora_rank",
+        "mtp_num_layers",
+        "num_experts",
+        "num_layers_per_virtual_pipeline_stage",
+        "num_virtual_stages_per_pipeline_rank",
+        "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers",
+        "expert_tensor_parallel_size",
+        "recompute_num_layers",
+    ):
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument(
+        "--position-embedding-type",
+        default="learned_absolute",
+        choices=("learned_absolute", "rope", "mrope", "relative", "none"),
+    )
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-layer-freq", type=_freq, default=1)
+    g.add_argument("--moe-grouped-gemm", action="store_true")
+    g.add_argument("--moe-router-dtype", default=None, choices=("fp32", "fp64"))
+    g.add_argument("--moe-router-score-function", default="softmax", choices=("softmax", "sigmoid"))
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true")
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default=["aux_loss"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=[0.0])
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=("allgather", "alltoall", "flex"))
+    g.add_argument("--multi-latent-attention", action="store_true")
+    g.add_argument("--kv-lora-rank", type=int, default=32)
+    g.add_argument("--qk-head-dim", type=int, default=128)
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64)
+    g.add_argument("--v-head-dim", type=int, default=128)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true")
+    g.add_argument("--main-grads-dtype", default="fp32", choices=("fp32", "bf16"))
+    g.add_argument("--main-params-dtype", default="fp32", choices=("fp32", "fp16"))
+    g.add_argument("--exp-avg-dtype", default="fp32", choices=_DTYPES)
+    g.add_argument("--exp-avg-sq-dtype", default="fp32", choices=_DTYPES)
+    g.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "muon", "dist_muon"))
+    g.add_argument("--recompute-activations", action="store_true")
+    g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"))
+    g.add_argument("--recompute-method", default=None, choices=("uniform", "block"))
+    g.add_argument("--recompute-modules", nargs="*", default=None)
+    g.add_argument(
+        "--transformer-impl",
+        default="transformer_engine",
+        choices=("local", "transformer_engine", "inference_optimized"),
+    )
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+
+
+# Megatron-LM options that cannot change what a rank holds in memory: accepted without a note.
+NO_MEMORY_EFFECT_PREFIXES = (
+    "--lr",
+    "--min-lr",
+    "--train-",
+    "--eval-",
+    "--data-",
+    "--split",
+    "--log",
+    "--save",
+    "--load",
+    "--tensorboard",
+    "--wandb",
+    "--tokenizer",
+    "--vocab-file",
+    "--merge-file",
+    "--seed",
+    "--clip-grad",
+    "--weight-decay",
+    "--adam-",
+    "--init-method",
+    "--hidden-dropout",
+    "--attention-dropout",
+    "--exit-",
+    "--timing",
+    "--use-mcore-models",
+    "--no-masked-softmax-fusion",
+    "--no-bias-",
+    "--no-rope-fusion",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--rotary-",
+    "--norm-epsilon",
+    "--distributed-backend",
+    "--distributed-timeout",
+    "--ckpt-",
+    "--dist-ckpt",
+    "--no-load",
+    "--no-save",
+    "--finetune",
+    "--num-workers",
+    "--mock-data",
+    "--attention-softmax-in-fp32",
+    "--use-flash-attn",
+    "--no-async-tensor-model-parallel-allreduce",
+    "--moe-router-bias-update-rate",
+    "--moe-router-topk-scaling-factor",
+    "--moe-router-pre-softmax",
+    "--mscale",
+    "--rope-type",
+    "--kv-channels",
+    "--manual-gc",
+    "--profile",
+    "--use-torch-fsdp2",
+    "--overlap-param-gather",
+    "--moe-z-loss-coeff",
+    "--mtp-loss-scaling-factor",
+    "--no-check-for-nan",
+    "--check-for-nan",
+    "--micro-batch-size",
+    "--cross-entropy-loss-fusion",
+    "--apply-layernorm-1p",
+    "--use-rotary-position-embeddings",
+    "--rotary-base",
+    "--moe-router-group-topk",
+    "--moe-permute-fusion",
+    "--moe-router-fusion",
+    "--max-position-embeddings",
+    "--dataloader-",
+    "--calculate-per-token-loss",
+    "--bias-",
+    "--loss-scale",
+    "--initial-loss-scale",
+    "--min-loss-scale",
+    "--hysteresis",
+    "--no-position-embedding",
+    "--sequence-parallel",
+    "--recompute-",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_megatron_options(parser)
+    return parser
+
+
+def parse_builtin(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The options above from ``argv``; returns the namespace and the Megatron-LM options given
+    that the model does not read (ours and plan's own are left to their parsers: ``known`` names
+    them). An option neither Megatron-LM nor anyone else knows is a ConfigError."""
+    namespace, rest = build_parser().parse_known_args(list(argv))
+    return namespace, rest
+
+
+def classify_unknown(rest: Sequence[str], known_elsewhere: set[str]) -> list[str]:
+    """The Megatron-LM options in ``rest`` that the model does not read (for the "not modeled"
+    line); raises for an option nobody defines, with Megatron-LM's or our nearest names."""
+    from mindspeed_like.toolkit.megatron_lm_options import MEGATRON_LM_OPTIONS
+
+    not_modeled = []
+    for token in rest:
+        if not token.startswith("--"):
+            continue
+        option = token.split("=", 1)[0]
+        if option in known_elsewhere:
+            continue
+        if option not in MEGATRON_LM_OPTIONS:
+            close = difflib.get_close_matches(option, sorted(MEGATRON_LM_OPTIONS | known_elsewhere), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"plan: unknown option {option} (neither Megatron-LM's nor mindspeed_like's){hint}")
+        if not option.startswith(NO_MEMORY_EFFECT_PREFIXES):
+            not_modeled.append(option)
+    return not_modeled
+
+
+def parse_with_megatron_lm(argv: Sequence[str], world_size: int) -> argparse.Namespace:
+    """Megatron-LM's own ``parse_args`` and ``validate_args`` on ``argv`` (unknown options, ours
+    included, ignored by it), for a world of ``world_size`` ranks. Raises ImportError where
+    megatron.training is not importable."""
+    import os
+    import sys
+
+    from megatron.training import arguments  # noqa: F401 (ImportError: not installed)
+
+    saved_argv, saved_env = sys.argv, {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+    sys.argv = ["pretrain_gpt.py", *argv]
+    os.environ.update(WORLD_SIZE=str(world_size), RANK="0")
+    try:
+        args = arguments.parse_args(ignore_unknown_args=True)
+        try:
+            arguments.validate_args(args)
+        except AssertionError as error:
+            raise ConfigError(f"plan: Megatron-LM's validate_args refuses these arguments: {error}") from error
+    finally:
+        sys.argv = saved_argv
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return args
+
+
+def derive(ns: argparse.Namespace, world_size: int | None) -> argparse.Namespace:
+    """What Megatron-LM's ``validate_args`` derives, for the built-in parser's namespace."""
+    missing = [n for n in ("num_layers", "hidden_size", "num_attention_heads", "seq_length") if getattr(ns, n) is None]
+    if missing:
+        raise ConfigError(
+            "plan: give " + ", ".join("--" + m.replace("_", "-") for m in missing) + " (Megatron-LM needs them)"
+        )
+    if ns.vocab_size is None and ns.padded_vocab_size is None:
+        raise ConfigError(
+            "plan: give --vocab-size N (the tokenizer's vocabulary; plan reads no tokenizer files) or "
+            "--padded-vocab-size"
+        )
+    if ns.hidden_size % ns.num_attention_heads:
+        raise ConfigError(
+            f"plan: --hidden-size {ns.hidden_size} must be divisible by --num-attention-heads {ns.num_attention_heads}"
+        )
+    if ns.ffn_hidden_size is None:
+        ns.ffn_hidden_size = int((4 * ns.hidden_size * 2 / 3) / 64) * 64 if ns.swiglu else 4 * ns.hidden_size
+    if ns.kv_channels is None:
+        ns.kv_channels = ns.hidden_size // ns.num_attention_heads
+    if not ns.group_query_attention:
+        ns.num_query_groups = ns.num_attention_heads
+    if ns.recompute_activations:
+        ns.recompute_granularity = "selective"
+    tp, pp, cp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size
+    model_parallel = tp * pp * cp
+    world = world_size if world_size is not None else model_parallel
+    if world % model_parallel:
+        raise ConfigError(f"plan: --world-size {world} is not divisible by TP x PP x CP = {model_parallel}")
+    ns.world_size = world
+    ns.data_parallel_size = world // model_parallel
+    if ns.padded_vocab_size is None:
+        ns.padded_vocab_size = pad_vocab(ns.vocab_size, ns.make_vocab_size_divisible_by, tp)
+    ns.virtual_pipeline_model_parallel_size = None
+    if ns.num_layers_per_virtual_pipeline_stage is not None:
+        if ns.num_layers % pp or (ns.num_layers // pp) % ns.num_layers_per_virtual_pipeline_stage:
+            raise ConfigError(
+                "plan: number of layers per pipeline stage must be divisible by --num-layers-per-virtual-pipeline-stage"
+            )
+        vpp = ns.num_layers // pp // ns.num_layers_per_virtual_pipeline_stage
+        ns.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
+    elif ns.num_virtual_stages_per_pipeline_rank is not None and ns.num_virtual_stages_per_pipeline_rank > 1:
+        ns.virtual_pipeline_model_parallel_size = ns.num_virtual_stages_per_pipeline_rank
+    if ns.micro_batch_size is None:
+        ns.micro_batch_size = 1
+    if ns.global_batch_size is None:
+        ns.global_batch_size = ns.micro_batch_size * ns.data_parallel_size
+    if ns.bf16 and not ns.grad_reduce_in_bf16 and ns.main_grads_dtype == "fp32":
+        ns.accumulate_allreduce_grads_in_fp32 = True
+    if ns.num_experts and ns.moe_ffn_hidden_size is None:
+        ns.moe_ffn_hidden_size = ns.ffn_hidden_size
+    return ns
+
+
+def run_from_namespace(
+    ns: argparse.Namespace,
+    *,
+    device: str,
+    flags: dict[str, Any],
+    command: Sequence[str],
+    source: str,
+    not_modeled: Sequence[str] = (),
+) -> Run:
+    """A :class:`Run` from a (validated) Megatron-LM namespace, whichever parser made it."""
+    get = lambda name, default=None: getattr(ns, name, default)  # noqa: E731 (Megatron-LM versions differ)
+    tp, dp = ns.tensor_model_parallel_size, ns.data_parallel_size
+    experts = get("num_experts") or 0
+    mbs = ns.micro_batch_size
+    if ns.global_batch_size % (mbs * dp):
+        raise ConfigError(
+            f"plan: --global-batch-size {ns.global_batch_size} is not divisible by micro batch x DP ({mbs} x {dp})"
+        )
+    balance = get("moe_router_load_balancing_type") or ["aux_loss"]
+    coeff = get("moe_aux_loss_coeff") or [0.0]
+    balance = balance if isinstance(balance, list) else [balance]
+    coeff = coeff if isinstance(coeff, list) else [coeff]
+    aux = any(
+        t in ("aux_loss", "seq_aux_loss", "global_aux_loss") and c > 0 for t, c in zip(balance, coeff * len(balance))
+    )
+    params = "bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32"
+    model = Model(
+        num_layers=ns.num_layers,
+        hidden_size=ns.hidden_size,
+        num_attention_heads=ns.num_attention_heads,
+        ffn_hidden_size=ns.ffn_hidden_size,
+        vocab_size=ns.padded_vocab_size,
+        seq_length=ns.seq_length,
+        kv_channels=ns.kv_channels,
+        num_query_groups=ns.num_query_groups,
+        normalization=ns.normalization,
+        gated_linear_unit=bool(ns.swiglu),
+        add_bias_linear=bool(ns.add_bias_linear),
+        add_qkv_bias=bool(get("add_qkv_bias")),
+        position_embedding_type=ns.position_embedding_type,
+        tied_embeddings=not ns.untie_embeddings_and_output_weights,
+        qk_layernorm=bool(get("qk_layernorm")),
+        num_experts=experts,
+        moe_ffn_hidden_size=get("moe_ffn_hidden_size") or 0,
+        moe_router_topk=get("moe_router_topk", 2),
+        moe_layer_pattern=moe_pattern(get("moe_layer_freq", 1), ns.num_layers) if experts else (),
+        moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size") or 0,
+        moe_router_dtype=get("moe_router_dtype"),
+        moe_router_score_function=get("moe_router_score_function", "softmax"),
+        moe_router_num_groups=get("moe_router_num_groups"),
+        moe_router_enable_expert_bias=bool(get("moe_router_enable_expert_bias")),
+        moe_aux_loss=aux,
+        moe_grouped_gemm=bool(get("moe_grouped_gemm")),
+        multi_latent_attention=bool(get("multi_latent_attention")),
+        q_lora_rank=get("q_lora_rank"),
+        kv_lora_rank=get("kv_lora_rank", 0) or 0,
+        qk_head_dim=get("qk_head_dim", 0) or 0,
+        qk_pos_emb_head_dim=get("qk_pos_emb_head_dim", 0) or 0,
+        v_head_dim=get("v_head_dim", 0) or 0,
+        mtp_num_layers=get("mtp_num_layers") or 0,
+    )
+    layout = Layout(
+        tp=tp,
+        pp=ns.pipeline_model_parallel_size,
+        vpp=get("virtual_pipeline_model_parallel_size"),
+        cp=ns.context_parallel_size,
+        ep=ns.expert_model_parallel_size,
+        etp=get("expert_tensor_parallel_size"),
+        dp=dp,
+        sequence_parallel=bool(ns.sequence_parallel),
+        micro_batch_size=mbs,
+        num_microbatches=ns.global_batch_size // (mbs * dp),
+        distributed_optimizer=bool(ns.use_distributed_optimizer),
+        first_stage_layers=get("decoder_first_pipeline_num_layers"),
+        last_stage_layers=get("decoder_last_pipeline_num_layers"),
+    )
+    precision = Precision(
+        params=params,
+        grad_reduce_in_fp32=bool(ns.accumulate_allreduce_grads_in_fp32) or params == "fp32",
+        precision_aware_optimizer=bool(get("use_precision_aware_optimizer")),
+        main_grads=_dtype_name(get("main_grads_dtype", "fp32")),
+        main_params=_dtype_name(get("main_params_dtype", "fp32")),
+        exp_avg=_dtype_name(get("exp_avg_dtype", "fp32")),
+        exp_avg_sq=_dtype_name(get("exp_avg_sq_dtype", "fp32")),
+        optimizer=get("optimizer", "adam"),
+    )
+    modules = get("recompute_modules")
+    recompute = Recompute(
+        granularity=get("recompute_granularity"),
+        method=get("recompute_method"),
+        num_layers=get("recompute_num_layers"),
+        modules=tuple(modules) if modules else ("core_attn",),
+    )
+    check(model, layout)
+    return Run(
+        model=model,
+        layout=layout,
+        precision=precision,
+        recompute=recompute,
+        transformer_impl=ns.transformer_impl if ns.transformer_impl != "inference_optimized" else "transformer_engine",
+        device=device,
+        flags=dict(flags),
+        command=tuple(command),
+        source=source,
+        not_modeled=tuple(not_modeled),
+    )
+
+
+def _dtype_name(value: Any) -> str:
+    """'fp32' from 'fp32' or torch.float32 (Megatron-LM's validate_args maps some to torch dtypes)."""
+    text = str(value).replace("torch.", "")
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "uint8": "fp8"}.get(text, text)
+
+
+def check(model: Model, layout: Layout) -> None:
+    """What megatron would refuse later, refused here with the fix."""
+    tp = layout.tp
+    if model.num_attention_heads % tp:
+        raise ConfigError(f"plan: --num-attention-heads {model.num_attention_heads} must be divisible by TP {tp}")
+    if not model.multi_latent_attention and model.num_query_groups % tp:
+        raise ConfigError(f"plan: --num-query-groups {model.num_query_groups} must be divisible by TP {tp}")
+    if model.ffn_hidden_size % tp:
+        raise ConfigError(f"plan: --ffn-hidden-size {model.ffn_hidden_size} must be divisible by TP {tp}")
+    if model.is_moe and model.num_experts % layout.ep:
+        raise ConfigError(
+            f"plan: --num-experts {model.num_experts} must be divisible by --expert-model-parallel-size {layout.ep}"
+        )
+    if model.is_moe and (layout.dp * layout.cp * tp) % (layout.expert_tp * layout.ep):
+        raise ConfigError(
+            "plan: DP x CP x TP must be divisible by expert TP x EP (megatron's initialize_model_parallel)"
+        )
+    if model.seq_length % layout.cp or (layout.cp > 1 and model.seq_length % (2 * layout.cp)):
+        raise ConfigError(f"plan: --seq-length {model.seq_length} must be divisible by 2 x CP ({2 * layout.cp})")
+    if layout.sequence_parallel and tp == 1:
+        raise ConfigError("plan: --sequence-parallel needs --tensor-model-parallel-size > 1")
+    if layout.vpp and layout.pp == 1:
+        raise ConfigError("plan: virtual pipeline stages need --pipeline-model-parallel-size > 1")
+    if layout.pp > 1 and layout.vpp and layout.num_microbatches % layout.pp:
+        raise ConfigError(
+            f"plan: the interleaved schedule needs the microbatches per step ({layout.num_microbatches}) to be a "
+            f"multiple of PP ({layout.pp}); raise --global-batch-size"
+        )

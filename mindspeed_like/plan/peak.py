@@ -1,0 +1,182 @@
+"""A rank's process peak: what it holds all run, plus the largest of its two busy phases.
+
+    peak = runtime + model state + max(activations in flight + the largest transient of one
+                                       microbatch's forward/backward,
+                                       the optimizer step's temporaries)
+
+- runtime: on a CPU host the process's resident set before any tensor (Python, torch, megatron,
+  gloo), read from the smallest compare record (``compare-plan-baseline``: a 1-layer, hidden-64
+  model); an accelerator's allocator peak has none (0).
+- transients (created and freed inside one op, never saved): megatron's attention materialises
+  the s x s scores and their gradients (about 10 bytes per score element at bf16); the loss its
+  fp32 logits' gradient (model dtype + 2 x fp32 per logit; fused-linear-cross-entropy one chunk);
+  an MLP's fc1 output gradient. The largest one is taken.
+- the optimizer step: torch's Adam on a CPU runs per tensor (its temporary is ~2 fp32 copies of the
+  largest parameter); on an accelerator ``foreach`` (one fp32 temporary of every parameter it
+  steps). reuse-fp32-param's chunked step needs one chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mindspeed_like.plan.activations import FP32, Dims, Saved
+from mindspeed_like.plan.paths import Paths
+from mindspeed_like.plan.spec import Run
+from mindspeed_like.plan.state import Line
+
+BASELINE_RECORD = "compare-plan-baseline"
+LCE_CHUNK_BYTES = 64 * 2**20  # fused-linear-cross-entropy's default chunk: fp32 logits within 64 MiB
+
+
+@dataclass(frozen=True)
+class Peak:
+    runtime: int
+    build: int  # what building the model leaves behind (CPU hosts)
+    model_state: int
+    activations: int  # in flight at the peak
+    temporary: int
+    temporary_what: str
+    optimizer_temporary: int
+    features: tuple[str, ...] = ()  # features that changed a transient
+
+    @property
+    def phase(self) -> str:
+        busy = self.activations + self.temporary
+        return "forward/backward" if busy >= self.optimizer_temporary else "optimizer step"
+
+    @property
+    def total(self) -> int:
+        return (
+            self.runtime
+            + self.build
+            + self.model_state
+            + max(self.activations + self.temporary, self.optimizer_temporary)
+        )
+
+
+BASELINE_RECORDS = {
+    "dense": "compare-plan-baseline",
+    "moe": "compare-plan-baseline-moe",
+    "mla": "compare-plan-baseline-mla",
+}
+
+
+def family(run: Run) -> str:
+    """Which baseline record stands for the code this model runs (MoE, MLA and MTP load more of
+    megatron and of this library)."""
+    if run.model.multi_latent_attention:
+        return "mla"
+    return "moe" if run.model.is_moe else "dense"
+
+
+@functools.lru_cache(maxsize=8)
+def runtime_bytes(device: str, kind: str = "dense") -> int:
+    """The process's memory before any model tensor: on a CPU host the baseline record's measured
+    peak minus what that tiny run's tensors held (predicted by this model); 0 for an accelerator's
+    allocator."""
+    if device != "cpu":
+        return 0
+    import argparse
+
+    from mindspeed_like.plan.compare_args import run_from_compare
+    from mindspeed_like.plan.paths import megatron_paths
+    from mindspeed_like.toolkit import records
+
+    path = records.results_dir() / f"{BASELINE_RECORDS[kind]}.json"
+    if not path.exists():
+        return 0
+    record = records.read(path)
+    rows = {row["metric"]: row for row in record["rows"] if "metric" in row}
+    run = run_from_compare(argparse.Namespace(**record["options"]), {}, "cpu")
+    held = (
+        rows["model_state_bytes"]["megatron"]
+        + rows["activations_bytes"]["megatron"]
+        + build_bytes(run, megatron_paths())
+    )
+    return int(rows["process_peak_bytes"]["megatron"] - held)
+
+
+def build_bytes(run: Run, paths: Paths) -> int:
+    """What building the model leaves in a CPU process: compare's workers build in fp32 and cast
+    to bf16 (Float16Module), the TE spec's model from a local-spec model of the same seed (4 + 4 + 2
+    bytes a parameter), the local spec once (4 + 2); glibc keeps those pages for the rest of the
+    run. An accelerator run counts only live bytes (0 here)."""
+    if run.device != "cpu" or run.precision.params == "fp32":
+        return 0
+    per = 10 if run.transformer_impl == "transformer_engine" else 6
+    return per * _rank_params(run)
+
+
+def _rank_params(run: Run) -> int:
+    from mindspeed_like.plan.params import stage
+
+    return max(sum(p.numel for chunk in stage(run, s) for p in chunk) for s in range(run.layout.pp))
+
+
+def transients(run: Run, paths: Paths, last_stage: bool) -> list[tuple[int, str, str | None]]:
+    """(bytes, what, feature) of the largest op-local temporaries of one microbatch."""
+    dims = Dims.of(run)
+    p, b, a, s, t = dims.p, dims.b, dims.a, dims.s, dims.t
+    out: list[tuple[int, str, str | None]] = []
+    if paths.flash_attention or run.layout.cp > 1:
+        out.append(
+            (
+                2 * p * t * a * dims.d,
+                "attention backward: dq, dk, dv",
+                "flash-attention" if paths.flash_attention else None,
+            )
+        )
+    else:
+        out.append(((2 * p + 2 * FP32) * b * a * s * s, "attention: the s x s scores' gradients", None))
+    width = run.model.moe_ffn_hidden_size if run.model.is_moe else run.model.ffn_hidden_size
+    rows = t * (run.model.moe_router_topk if run.model.is_moe else 1)
+    out.append((2 * p * rows * 2 * width // run.layout.tp, "MLP backward: fc1 output gradient", None))
+    if last_stage:
+        logits = t * dims.v * (run.model.mtp_num_layers + 1)
+        if paths.fused_linear_cross_entropy:
+            out.append(
+                (
+                    min(LCE_CHUNK_BYTES, FP32 * logits) * 2,
+                    "fused linear cross entropy: one chunk's logits",
+                    "fused-linear-cross-entropy",
+                )
+            )
+        else:
+            out.append(((p + 2 * FP32) * logits, "loss: logits and their fp32 gradient", None))
+    return out
+
+
+def optimizer_temporary(run: Run, lines: Sequence[Line], paths: Paths, largest_param: int) -> int:
+    if paths.reuse_fp32_param and not run.layout.distributed_optimizer:
+        return 0  # the chunked step's one-chunk workspace
+    if run.device == "cpu":
+        return 2 * FP32 * largest_param
+    masters = sum(line.bytes for line in lines if line.kind == "optimizer" and "exp_avg " in line.what)
+    return masters  # foreach: one temporary as large as a moment
+
+
+def estimate(
+    run: Run,
+    paths: Paths,
+    lines: Sequence[Line],
+    chunk_rows: Sequence[dict[str, list[Saved]]],
+    in_flight: dict[int, int],
+) -> Peak:
+    held = sum(sum(r.total for rows in chunk_rows[c].values() for r in rows) * n for c, n in in_flight.items())
+    last = any("head" in rows for rows in chunk_rows)
+    temp, what, feature = max(transients(run, paths, last), key=lambda x: x[0])
+    state = sum(line.bytes for line in lines)
+    largest = run.model.vocab_size // run.layout.tp * run.model.hidden_size
+    return Peak(
+        runtime=runtime_bytes(run.device, family(run)),
+        build=build_bytes(run, paths),
+        model_state=state,
+        activations=held,
+        temporary=temp,
+        temporary_what=what,
+        optimizer_temporary=optimizer_temporary(run, lines, paths, largest),
+        features=(feature,) if feature else (),
+    )

@@ -1,0 +1,133 @@
+"""The prediction: for megatron's own path and for the features arm, every pipeline stage's
+model state, activations (per layer, per microbatch, in flight) and process peak.
+
+Ranks of one pipeline stage hold the same (TP, CP, DP and EP ranks differ only in which shard they
+hold; MoE ranks in how many rows the router sends them, taken as balanced), so a stage stands for
+``world / PP`` ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mindspeed_like.plan import activations, params, peak, schedule, state
+from mindspeed_like.plan.activations import Saved
+from mindspeed_like.plan.paths import FEATURES, MEGATRON, Paths
+from mindspeed_like.plan.recompute import apply_recompute
+from mindspeed_like.plan.spec import Run, stage_layers
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage (any of its ranks) in one arm."""
+
+    index: int
+    ranks: int
+    layers: tuple[tuple[int, ...], ...]  # per model chunk
+    state: tuple[state.Line, ...]
+    chunk_rows: tuple[dict[str, list[Saved]], ...]  # one microbatch, per chunk: group -> rows
+    in_flight: dict[int, int]  # chunk -> microbatches held
+    measured_chunk: int  # the chunk of the rank's last forward (compare's activation probe)
+    peak: peak.Peak
+
+    def chunk_bytes(self, chunk: int) -> int:
+        return sum(r.total for rows in self.chunk_rows[chunk].values() for r in rows)
+
+    @property
+    def activations_one_microbatch(self) -> int:
+        """What compare's probe measures: one microbatch's forward of the last chunk run."""
+        return self.chunk_bytes(self.measured_chunk)
+
+    @property
+    def activations_in_flight(self) -> int:
+        return sum(self.chunk_bytes(c) * n for c, n in self.in_flight.items())
+
+    def totals(self, metered_only: bool = False) -> dict[str, int]:
+        return state.totals(list(self.state), metered_only)
+
+    def metrics(self, metered_only: bool = False) -> dict[str, int]:
+        """compare's record rows, by their names, for this stage's ranks."""
+        t = self.totals(metered_only)
+        return {
+            "weights_bytes": t["weights"],
+            "gradients_bytes": t["gradients"],
+            "optimizer_bytes": t["optimizer"],
+            "model_state_bytes": t["model_state"],
+            "activations_bytes": self.activations_one_microbatch,
+            "process_peak_bytes": self.peak.total,
+        }
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    paths: Paths
+    stages: tuple[Stage, ...]
+
+    def max_metric(self, name: str, metered_only: bool = False) -> int:
+        return max(s.metrics(metered_only)[name] for s in self.stages)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    run: Run
+    megatron: Arm
+    features: Arm
+    enabled: tuple[str, ...] = ()  # the accelerations switched on in the features arm
+    idle: tuple[str, ...] = ()  # switched on, but nothing in this model changes memory with them
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def arms(self) -> tuple[Arm, Arm]:
+        return self.megatron, self.features
+
+
+def predict_arm(run: Run, name: str, paths: Paths) -> Arm:
+    lay = run.layout
+    split = stage_layers(run.model, lay)
+    stages = []
+    for s in range(lay.pp):
+        chunk_params = params.stage(run, s)
+        lines = state.model_state(run, chunk_params, paths)
+        rows = []
+        for c, layers in enumerate(split[s]):
+            first = s == 0 and c == 0
+            last = s == lay.pp - 1 and c == lay.chunks - 1
+            groups = activations.chunk(run, paths, layers, first, last)
+            rows.append(apply_recompute(run, groups, layers))
+        in_flight = schedule.in_flight_chunks(lay.pp, s, lay.chunks, lay.num_microbatches)
+        measured = schedule.last_forward_chunk(lay.pp, lay.chunks, lay.num_microbatches)
+        stage_peak = peak.estimate(run, paths, lines, rows, in_flight)
+        stages.append(
+            Stage(
+                index=s,
+                ranks=lay.world_size // lay.pp,
+                layers=tuple(split[s]),
+                state=tuple(lines),
+                chunk_rows=tuple(rows),
+                in_flight=in_flight,
+                measured_chunk=measured,
+                peak=stage_peak,
+            )
+        )
+    return Arm(name, paths, tuple(stages))
+
+
+def predict(run: Run, feature_paths: Paths, enabled: tuple[str, ...] = (), notes: tuple[str, ...] = ()) -> Prediction:
+    """Both arms of ``run``: megatron's own path and the features arm's ``feature_paths``."""
+    from mindspeed_like.plan.paths import megatron_paths
+
+    megatron = predict_arm(run, MEGATRON, megatron_paths())
+    features = predict_arm(run, FEATURES, feature_paths)
+    idle = tuple(name for name in enabled if name not in acting_features(features))
+    return Prediction(run, megatron, features, enabled, idle, notes)
+
+
+def acting_features(arm: Arm) -> set[str]:
+    """The features that change at least one row of this arm's prediction."""
+    names: set[str] = set()
+    for stage in arm.stages:
+        names.update(line.feature for line in stage.state if line.feature)
+        for groups in stage.chunk_rows:
+            names.update(r.feature for rows in groups.values() for r in rows if r.feature)
+        names.update(stage.peak.features)
+    return names

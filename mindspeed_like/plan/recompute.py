@@ -1,0 +1,70 @@
+"""megatron's own activation recomputation applied to a chunk's saved rows.
+
+- ``--recompute-granularity full --recompute-method uniform --recompute-num-layers N``: the chunk's
+  layers in groups of N, each group keeping only its input hidden states (``tsp x h``) and
+  re-running its forward in backward; ``--recompute-method block``: the first N layers of the chunk
+  each keep only their input, the others everything.
+- ``--recompute-granularity selective`` (``--recompute-modules``, default ``core_attn``): the
+  attention core keeps q, k, v (the checkpoint's inputs) instead of its internals; ``mlp`` keeps the
+  MLP's input instead of its activations; ``moe_act`` drops the experts' activation rows;
+  ``layernorm`` keeps the norms' inputs only. Other modules are not modeled (``plan`` says so).
+"""
+
+from __future__ import annotations
+
+from mindspeed_like.plan.activations import Dims, Saved
+from mindspeed_like.plan.spec import Run
+
+MODELED_MODULES = ("core_attn", "mlp", "moe_act", "layernorm")
+
+
+def apply_recompute(run: Run, groups: dict[str, list[Saved]], layers: tuple[int, ...]) -> dict[str, list[Saved]]:
+    rc = run.recompute
+    if rc.granularity is None:
+        return groups
+    dims = Dims.of(run)
+    layer_keys = [f"layer {i}" for i in layers]
+    out = dict(groups)
+    if rc.granularity == "full":
+        n = rc.num_layers or 1
+        hidden = Saved("recompute", "checkpointed layers' input hidden states", dims.p * dims.tsp * dims.h)
+        if rc.method == "block":
+            for key in layer_keys[:n]:
+                out[key] = [hidden]
+        else:  # uniform (megatron's default when a method is needed)
+            for start in range(0, len(layer_keys), n):
+                group = layer_keys[start : start + n]
+                for key in group:
+                    out[key] = []
+                out[group[0]] = [hidden]
+        return out
+    for key in layer_keys:
+        out[key] = _selective(run, dims, out[key])
+    return out
+
+
+def _selective(run: Run, dims: Dims, rows: list[Saved]) -> list[Saved]:
+    modules = run.recompute.modules
+    out = list(rows)
+    if "core_attn" in modules:
+        kept = [r for r in out if r.component != "core_attn" or "output" in r.what]
+        m = run.model
+        if m.multi_latent_attention:
+            qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+            qkv = dims.p * dims.t * dims.a * (2 * qk + m.v_head_dim)
+        else:
+            qkv = dims.p * dims.t * (dims.a + 2 * dims.g) * dims.d
+        out = kept + [Saved("recompute", "core attention checkpoint inputs (q, k, v)", qkv)]
+    if "mlp" in modules:
+        out = [r for r in out if r.component != "mlp" or "linear_fc1" in r.what]
+    if "moe_act" in modules:
+        out = [r for r in out if not (r.component == "moe" and ("SwiGLU" in r.what or "activation output" in r.what))]
+    if "layernorm" in modules:
+        out = [
+            Saved(r.component, r.what + " (input only: recomputed)", dims.p * dims.tsp * dims.h, feature=r.feature)
+            if r.component == "norm" and "rstd" not in r.what
+            else r
+            for r in out
+            if not (r.component == "norm" and "rstd" in r.what)
+        ]
+    return out

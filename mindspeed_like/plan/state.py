@@ -1,0 +1,177 @@
+"""Model state on one rank: weights, gradients and optimizer state, as megatron lays them out.
+
+- Gradients live in DDP's contiguous grad buffer (fp32 with ``--accumulate-allreduce-grads-in-fp32``,
+  which Megatron-LM sets for bf16; bf16 with the precision-aware optimizer's
+  ``--main-grads-dtype bf16``). Dense and expert-parallel parameters have separate buffers.
+- With the distributed optimizer the bf16 parameters become views of a param buffer, and both
+  buffers are padded: each parameter's start to 64 elements, each bucket's end to
+  lcm(data-parallel size, 128) (``_ParamAndGradBuffer``); fp32 masters and Adam's moments exist
+  for this rank's 1/DP shard only.
+- Without it, megatron's ``Float16OptimizerWithFloat16Params`` keeps an fp32 master of every
+  parameter and both Adam moments (fp32), plus a 4-byte ``step`` per parameter tensor.
+
+Features: reuse-fp32-param stores each bf16 weight and its master in one 4-byte buffer (weights
+4 B/param, no separate master) or, with the distributed optimizer, replaces the fp32 master shard
+by an int16 residual shard; the precision-aware optimizer stores the moments in the dtypes asked
+for and the master as bf16 weight + int16 remainder.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mindspeed_like.plan.params import Param
+from mindspeed_like.plan.paths import Paths
+from mindspeed_like.plan.spec import BYTES, Run
+
+BLOCK_SCALE = 4 / 128  # fp16 / fp8 moments: one fp32 scale per block of 128 (precision-aware optimizer)
+
+
+@dataclass(frozen=True)
+class Line:
+    """One row of the model-state table."""
+
+    kind: str  # weights, gradients, optimizer
+    what: str
+    bytes: int
+    feature: str | None = None
+    metered: bool = True  # False: held outside what compare's meters read (said in the accuracy table)
+
+
+def _pad(n: int, multiple: int) -> int:
+    return int(math.ceil(n / multiple) * multiple)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One DDP buffer (dense or expert-parallel) of one model chunk."""
+
+    numel: int  # unpadded
+    padded: int
+    tensors: int
+    group: int  # its data-parallel group size (the distributed optimizer shards over it)
+
+    @property
+    def shard(self) -> int:
+        return self.padded // self.group
+
+
+def buffers(run: Run, chunks: list[list[Param]]) -> list[Buffer]:
+    """The DDP buffers of one rank's chunks, padded as megatron pads them."""
+    lay = run.layout
+    dense_group = lay.dp * lay.cp
+    expert_group = max(1, lay.tp * lay.cp * lay.dp // (lay.expert_tp * lay.ep))
+    out = []
+    for params in chunks:
+        for expert, group in ((False, dense_group), (True, expert_group)):
+            mine = [p for p in params if p.expert == expert]
+            if not mine:
+                continue
+            numel = sum(p.numel for p in mine)
+            padded = _padded(mine, group) if lay.distributed_optimizer else numel
+            out.append(Buffer(numel, padded, len(mine), group))
+    return out
+
+
+def _padded(params: list[Param], group: int) -> int:
+    """``_ParamAndGradBuffer``'s layout under the distributed optimizer: parameters in reverse
+    order, each start aligned to 64, the bucket (one per buffer without --overlap-grad-reduce; the
+    tied embedding's copy its own) ended at a multiple of lcm(DP, 128)."""
+    divisor = math.lcm(group, 128)
+    index = 0
+    bucket_start = 0
+    for p in reversed(params):
+        index = _pad(index, 64)
+        if p.shared_embedding and index > bucket_start:
+            index = _pad(index, divisor)
+            bucket_start = index
+        index += p.numel
+        if p.shared_embedding:
+            index = _pad(index, divisor)
+            bucket_start = index
+    return _pad(index, divisor)
+
+
+def model_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
+    """Weights, gradients and optimizer state of one rank (``chunks``: its chunks' parameters)."""
+    prec, lay = run.precision, run.layout
+    bufs = buffers(run, chunks)
+    numel = sum(b.numel for b in bufs)
+    padded = sum(b.padded for b in bufs)
+    shard = sum(b.shard for b in bufs)
+    shard_unpadded = sum(math.ceil(b.numel / b.group) for b in bufs)
+    tensors = sum(b.tensors for b in bufs)
+    p = prec.param_bytes
+    mixed = prec.params != "fp32"
+    lines: list[Line] = []
+    # weights
+    if lay.distributed_optimizer:
+        lines.append(Line("weights", f"param buffer ({prec.params}, padded)", p * padded))
+    elif paths.reuse_fp32_param and mixed:
+        lines.append(
+            Line(
+                "weights",
+                "bf16 weights + int16 residuals in one fp32 buffer (the fp32 masters)",
+                4 * numel,
+                "reuse-fp32-param",
+            )
+        )
+    else:
+        lines.append(Line("weights", f"parameters ({prec.params})", p * numel))
+    # gradients
+    g = prec.grad_bytes
+    grad_dtype = "fp32" if g == 4 else "bf16"
+    lines.append(
+        Line("gradients", f"grad buffer ({grad_dtype}{', padded' if lay.distributed_optimizer else ''})", g * padded)
+    )
+    # optimizer
+    if prec.optimizer != "adam":
+        lines.append(
+            Line(
+                "optimizer",
+                f"{prec.optimizer} state (not modeled: counted as Adam's)",
+                8 * (shard_unpadded if lay.distributed_optimizer else numel),
+            )
+        )
+    n = shard_unpadded if lay.distributed_optimizer else numel
+    if mixed:
+        if prec.precision_aware_optimizer and lay.distributed_optimizer:
+            if prec.main_params == "fp16":
+                lines.append(Line("optimizer", "fp16 master shard (block-scaled)", int(n * (2 + BLOCK_SCALE))))
+            else:
+                lines.append(Line("optimizer", "int16 master remainders (master = bf16 weight + remainder)", 2 * n))
+        elif paths.reuse_fp32_param and lay.distributed_optimizer:
+            lines.append(
+                Line(
+                    "optimizer",
+                    "int16 residual shard (the fp32 master shard's low halves)",
+                    2 * shard,
+                    "reuse-fp32-param",
+                    metered=False,
+                )
+            )
+        elif paths.reuse_fp32_param:
+            pass  # the masters are the weights' own buffers (counted under weights)
+        else:
+            what = "fp32 master shard" if lay.distributed_optimizer else "fp32 masters"
+            lines.append(Line("optimizer", what, 4 * n))
+    for name, dtype in (("exp_avg", prec.exp_avg), ("exp_avg_sq", prec.exp_avg_sq)):
+        if not prec.precision_aware_optimizer:
+            dtype = "fp32"
+        per = BYTES[dtype] + (BLOCK_SCALE if dtype in ("fp16", "fp8") else 0)
+        feature = "precision-aware-optimizer" if dtype != "fp32" and paths.precision_aware_portable else None
+        lines.append(Line("optimizer", f"Adam {name} ({dtype})", int(n * per), feature))
+    steps = math.ceil(tensors / max(1, min(b.group for b in bufs))) if lay.distributed_optimizer else tensors
+    lines.append(Line("optimizer", "Adam step counters (one fp32 per parameter tensor)", 4 * steps))
+    return lines
+
+
+def totals(lines: list[Line], metered_only: bool = False) -> dict[str, int]:
+    out = {"weights": 0, "gradients": 0, "optimizer": 0}
+    for line in lines:
+        if metered_only and not line.metered:
+            continue
+        out[line.kind] += line.bytes
+    out["model_state"] = out["weights"] + out["gradients"] + out["optimizer"]
+    return out
