@@ -21,11 +21,14 @@ The portable backend runs compiled where the host can compile
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from mindspeed_like.kernels import compiled
 from mindspeed_like.kernels.backend import backend_for
+from mindspeed_like.kernels.backends import cuda_swiglu
 
 
 def _check(x: torch.Tensor) -> None:
@@ -120,9 +123,24 @@ def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return _swiglu_npu(x, bias)
     if backend == "reference":
         return swiglu_reference(x, bias)
+    if backend == "cuda" and bias is None and _cuda_kernels_serve(x):
+        return cuda_swiglu.TritonSwiGLU.apply(x)
     if compiled.active(x):
         return compiled.swiglu(x) if bias is None else compiled.swiglu_bias(x, bias)
     return _SwiGLU.apply(x, bias)
+
+
+def _cuda_kernels_serve(x: torch.Tensor) -> bool:
+    """The Triton kernels of ``backends/cuda_swiglu.py`` take ``x`` (on a GPU the host is the
+    bottleneck and they cost one launch each way); not while a user's ``torch.compile`` traces
+    the model (the compiled custom op is the traceable form), nor where their once-per-device
+    check failed (said once; the compiled or eager portable op runs)."""
+    if torch.compiler.is_compiling() or not cuda_swiglu.fits(x):
+        return False
+    why = cuda_swiglu.failed_check(x.device)
+    if why is not None:
+        compiled._say_once(f"cuda-swiglu-{x.device}", logging.WARNING, f"mindspeed_like: {why}; portable SwiGLU")
+    return why is None
 
 
 def weighted_swiglu(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
