@@ -7,6 +7,9 @@ Three backends (:func:`mindspeed_like.kernels.backend.backend_for`):
 - ``portable``: a hand-written :class:`torch.autograd.Function` that saves only ``x`` and the
   fp32 ``rstd`` (one float per row) for backward. torch's eager ``rms_norm`` is a chain of
   ~8 autograd ops that keeps the upcast input, the normalized output and more alive.
+- ``cuda``: torch's fused CUDA RMSNorm (``F.rms_norm`` -> ``aten._fused_rms_norm``, torch >= 2.9),
+  the op megatron's local spec already runs there, for same-dtype input and weight; otherwise
+  the portable backend.
 - ``reference``: the plain eager math of ``torch.nn.RMSNorm`` (the oracle).
 
 The portable backend runs compiled where the host can compile (``kernels/compiled.py``,
@@ -147,6 +150,12 @@ def rms_norm(
         return reference_rms_norm(x, weight, eps, zero_centered_gamma)
     if backend == "npu":
         return _npu_rms_norm(x, weight, eps, zero_centered_gamma)
+    if backend == "cuda" and not zero_centered_gamma and weight.dtype == x.dtype:
+        # torch's own fused CUDA kernel (aten._fused_rms_norm, which F.rms_norm picks for dense
+        # same-dtype CUDA tensors): megatron's local RMSNorm runs the same op, so this is bitwise
+        # megatron's, saves the input and the fp32 rstd as ours does, and costs one launch each way
+        # instead of the compiled op's per-call TorchDynamo and AOTAutograd host time.
+        return torch.nn.functional.rms_norm(x, tuple(weight.shape), weight, eps)
     if compiled.active(x):
         _reduce_dims(x, weight)
         gamma = _scale(weight, zero_centered_gamma).reshape(-1).float()
