@@ -166,10 +166,10 @@ class RowParallelForward:
     overlap: Overlap
 
     def __call__(self, wrapped, instance, args, kwargs):
-        input = Call(wrapped, args, kwargs)["input_"]
         group = getattr(instance, "tp_group", None)
         if instance.explicit_expert_comm or group is None or group.size() == 1:
             return wrapped(*args, **kwargs)  # megatron reduces nothing here (experts) or TP is 1
+        input = Call(wrapped, args, kwargs)["input_"]
         reason = _row_unsupported(instance, input)
         if reason is not None:
             self.overlap.fall_back(reason)
