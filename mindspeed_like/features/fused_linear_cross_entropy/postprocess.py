@@ -234,7 +234,7 @@ class ChunkedAcceptanceCounts:
                 hidden = gather_from_sequence_parallel_region(hidden, group=_tp_group(layer))
             labels, mask = call["mtp_labels"], call["loss_mask"]
             vocab_local = deferred.weight.shape[0]
-            tokens = deferred.chunk_tokens or auto_chunk_tokens(vocab_local)
+            tokens = deferred.chunk_tokens or auto_chunk_tokens(vocab_local, deferred.weight.device)
             step = max(1, tokens // max(1, hidden.shape[1]))
             correct = total = None
             for start in range(0, hidden.shape[0], step):
