@@ -57,14 +57,19 @@ class Case:
         return self.theory[metric] / self.measured[metric] - 1
 
 
-def compare_records(folder: Path | None = None) -> list[Path]:
+def compare_records(folder: Path | None = None, device: str = "cpu") -> list[Path]:
+    """The compare records of ``device`` (``cpu``: the CPU ones; ``cuda``: ``*-cuda``), calibration
+    records left out."""
     folder = folder or records.results_dir()
     skip = set(BASELINE_RECORDS.values())
-    return [
-        p
-        for p in sorted(folder.glob("compare-*.json"))
-        if p.stem not in skip and not records.is_accelerator_record(p.stem)
-    ]
+    out = []
+    for path in sorted(folder.glob("compare-*.json")):
+        if path.stem in skip:
+            continue
+        on_accelerator = records.is_accelerator_record(path.stem)
+        if (device == "cpu" and not on_accelerator) or (device != "cpu" and path.stem.endswith(f"-{device}")):
+            out.append(path)
+    return out
 
 
 def layout_text(options: dict[str, Any]) -> str:
@@ -133,8 +138,8 @@ def cases_of(path: Path) -> list[Case]:
     return out
 
 
-def all_cases(folder: Path | None = None) -> list[Case]:
-    return [case for path in compare_records(folder) for case in cases_of(path)]
+def all_cases(folder: Path | None = None, device: str = "cpu") -> list[Case]:
+    return [case for path in compare_records(folder, device) for case in cases_of(path)]
 
 
 def row_of(case: Case) -> dict[str, Any]:
@@ -186,19 +191,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--record", action="store_true", help=f"write results/{RECORD}.json")
+    parser.add_argument(
+        "--record", action="store_true", help=f"write results/{RECORD}.json (-<device> on an accelerator)"
+    )
+    parser.add_argument("--device", default="cpu", help="whose compare records: cpu (default), cuda (the *-cuda ones)")
     args = parser.parse_args(argv)
     from mindspeed_like.run_arguments import quiet_expected_warnings
 
     quiet_expected_warnings()
-    cases = all_cases()
+    cases = all_cases(device=args.device)
     print("\n".join(table(cases)))
     misses = [m for case in cases for m in missed(case)]
     print(f"\n{len(cases)} cases; targets missed: {len(misses)}")
     for m in misses:
         print("  " + m)
     if args.record:
-        rec = records.Record(RECORD, command=["python", "-m", "mindspeed_like.plan.accuracy", "--record"])
+        name = records.device_record_name(RECORD, args.device)
+        rec = records.Record(
+            name, command=["python", "-m", "mindspeed_like.plan.accuracy", "--record", "--device", args.device]
+        )
         for case in cases:
             rec.add_row(**row_of(case))
         rec.extra["targets_pct"] = {k: 100 * v for k, v in TARGETS.items()}

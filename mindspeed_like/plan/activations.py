@@ -141,8 +141,10 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
             out.append(
                 Saved(
                     "attention",
-                    "q_layernorm: q (copy) + fp32 rstd",
-                    p * t * a * d + FP32 * t * a,
+                    # q is sliced from each query group's block of the projection: reshaping it to
+                    # heads copies it unless there is one group on the rank
+                    "q_layernorm: q (a copy unless one query group) + fp32 rstd",
+                    (p * t * a * d if g > 1 else 0) + FP32 * t * a,
                     feature="fused-rmsnorm",
                 )
             )
@@ -284,7 +286,13 @@ def dense_mlp(
         out.append(linear_input(tsp, dims.h, dims, f"{label} linear_fc1", "mlp"))
     if m.gated_linear_unit:
         out.append(Saved("mlp", f"{label} fc1 output (SwiGLU input)", p * t * 2 * width))
-        if not paths.fused_swiglu:
+        if paths.fused_swiglu:
+            out.append(
+                Saved(
+                    "mlp", f"{label} SwiGLU halves: none (the fused kernel keeps its input)", 0, feature="fused-swiglu"
+                )
+            )
+        else:
             out.append(Saved("mlp", f"{label} SwiGLU halves (silu(x1), x2)", p * t * width, count=2))
     else:
         out.append(Saved("mlp", f"{label} fc1 output (activation input)", p * t * width))
@@ -342,7 +350,9 @@ def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[S
             Saved("moe", "experts: fc1 input rows", p * rows_r * dims.h),
             Saved("moe", "experts: fc1 output (activation input)", p * rows_r * 2 * fm),
         ]
-        if not paths.fused_swiglu:
+        if paths.fused_swiglu:
+            out.append(Saved("moe", "experts: SwiGLU halves: none (fused weighted SwiGLU)", 0, feature="fused-swiglu"))
+        else:
             out.append(Saved("moe", "experts: SwiGLU halves and the probs-weighted output", p * rows_r * fm, count=3))
         if stacked:
             out.append(
@@ -364,9 +374,10 @@ def _router(m: Model, paths: Paths, tsp: int) -> list[Saved]:
     """The router's saves, as measured per kind: top-k softmax; with a load-balancing loss (its
     full fp32 scores); sigmoid with expert groups (DeepSeek)."""
     k, e = m.moe_router_topk, m.num_experts
+    fused = "moe-router" if paths.fused_router else None
     rows = [
-        Saved("moe", "router: top-k fp32 scores", FP32 * tsp * k),
-        Saved("moe", "router: top-k indices", INT64 * tsp * k),
+        Saved("moe", "router: top-k fp32 scores", FP32 * tsp * k, feature=fused),
+        Saved("moe", "router: top-k indices", INT64 * tsp * k, feature=fused),
     ]
     if m.moe_router_score_function == "sigmoid" and m.moe_router_num_groups:
         if paths.fused_router:

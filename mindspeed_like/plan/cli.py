@@ -122,7 +122,7 @@ def plan(rest: list[str], own: argparse.Namespace) -> Any:
             "expert parallel: each rank's routed rows are taken as balanced (the router decides them at run time; "
             "a rank can hold more)"
         )
-    pred = predict(run, switches.paths(run), switches.enabled, tuple(notes))
+    pred = predict(run, switches.paths(run), switches.enabled, (*run.notes, *notes))
     line = switches_line(switches)
     fit_result = None
     if own.fit:
@@ -186,10 +186,13 @@ def read_run(rest: list[str], own: argparse.Namespace):
     ours = _our_options()
     not_modeled = megatron_args.classify_unknown(unknown, ours | set(_plan_options()))
     source = "builtin"
+    notes: list[str] = []
     if own.parser in ("auto", "megatron-lm"):
         try:
-            ns = megatron_args.parse_with_megatron_lm(rest, own.world_size or _model_parallel(ns))
-            source = "megatron-lm"
+            ns, note = megatron_args.parse_with_megatron_lm(rest, own.world_size or _model_parallel(ns))
+            source = "megatron-lm" if note is None else "megatron-lm parser, built-in derivations"
+            if note:
+                notes.append(note)
         except ImportError:
             if own.parser == "megatron-lm":
                 raise ConfigError(
@@ -204,6 +207,7 @@ def read_run(rest: list[str], own: argparse.Namespace):
         command=tuple(rest),
         source=source,
         not_modeled=not_modeled,
+        notes=tuple(notes),
     )
     return run, switches
 

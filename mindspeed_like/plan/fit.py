@@ -144,7 +144,19 @@ def fit(run: Run, switches: features.Switches, budget: int, world: int | None) -
     if not candidates:
         raise ConfigError("plan --fit: no layout of these sizes divides the model (heads, layers, sequence, batch)")
     fitting = [c for c in candidates if c.peak <= budget]
-    best = min(fitting, key=lambda c: (c.seconds, c.peak)) if fitting else None
+    best = None
+    if fitting:
+        # within 1% of the fastest, the smaller model-parallel group, then the larger micro-batch
+        fastest = min(c.seconds for c in fitting)
+        best = min(
+            fitting,
+            key=lambda c: (
+                round(c.seconds / fastest, 2),
+                c.layout.tp * c.layout.pp * c.layout.cp,
+                -c.layout.micro_batch_size,
+                c.peak,
+            ),
+        )
     leanest = min(candidates, key=lambda c: c.peak)
     chosen = best or leanest
     return FitResult(
@@ -274,6 +286,11 @@ def render_fit(result: FitResult) -> str:
         lines += ["  " + r for r in result.reasons]
         return "\n".join(lines)
     lines.append("recommended: " + result.command)
+    if result.run.device != "cpu":
+        lines.append(
+            "  (the peak is the allocator's: the CUDA context, communication buffers and fragmentation come on top; "
+            "give --device-memory with headroom)"
+        )
     lines.append(
         "  predicted peak per pipeline stage: "
         + ", ".join(size(p) for p in chosen.peaks)

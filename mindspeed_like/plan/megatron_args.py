@@ -102,8 +102,8 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-dtype", default=None, choices=("fp32", "fp64"))
     g.add_argument("--moe-router-score-function", default="softmax", choices=("softmax", "sigmoid"))
     g.add_argument("--moe-router-enable-expert-bias", action="store_true")
-    g.add_argument("--moe-router-load-balancing-type", nargs="+", default=["aux_loss"])
-    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=[0.0])
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=("allgather", "alltoall", "flex"))
     g.add_argument("--multi-latent-attention", action="store_true")
     g.add_argument("--kv-lora-rank", type=int, default=32)
@@ -129,7 +129,7 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-activations", action="store_true")
     g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"))
     g.add_argument("--recompute-method", default=None, choices=("uniform", "block"))
-    g.add_argument("--recompute-modules", nargs="*", default=None)
+    g.add_argument("--recompute-modules", nargs="+", default=None)
     g.add_argument(
         "--transformer-impl",
         default="transformer_engine",
@@ -254,24 +254,37 @@ def classify_unknown(rest: Sequence[str], known_elsewhere: set[str]) -> list[str
     return not_modeled
 
 
-def parse_with_megatron_lm(argv: Sequence[str], world_size: int) -> argparse.Namespace:
+def parse_with_megatron_lm(argv: Sequence[str], world_size: int) -> tuple[argparse.Namespace, str | None]:
     """Megatron-LM's own ``parse_args`` and ``validate_args`` on ``argv`` (unknown options, ours
     included, ignored by it), for a world of ``world_size`` ranks. Raises ImportError where
-    megatron.training is not importable."""
+    megatron.training is not importable. Where ``validate_args`` needs the target device itself
+    (it asks CUDA for the GPU's architecture at TP/CP > 1), the namespace is Megatron-LM's parsed
+    one with the built-in derivations, and the second value says so."""
+    import contextlib
+    import io
     import os
     import sys
 
     from megatron.training import arguments  # noqa: F401 (ImportError: not installed)
 
-    saved_argv, saved_env = sys.argv, {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK")}
+    saved_argv = sys.argv
+    saved_env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "CUDA_DEVICE_MAX_CONNECTIONS")}
     sys.argv = ["pretrain_gpt.py", *argv]
-    os.environ.update(WORLD_SIZE=str(world_size), RANK="0")
+    os.environ.update(WORLD_SIZE=str(world_size), RANK="0", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    note = None
     try:
-        args = arguments.parse_args(ignore_unknown_args=True)
-        try:
-            arguments.validate_args(args)
-        except AssertionError as error:
-            raise ConfigError(f"plan: Megatron-LM's validate_args refuses these arguments: {error}") from error
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints every argument
+            args = arguments.parse_args(ignore_unknown_args=True)
+            try:
+                arguments.validate_args(args)
+            except (AssertionError, RuntimeError) as error:
+                if "CUDA" not in str(error) and "cuda" not in str(error):
+                    raise ConfigError(f"plan: Megatron-LM's validate_args refuses these arguments: {error}") from error
+                note = (
+                    f"Megatron-LM's validate_args needs the target device on this host ({error}): its parsed "
+                    "arguments with the built-in derivations"
+                )
+                args = derive(arguments.parse_args(ignore_unknown_args=True), world_size)
     finally:
         sys.argv = saved_argv
         for key, value in saved_env.items():
@@ -279,7 +292,7 @@ def parse_with_megatron_lm(argv: Sequence[str], world_size: int) -> argparse.Nam
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    return args
+    return args, note
 
 
 def derive(ns: argparse.Namespace, world_size: int | None) -> argparse.Namespace:
@@ -344,9 +357,14 @@ def run_from_namespace(
     command: Sequence[str],
     source: str,
     not_modeled: Sequence[str] = (),
+    notes: Sequence[str] = (),
 ) -> Run:
     """A :class:`Run` from a (validated) Megatron-LM namespace, whichever parser made it."""
     get = lambda name, default=None: getattr(ns, name, default)  # noqa: E731 (Megatron-LM versions differ)
+    if get("padded_vocab_size") is None:  # Megatron-LM pads when it builds the tokenizer, after validate_args
+        if get("vocab_size") is None:
+            raise ConfigError("plan: give --vocab-size N (the tokenizer's vocabulary; plan reads no tokenizer files)")
+        ns.padded_vocab_size = pad_vocab(ns.vocab_size, ns.make_vocab_size_divisible_by, ns.tensor_model_parallel_size)
     tp, dp = ns.tensor_model_parallel_size, ns.data_parallel_size
     experts = get("num_experts") or 0
     mbs = ns.micro_batch_size
@@ -370,7 +388,8 @@ def run_from_namespace(
         vocab_size=ns.padded_vocab_size,
         seq_length=ns.seq_length,
         kv_channels=ns.kv_channels,
-        num_query_groups=ns.num_query_groups,
+        # core_transformer_config_from_args: no --group-query-attention means one group per head
+        num_query_groups=ns.num_query_groups if get("group_query_attention") else ns.num_attention_heads,
         normalization=ns.normalization,
         gated_linear_unit=bool(ns.swiglu),
         add_bias_linear=bool(ns.add_bias_linear),
@@ -441,6 +460,7 @@ def run_from_namespace(
         command=tuple(command),
         source=source,
         not_modeled=tuple(not_modeled),
+        notes=tuple(notes),
     )
 
 

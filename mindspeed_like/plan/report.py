@@ -270,6 +270,7 @@ def as_json(pred: Prediction, extra: dict[str, Any]) -> dict[str, Any]:
         "peak": {arm.name: max(s.peak.total for s in arm.stages) for arm in pred.arms()},
         "feature_shares_bytes": feature_shares(pred),
         "not_modeled": list(run.not_modeled),
+        "notes": list(pred.notes),
         "idle_features": list(pred.idle),
     }
 

@@ -149,6 +149,7 @@ class Run:
     command: tuple[str, ...] = ()  # the Megatron-LM arguments as given (for --fit's command line)
     source: str = "builtin"  # which parser read it: megatron-lm, builtin, compare
     not_modeled: tuple[str, ...] = ()  # options given that the models do not read (said once)
+    notes: tuple[str, ...] = ()  # what the parser could not do as asked, said in the output
 
     def with_layout(self, **changes: Any) -> Run:
         return replace(self, layout=replace(self.layout, **changes))

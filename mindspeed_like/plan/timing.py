@@ -32,6 +32,10 @@ from mindspeed_like.plan.spec import Run
 from mindspeed_like.toolkit import records
 
 DEFAULT_ACCELERATOR_FLOPS = 0.4 * 989e12
+# Link bandwidths the layout's communication is charged at (assumed, not measured here: no
+# multi-GPU record exists): within a node (a group of at most 8 ranks), across nodes per GPU.
+INTRA_NODE_BYTES_PER_S = 300e9
+INTER_NODE_BYTES_PER_S = 25e9
 
 
 @dataclass(frozen=True)
@@ -196,4 +200,35 @@ def step_time(run: Run, cal: Calibration, *, level: int | None = None, paths: Pa
     seconds = base
     for value in factors.values():
         seconds *= value
+    comm = communication_seconds(run)
+    if comm:
+        factors["TP / CP / EP communication (assumed link bandwidths, not overlapped)"] = (seconds + comm) / seconds
+        seconds += comm
     return StepTime(seconds, factors)
+
+
+def _bandwidth(group: int) -> float:
+    return INTRA_NODE_BYTES_PER_S if group <= 8 else INTER_NODE_BYTES_PER_S
+
+
+def communication_seconds(run: Run) -> float:
+    """Per step and rank: TP's 8 collectives of the layer's activations per layer and microbatch
+    (forward and backward, with or without SP), CP's ring of k/v blocks (forward, and twice in
+    backward), EP's dispatch and combine all-to-alls (forward and backward). DP's gradient reduction
+    is taken as overlapped with the backward (megatron's --overlap-grad-reduce); PP's sends are
+    one activation per microbatch (not counted)."""
+    m, lay = run.model, run.layout
+    p = 2 if run.precision.params != "fp32" else 4
+    tokens = lay.micro_batch_size * m.seq_length // lay.cp
+    layers = m.num_layers // lay.pp
+    per_microbatch = 0.0
+    if lay.tp > 1:
+        per_microbatch += 8 * (lay.tp - 1) / lay.tp * tokens * m.hidden_size * p / _bandwidth(lay.tp) * layers
+    if lay.cp > 1:
+        kv = 2 * tokens * max(1, m.num_query_groups // lay.tp) * m.kv_channels * p
+        per_microbatch += 3 * (lay.cp - 1) * kv / _bandwidth(lay.tp * lay.cp) * layers
+    if m.is_moe and lay.ep > 1:
+        moe_layers = sum(m.moe_layer_pattern) / max(1, lay.pp)
+        routed = tokens * m.moe_router_topk * m.hidden_size * p
+        per_microbatch += 4 * (lay.ep - 1) / lay.ep * routed / _bandwidth(lay.ep * lay.expert_tp) * moe_layers
+    return per_microbatch * lay.num_microbatches

@@ -1,0 +1,175 @@
+"""`mindspeed-like plan` as a user runs it: a 70B-shaped Megatron-LM command line answered from
+arithmetic (no model, megatron.core never imported, under 5 s of CPU), compare's options, --json
+with compare's metric names, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import pytest
+
+from mindspeed_like.plan import cli
+
+LLAMA_70B = (
+    "--num-layers 80 --hidden-size 8192 --num-attention-heads 64 --group-query-attention --num-query-groups 8 "
+    "--ffn-hidden-size 28672 --swiglu --normalization RMSNorm --position-embedding-type rope "
+    "--untie-embeddings-and-output-weights --disable-bias-linear --seq-length 8192 --max-position-embeddings 8192 "
+    "--vocab-size 128256 --bf16 --tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 8 "
+    "--use-distributed-optimizer --micro-batch-size 1 --global-batch-size 1024 --lr 3e-4 --train-iters 1000 "
+    "--world-size 1024 --device-memory 80GiB"
+).split()
+METRICS = (
+    "weights_bytes",
+    "gradients_bytes",
+    "optimizer_bytes",
+    "model_state_bytes",
+    "activations_bytes",
+    "process_peak_bytes",
+)
+
+# run in a fresh interpreter with the built-in parser; report whether megatron.core was imported
+_PROBE = """
+import json, sys
+from mindspeed_like.plan.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"megatron_core_imported": "megatron.core" in sys.modules}), file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def _run(args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)  # no Megatron-LM: the built-in parser
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, env=env, timeout=300)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return done, cpu
+
+
+def test_70b_command_line_answers_fast_without_building_a_model() -> None:
+    done, cpu = _run([*LLAMA_70B, "--parser", "builtin", "--json"])
+    assert done.returncode == 0, done.stderr
+    # CPU seconds of the whole process (interpreter, imports, plan), not wall time: the machine is shared
+    assert cpu < 5.0, f"plan took {cpu:.2f} s of CPU for the 70B command line"
+    probe = json.loads(done.stderr.strip().splitlines()[-1])
+    assert probe == {"megatron_core_imported": False}
+    result = json.loads(done.stdout)
+    assert result["run"]["world_size"] == 1024 and len(result["per_rank"]) == 8
+    for stage in result["per_rank"]:
+        assert len(stage["ranks"]) == 128
+        for arm in ("megatron", "features"):
+            assert all(isinstance(stage[arm][m], int) and stage[arm][m] > 0 for m in METRICS)
+    # stage 0 holds PP microbatches in flight (1F1B), the last stage one
+    assert result["per_rank"][0]["microbatches_in_flight"] == {"0": 8}
+    assert result["per_rank"][7]["microbatches_in_flight"] == {"0": 1}
+    first = result["per_rank"][0]
+    assert first["features"]["process_peak_bytes"] < first["megatron"]["process_peak_bytes"]
+    # the model state of a 70B at TP 8 x PP 8 with the distributed optimizer over DP 16: ~1.1 B params a rank
+    state = first["megatron"]["model_state_bytes"]
+    assert 6 * 2**30 < state < 9 * 2**30, state
+
+
+def test_compare_options_text_names_every_row(capsys) -> None:
+    code = cli.main(
+        [
+            "--preset",
+            "llama",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "128",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "64",
+            "--micro-batch-size",
+            "1",
+            "--optimization-level",
+            "2",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    for label in (
+        "weights",
+        "gradients",
+        "optimizer state",
+        "activations per layer",
+        "process peak",
+        "largest temporary",
+    ):
+        assert label in out
+    assert "flash-attention" in out and "each feature's share" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--num-layer", "2"], "did you mean --num-layers"),
+        (
+            ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"],
+            "--vocab-size",
+        ),
+        (["--preset", "llama", "--fit"], "--fit needs --device-memory"),
+        (
+            [
+                "--num-layers",
+                "2",
+                "--hidden-size",
+                "64",
+                "--num-attention-heads",
+                "4",
+                "--seq-length",
+                "32",
+                "--vocab-size",
+                "100",
+                "--tensor-model-parallel-size",
+                "3",
+                "--world-size",
+                "3",
+            ],
+            "divisible by TP 3",
+        ),
+    ],
+)
+def test_bad_input_is_a_clear_error(args: list[str], message: str, capsys) -> None:
+    assert cli.main([*args, "--parser", "builtin"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_memory_sizes() -> None:
+    assert cli.memory_size("80GiB") == 80 * 2**30
+    assert cli.memory_size("80GB") == 80 * 10**9
+    assert cli.memory_size("1.5GiB") == 3 * 2**29
+    with pytest.raises(Exception, match="not a memory size"):
+        cli.memory_size("80 parsecs")
+
+
+def test_fit_prints_a_command_line_or_what_is_short(capsys) -> None:
+    base = [
+        "--preset",
+        "llama",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "128",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "256",
+        "--micro-batch-size",
+        "1",
+        "--target-device",
+        "cuda",
+    ]
+    assert cli.main([*base, "--fit", "--device-memory", "64GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: mindspeed-like compare --preset llama" in out and "--optimization-level" in out
+    assert cli.main([*base, "--fit", "--device-memory", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing fits" in out and "more than the device" in out
