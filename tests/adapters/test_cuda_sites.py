@@ -177,3 +177,17 @@ def test_refused_flags_are_megatron_arguments():
     assert result.returncode == 0, result.stderr[-3000:]
     dests = set(result.stdout.split())
     assert not set(not_adapted.refused_flags()) - dests
+
+
+def test_profile_is_refused_only_on_cudas_profiler():
+    """``--profile`` starts CUDA's profiler at --profile-step-start (the flag sweep saw it crash
+    mid-run, ``AssertionError: Torch not compiled with CUDA enabled``); with ``--use-pytorch-profiler``
+    torch's profiler runs on the host, so the flag is accepted."""
+    import argparse
+
+    from mindspeed_like.adapters.cpu_training.arguments import refuse_host_unsupported
+    from mindspeed_like.toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--profile: --profile without --use-pytorch-profiler starts CUDA's profiler"):
+        refuse_host_unsupported(argparse.Namespace(profile=True, use_pytorch_profiler=False))
+    refuse_host_unsupported(argparse.Namespace(profile=True, use_pytorch_profiler=True))

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from mindspeed_like.adapters.cpu.not_adapted import refused_flags
+from mindspeed_like.adapters.cpu.not_adapted import refused_given
 from mindspeed_like.toolkit import transformer_engine
 from mindspeed_like.toolkit.errors import ConfigError
 
@@ -86,7 +86,7 @@ def te_layers_available() -> bool:
 def refuse_host_unsupported(args) -> None:
     """A Megatron-LM flag whose code is CUDA-only (``adapters/cpu/not_adapted.py``: it would crash
     mid-run, after minutes of start-up) stops the run before anything is built, saying why."""
-    given = [(name, why) for name, why in refused_flags().items() if getattr(args, name, None)]
+    given = list(refused_given(args).items())
     if given:
         options = [f"--{name.replace('_', '-')}" for name, _ in given]
         lines = [f"{option}: {why.removeprefix(option + ': ')}" for option, (_, why) in zip(options, given)]
