@@ -164,6 +164,18 @@ def _one_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[to
     return F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d)), v
 
 
+def _nan_query_rows(q: torch.Tensor) -> torch.Tensor:
+    """``[b, n, s, 1]``: NaN where the query row holds a NaN, else 0; added to SDPA's output.
+
+    megatron's scores of such a row are NaN at every key, so its softmax and output row are NaN
+    (and its loss, and megatron's NaN guard stops the run). Torch's CPU flash kernel returns a
+    row of zeros there instead (its running max skips NaN): a NaN reaching attention vanished.
+    Detached: the gradient reaching SDPA is unchanged; one pass over q and one add."""
+    with torch.no_grad():
+        finite = ~torch.isnan(q).any(dim=-1, keepdim=True)
+        return torch.where(finite, 0.0, float("nan")).to(q.dtype)
+
+
 def _portable_bnsd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -197,6 +209,7 @@ def _portable_bnsd(
             qp, kp, vp, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=nq != nk
         )
         out = out[..., :dv] if out.shape[-1] != dv else out
+        out = out + _nan_query_rows(q)
     if empty is not None:
         out = torch.where(empty, _uniform_rows(v, nq).to(out.dtype), out)
     return out

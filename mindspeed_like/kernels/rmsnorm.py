@@ -66,14 +66,37 @@ def reference_rms_norm(
     return (xf * rstd * _scale(weight.float(), zero_centered_gamma)).to(x.dtype)
 
 
-class _PortableRMSNorm(torch.autograd.Function):
-    """Works on a [rows, hidden] view (hidden = gamma.numel()); backward in fp32.
+def rms_norm_backward(
+    grad_out: torch.Tensor, x: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dx (x's dtype) and fp32 dgamma of ``y = x * rstd * gamma`` on ``[rows, hidden]`` views.
 
-    Backward, with x_hat = x * rstd and gx = dy * x_hat:
-    dgamma = sum_rows(gx); dx = rstd * (dy * gamma - x_hat * mean_hidden(gx * gamma)),
-    where mean_hidden(gx * gamma) is one matrix-vector product (gx @ gamma / hidden). dy * rstd
-    is formed first so that x_hat is never materialised (one fewer full pass on CPU).
-    """
+    The operations and their order are those torch's autograd runs through megatron's RMSNorm
+    (``torch.nn.functional.rms_norm``: x upcast, ``rsqrt(pow(x, 2).mean(-1) + eps)``, ``x * rstd``,
+    ``* gamma``), so that non-finite values land where megatron's do (issue 37 item 3): once
+    ``mean(x^2)`` overflows, rstd is 0 and ``sum(dy * gamma * x) * rstd^3`` is ``inf * 0 = NaN``
+    on megatron's path, where an algebraically equal order that scales by rstd first gave 0 and
+    hid a diverged run for 10 iterations. With this order the results also equal torch's
+    autograd bitwise (tests/kernels/test_nonfinite_propagation.py). ``gamma``: fp32 ``[hidden]``;
+    ``rstd``: fp32 ``[rows, 1]``."""
+    xf = x.float()  # no copy for fp32 input
+    g = grad_out.float()
+    if g.data_ptr() == grad_out.data_ptr():
+        g = g.clone()  # updated in place below; autograd's grad_out is not ours to change
+    buf = xf * rstd  # x_hat, as the forward made it
+    grad_gamma = buf.mul_(g).sum(0)  # d(x_hat * gamma)/dgamma
+    g_hat = g.mul_(gamma)  # the gradient reaching x_hat = x * rstd
+    grad_rstd = torch.mul(g_hat, xf, out=buf).sum(1, keepdim=True)
+    grad_mean = (grad_rstd * -0.5) * rstd.pow(3)  # rsqrt's derivative; mean(x^2) + eps passes it on
+    grad_x = g_hat.mul_(rstd)  # the branch through x_hat's x
+    two_x = xf.mul_(2) if xf.data_ptr() != x.data_ptr() else torch.mul(xf, 2, out=buf)
+    grad_x.add_(two_x.mul_(grad_mean / x.shape[1]))  # mean's, then pow(x, 2)'s derivative
+    return grad_x.to(x.dtype), grad_gamma  # both branches meet at x's one upcast
+
+
+class _PortableRMSNorm(torch.autograd.Function):
+    """Works on a [rows, hidden] view (hidden = gamma.numel()); saves only x and the fp32 rstd;
+    backward: :func:`rms_norm_backward`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
@@ -102,18 +125,9 @@ class _PortableRMSNorm(torch.autograd.Function):
         weight = ctx.weight
         hidden = weight.numel()
         gamma = _scale(weight.reshape(hidden).float(), ctx.zero_centered_gamma)
-        xf = x.reshape(-1, hidden).float()
-        g = grad_out.reshape(-1, hidden).float()  # upcast once: mixed-dtype ops are slow on CPU
-        # g_r = dy * rstd, so gx = g_r * x = dy * x_hat without materialising x_hat.
-        g_r = g.mul_(rstd) if g.data_ptr() != grad_out.data_ptr() else g * rstd
-        gx = g_r * xf
-        grad_weight = gx.sum(0).reshape(weight.shape).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            proj = torch.mv(gx, gamma).div_(hidden).unsqueeze(1)  # mean_hidden(gx * gamma)
-            # dx = rstd * (dy * gamma - x_hat * proj) = g_r * gamma - x * (rstd^2 * proj)
-            dx = torch.mul(g_r, gamma, out=gx)  # reuse gx's buffer
-            grad_x = dx.addcmul_(xf, proj.mul_(rstd).mul_(rstd), value=-1).to(x.dtype).reshape(x.shape)
+        grad_x, grad_gamma = rms_norm_backward(grad_out.reshape(-1, hidden), x.reshape(-1, hidden), gamma, rstd)
+        grad_weight = grad_gamma.reshape(weight.shape).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_x = grad_x.reshape(x.shape) if ctx.needs_input_grad[0] else None
         return grad_x, grad_weight, None, None
 
 
