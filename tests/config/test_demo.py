@@ -54,3 +54,5 @@ def test_a_ratio_below_one_is_explained_in_one_sentence():
     assert "recompute-activation-function trade time for memory" in level2 and "0.26x" in level2
     assert "flash-attention" not in level2 and "--optimization-level 1" in level2
     assert demo.why_below_one(_result(0.9, ["flash-attention"])).startswith("below 1x")
+    busy = demo.why_below_one(_result(0.9, ["recompute-activation-function"]), busy=True, load=9.5)
+    assert "busy (load average 9.5" in busy and "trade time" not in busy
