@@ -5,7 +5,7 @@ identical training. Layouts: ``float16.py``, ``distributed.py``; targets: ``wrap
 from __future__ import annotations
 
 from mindspeed_like.engine import Kind, Patch
-from mindspeed_like.features.reuse_fp32_param import live
+from mindspeed_like.features.reuse_fp32_param import live, readers
 from mindspeed_like.features.reuse_fp32_param import wrappers as w
 from mindspeed_like.features.reuse_fp32_param.float16 import ReuseFp32ParamUnsupported, state_of
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
@@ -102,6 +102,7 @@ def patches(ctx: Context) -> list[Patch]:
             Patch(f"{DISTRIB}.{n}", Kind.WRAP, w.materialize_first, why=why_reader, versions=versions)
             for n, versions in MASTER_READERS.items()
         ],
+        *readers.patches(ctx),  # Megatron-LM's readers of masters (--log-params-norm)
     ]
 
 
