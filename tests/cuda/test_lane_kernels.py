@@ -354,10 +354,16 @@ def test_linear_cross_entropy(lane_device, dtype):
 # ---------------------------------------------------------------- the compiled kernels compiled
 
 
-def test_compiled_kernels_compile_on_the_device(lane_device):
-    """With TorchDynamo on (how users run, and how the GPU lane runs) the portable SwiGLU, RMSNorm
-    and partial RoPE run as compiled kernels on this device: a compile failure would fall back to the
-    eager math said once, and the parity would still pass, so it is checked here."""
+def test_each_kernel_takes_its_device_path(lane_device):
+    """With TorchDynamo on (how users run, and how the GPU lane runs) each portable op takes the path
+    meant for this device, checked because a fallback (said once) would still pass the parity:
+
+    - SwiGLU: the cuda backend's Triton kernels where their once-per-device check passed (on a GPU;
+      in the CPU self-check outside Triton's interpreter that check fails and the compiled op runs);
+    - RMSNorm: the cuda backend is torch's own fused kernel (F.rms_norm), never the compiled op;
+    - partial RoPE: the compiled kernels (no CUDA-specific RoPE)."""
+    from mindspeed_like.kernels.backends import cuda_swiglu
+
     dynamo_off = os.environ.get("TORCHDYNAMO_DISABLE", "") not in ("", "0") or torch._dynamo.config.disable
     if dynamo_off:
         if os.environ.get(DEVICE_ENV) == "cuda":  # the lane asked for by name (`make test-cuda`, the GPU command)
@@ -365,14 +371,23 @@ def test_compiled_kernels_compile_on_the_device(lane_device):
         pytest.skip("TORCHDYNAMO_DISABLE is set: the compiled kernels run eagerly in this run")
     why = compiled.unavailable(lane_device)
     assert why is None, f"compiled kernels unavailable on {lane_device.type}: {why}"
+    triton_swiglu = cuda_swiglu.failed_check(lane_device) is None
+    if lane_device.type == "cuda":
+        assert triton_swiglu, f"the Triton SwiGLU did not pass its check on {lane_device}"
+    before = dict(compiled._compiled)
     with as_on_cuda(lane_device):
         x = torch.randn(64, 256, device=lane_device, requires_grad=True)
-        swiglu(x).sum().backward()
+        out = swiglu(x)
+        out.sum().backward()
         y = torch.randn(64, 64, device=lane_device, requires_grad=True)
         rms_norm(y, torch.ones(64, device=lane_device, requires_grad=True)).sum().backward()
         t = torch.randn(32, 2, 4, 16, device=lane_device, requires_grad=True)
         apply_rope(t, torch.rand(32, 1, 1, 8, device=lane_device)).sum().backward()
-    for name in ("swiglu", "swiglu_backward", "rms_norm", "rms_norm_backward", "rope", "rope_backward"):
+    assert ("TritonSwiGLU" in type(out.grad_fn).__name__) == triton_swiglu, type(out.grad_fn).__name__
+    for name in ("rms_norm", "rms_norm_backward"):
+        assert compiled._compiled.get(name) is before.get(name), f"{name} took the compiled op under the cuda backend"
+    compiled_names = ("rope", "rope_backward") + (() if triton_swiglu else ("swiglu", "swiglu_backward"))
+    for name in compiled_names:
         body = compiled._compiled.get(name)
         assert body is not None and body is not getattr(compiled, f"{name}_math"), (
             f"{name} ran eagerly on {lane_device.type} (compiling it failed: see the log's 'compiling {name} failed')"
