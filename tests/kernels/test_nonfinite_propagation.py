@@ -28,7 +28,7 @@ from mindspeed_like.kernels import compiled
 from mindspeed_like.kernels.rmsnorm import _PortableRMSNorm, rms_norm_backward
 from mindspeed_like.testing.parity import SEED
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)]  # fp16: make test-all
 SPECIALS = {"nan": math.nan, "+inf": math.inf, "-inf": -math.inf}
 
 
@@ -343,7 +343,7 @@ def _megatron_linear_cross_entropy(labels):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("chunk", [0, 3], ids=["one-chunk", "chunks-of-3"])
+@pytest.mark.parametrize("chunk", [pytest.param(0, marks=pytest.mark.slow), 3], ids=["one-chunk", "chunks-of-3"])
 def test_linear_cross_entropy_nonfinite_placement_is_megatrons(adapter, dtype, chunk):
     from mindspeed_like.kernels.linear_cross_entropy import linear_cross_entropy
 
@@ -375,7 +375,7 @@ def _per_expert_matmuls(counts: list[int], trans_b: bool):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("engine", ["grouped_mm", "loop"])
-@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("trans_b", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_grouped_gemm_nonfinite_stays_in_its_expert(dtype, engine, trans_b):
     """A NaN/inf in one expert's weight or rows reaches exactly the outputs and gradients megatron's
     per-expert matmuls reach, never another expert's (an empty expert included)."""

@@ -7,6 +7,7 @@ pretrain_gpt.py: tests/reliability/test_megatron_lm_params_norm.py."""
 
 from __future__ import annotations
 
+import pytest
 import readers_workers as R
 import reuse_fp32_workers as W
 
@@ -23,6 +24,7 @@ def test_float16_optimizer_params_norm_reads_true_masters():
     _check(R.masters_read_by_megatron(False))
 
 
+@pytest.mark.slow  # two processes; the opt-in pretrain_gpt.py test runs DP=2 as well
 def test_distributed_optimizer_dp2_params_norm_reads_true_masters():
     for rank in run_distributed(R.masters_read_by_megatron, 2, True, timeout=300):
         _check(rank)
