@@ -48,9 +48,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def doc_files(root: Path = REPO) -> list[Path]:
-    """The documents whose numbers are rendered: README, docs/index.md and architecture.md, docs/features/*.md."""
+    """The documents whose numbers are rendered: README, docs/index.md, architecture.md and plan.md,
+    docs/features/*.md."""
     docs = root / "docs"
-    return [root / "README.md", docs / "index.md", docs / "architecture.md", *sorted((docs / "features").glob("*.md"))]
+    return [
+        root / "README.md",
+        docs / "index.md",
+        docs / "architecture.md",
+        docs / "plan.md",
+        *sorted((docs / "features").glob("*.md")),
+    ]
 
 
 class RecordError(LookupError):
@@ -551,6 +558,58 @@ def _moe_breakdown(record: str) -> Renderer:
 for _record in ("moe", "moe-issue-size"):
     table(_record)(_moe_results(_record))
     table(f"{_record}.breakdown")(_moe_breakdown(_record))
+
+
+# `mindspeed-like plan` against measurement (python -m mindspeed_like.plan.accuracy / .fit_check --record)
+def _signed_pct(value: Any) -> str:
+    return "-" if value is None else f"{value:+.2f}%"
+
+
+def _theory_errors(row: dict[str, Any]) -> str:
+    state, activations = row["theory_error_model_state_pct"], row["theory_error_activations_pct"]
+    return f"{_signed_pct(state)} / {_signed_pct(activations)}"
+
+
+@table("plan_accuracy")
+def _plan_accuracy(recs: Records) -> list[str]:
+    """Per compare record and arm: measured per rank, the plan's error, report_theoretical_memory's."""
+
+    def measured_and_error(short: str) -> Col:
+        def cell(row: dict[str, Any]) -> str:
+            return f"{row[f'measured_{short}'] / 2**20:,.1f} ({_signed_pct(row[f'error_{short}_pct'])})"
+
+        return Col(f"{short.replace('_', ' ')} MiB (plan's error)", cell)
+
+    return columns_table(
+        recs.rows("plan-accuracy", table="plan_accuracy"),
+        [
+            Col("case", "case"),
+            Col("arm", "arm"),
+            measured_and_error("model_state"),
+            measured_and_error("activations"),
+            measured_and_error("process_peak"),
+            Col("Megatron-LM theory: state / activations", _theory_errors),
+            Col("note", lambda row: row.get("notes") or ""),
+        ],
+    )
+
+
+@table("plan_fit")
+def _plan_fit(recs: Records) -> list[str]:
+    return columns_table(
+        recs.rows("plan-fit", table="plan_fit"),
+        [
+            Col("case", "case"),
+            Col("budget MiB", "budget_MiB", ",.0f"),
+            Col("megatron's peak MiB", "megatron_peak_MiB", ",.0f"),
+            Col("levels measured", "levels_measured"),
+            Col("--fit chose level", "recommended_level"),
+            Col("predicted peak MiB", "predicted_peak_MiB", ",.0f"),
+            Col("measured peak MiB", "measured_peak_MiB", ",.0f"),
+            Col("step time vs the best fitting level", "time_vs_best_fitting", ".2f", "x"),
+            Col("verdict", "verdict"),
+        ],
+    )
 
 
 # -- rendering a document -----------------------------------------------------------------------
