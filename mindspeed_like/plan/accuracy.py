@@ -109,6 +109,7 @@ def cases_of(path: Path) -> list[Case]:
     pred = predict(run, switches.paths(run), switches.enabled)
     rows = {row["metric"]: row for row in rec["rows"] if "metric" in row}
     theory_figures = theory.report(run) if run.layout.pp == 1 else None
+    compiled = rec["host"].get("torchdynamo_disable") != "1"
     size = (
         f"{options['num_layers']}L h{options['hidden_size']} s{options['seq_length']} mbs{options['micro_batch_size']}"
     )
@@ -125,6 +126,10 @@ def cases_of(path: Path) -> list[Case]:
             else:
                 measured[metric] = max(values)
             predicted[metric] = max(mine)
+        if compiled:
+            notes.append(
+                "torch.compile on: its process runtime is not the eager baselines' (peak not held to the target)"
+            )
         if any(not line.metered for s in arm.stages for line in s.state):
             notes.append("reuse-fp32-param's residual shard is not in compare's optimizer meter: compared without it")
         theory_arm = None
@@ -156,10 +161,18 @@ def row_of(case: Case) -> dict[str, Any]:
     return row
 
 
+def held(case: Case, metric: str) -> bool:
+    """Whether the target applies: a run with torch.compile on has another process runtime than the
+    eager baseline records the CPU peak is calibrated by."""
+    return not (metric == "process_peak_bytes" and any(n.startswith("torch.compile on") for n in case.notes))
+
+
 def missed(case: Case) -> list[str]:
     """The targets this case misses, as text."""
     out = []
     for metric, bound in TARGETS.items():
+        if not held(case, metric):
+            continue
         err = case.error(metric)
         if abs(err) > bound:
             out.append(f"{case.record} {case.arm} {metric}: {100 * err:+.2f}% (target +-{100 * bound:.0f}%)")

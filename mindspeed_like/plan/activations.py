@@ -171,7 +171,18 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
         rows = [r for r in rows if r is not None]
         qkv_viewed = True  # v (and q, k without RoPE) are views of the projection's output
         rows.append(
-            Saved("core_attn", "attention output (= linear_proj input)", p * t * a * d, feature="flash-attention")
+            Saved(
+                "core_attn",
+                "attention output (the kernel's, for its backward)",
+                p * t * a * d,
+                feature="flash-attention",
+            )
+        )
+        # the output plus megatron's NaN rows (kernels/flash_attention._nan_query_rows) is a new tensor
+        rows.append(
+            Saved(
+                "attention", "attention output + NaN rows (linear_proj input)", p * t * a * d, feature="flash-attention"
+            )
         )
         rows.append(Saved("core_attn", "fp32 log-sum-exp", FP32 * dims.b * a * dims.s, feature="flash-attention"))
         out += rows

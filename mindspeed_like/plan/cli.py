@@ -72,6 +72,12 @@ def plan_parser() -> argparse.ArgumentParser:
         help="the flags that fit --device-memory with the least predicted step time, as a command line",
     )
     g.add_argument(
+        "--headroom",
+        type=float,
+        default=0.05,
+        help="--fit keeps the predicted peak within (1 - headroom) x --device-memory (default 0.05)",
+    )
+    g.add_argument(
         "--json", action="store_true", help="machine-readable: per rank, megatron and features, compare's metric names"
     )
     g.add_argument(
@@ -130,7 +136,9 @@ def plan(rest: list[str], own: argparse.Namespace) -> Any:
 
         if own.device_memory is None:
             raise ConfigError("plan: --fit needs --device-memory (e.g. --device-memory 80GiB)")
-        fit_result = fit(run, switches, own.device_memory, own.world_size)
+        if not 0 <= own.headroom < 1:
+            raise ConfigError(f"plan: --headroom must be in [0, 1), got {own.headroom}")
+        fit_result = fit(run, switches, own.device_memory, own.world_size, own.headroom)
         if not own.json:
             return report.text(pred, line, own.verbose) + "\n\n" + render_fit(fit_result)
     if own.json:

@@ -10,7 +10,9 @@ Searched (every combination; each is arithmetic, no model is built):
   distributed optimizer where DP > 1, sequence parallelism where TP > 1;
 - with `mindspeed-like compare`'s options only the level (compare runs the given layout).
 
-A configuration fits when its largest rank's predicted peak is at most ``--device-memory``; among
+A configuration fits when its largest rank's predicted peak is at most ``--device-memory`` less
+``--headroom`` (5% by default: a CPU host's resident set varied by about that much between identical
+runs; on a GPU the CUDA context and communication buffers are not in the allocator's peak); among
 those the fastest by :mod:`timing` wins. The answer is a ready command line, the predicted peak per
 pipeline stage, and why each choice was made (the alternatives one step away: over budget by how
 much, or slower by how much). When nothing fits: the leanest configuration and what is short.
@@ -59,6 +61,7 @@ class FitResult:
     best: Candidate | None
     leanest: Candidate
     tried: int
+    usable: int
     reasons: tuple[str, ...]
     command: str
     calibration: timing.Calibration
@@ -121,7 +124,13 @@ def _layouts(run: Run, world: int | None) -> list[Layout]:
     return out
 
 
-def fit(run: Run, switches: features.Switches, budget: int, world: int | None) -> FitResult:
+DEFAULT_HEADROOM = 0.05
+
+
+def fit(
+    run: Run, switches: features.Switches, budget: int, world: int | None, headroom: float = DEFAULT_HEADROOM
+) -> FitResult:
+    """The fastest configuration whose predicted peak is within ``(1 - headroom) x budget``."""
     levels = _levels()
     counted = timing.flops_model(run)
     sequences = run.layout.micro_batch_size * run.layout.num_microbatches * run.layout.dp
@@ -137,13 +146,14 @@ def fit(run: Run, switches: features.Switches, budget: int, world: int | None) -
         except ConfigError:
             continue
         paths = megatron_paths() if level == 0 else levels[level].paths(trial)
-        arm = predict_arm(trial, "features", paths)
+        arm = predict_arm(trial, "megatron" if level == 0 else "features", paths)
         peaks = tuple(s.peak.total for s in arm.stages)
         time = timing.step_time(trial, cal, level=level)
         candidates.append(Candidate(level, rc, layout, peaks, time.seconds, time.factors))
     if not candidates:
         raise ConfigError("plan --fit: no layout of these sizes divides the model (heads, layers, sequence, batch)")
-    fitting = [c for c in candidates if c.peak <= budget]
+    usable = budget * (1 - headroom)
+    fitting = [c for c in candidates if c.peak <= usable]
     best = None
     if fitting:
         # within 1% of the fastest, the smaller model-parallel group, then the larger micro-batch
@@ -165,7 +175,8 @@ def fit(run: Run, switches: features.Switches, budget: int, world: int | None) -
         best=best,
         leanest=leanest,
         tried=len(candidates),
-        reasons=tuple(_reasons(chosen, candidates, budget)),
+        usable=int(usable),
+        reasons=tuple(_reasons(chosen, candidates, int(usable))),
         command=command_line(run, chosen),
         calibration=cal,
     )
@@ -272,13 +283,14 @@ def _drop(tokens: list[str], options: dict[str, int]) -> list[str]:
 
 
 def render_fit(result: FitResult) -> str:
-    lines = [f"--fit: {result.tried} configurations tried against {size(result.budget)} a device"]
+    budget, usable = size(result.budget), size(result.usable)
+    lines = [f"--fit: {result.tried} configurations tried against {budget} a device (usable: {usable})"]
     chosen = result.best
     if chosen is None:
         lean = result.leanest
         lines.append(
             f"nothing fits: the leanest configuration needs {size(lean.peak)} on its largest rank, "
-            f"{size(lean.peak - result.budget)} more than the device ({result.command})"
+            f"{size(lean.peak - result.usable)} more than the device's usable {size(result.usable)} ({result.command})"
         )
         lines.append(
             "short by that much: more ranks (--world-size), a shorter sequence or a smaller micro-batch would be needed"
@@ -311,7 +323,8 @@ def fit_json(result: FitResult) -> dict[str, Any]:
         "level": chosen.level,
         "peak_per_stage_bytes": list(chosen.peaks),
         "predicted_step_time_s": chosen.seconds,
-        "short_by_bytes": 0 if result.best else chosen.peak - result.budget,
+        "short_by_bytes": 0 if result.best else chosen.peak - result.usable,
+        "usable_bytes": result.usable,
         "why": list(result.reasons),
         "tried": result.tried,
     }

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mindspeed_like.plan.accuracy import compare_records
+from mindspeed_like.plan.fit import DEFAULT_HEADROOM
 from mindspeed_like.toolkit import records
 
 RECORD = "plan-fit"
@@ -115,7 +116,10 @@ def cases() -> list[FitCase]:
         others = [m.peak for level, m in levels.items() if level > 0]
         if max(others) >= levels[0].peak:
             continue  # no budget below megatron's peak fits the other levels
-        budget = (levels[0].peak + max(others)) / 2
+        # below megatron's peak, above every other level's with room for the fit's headroom
+        budget = min(0.97 * levels[0].peak, max(others) / (1 - DEFAULT_HEADROOM) * 1.01)
+        if budget <= max(others):
+            continue  # the levels' peaks lie within a few % of megatron's: no budget separates them
         args = argparse.Namespace(**options)
         command = ["--preset", options["preset"]] + _size_tokens(options)
         run = run_from_compare(args, {}, recs[0]["host"].get("device", "cpu"), command=command)

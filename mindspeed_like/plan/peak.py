@@ -72,11 +72,11 @@ def family(run: Run) -> str:
     return "moe" if run.model.is_moe else "dense"
 
 
-@functools.lru_cache(maxsize=8)
-def runtime_bytes(device: str, kind: str = "dense") -> int:
+@functools.lru_cache(maxsize=16)
+def runtime_bytes(device: str, kind: str = "dense", arm: str = "megatron") -> int:
     """The process's memory before any model tensor: on a CPU host the baseline record's measured
-    peak minus what that tiny run's tensors held (predicted by this model); 0 for an accelerator's
-    allocator."""
+    peak of that arm (the features load more code than megatron's path) minus what that tiny
+    run's tensors held (predicted by this model); 0 for an accelerator's allocator."""
     if device != "cpu":
         return 0
     import argparse
@@ -91,19 +91,16 @@ def runtime_bytes(device: str, kind: str = "dense") -> int:
     record = records.read(path)
     rows = {row["metric"]: row for row in record["rows"] if "metric" in row}
     run = run_from_compare(argparse.Namespace(**record["options"]), {}, "cpu")
-    held = (
-        rows["model_state_bytes"]["megatron"]
-        + rows["activations_bytes"]["megatron"]
-        + build_bytes(run, megatron_paths())
-    )
-    return int(rows["process_peak_bytes"]["megatron"] - held)
+    side = arm if arm in ("megatron", "features") else "features"
+    held = rows["model_state_bytes"][side] + rows["activations_bytes"][side] + build_bytes(run, megatron_paths())
+    return int(rows["process_peak_bytes"][side] - held)
 
 
 def build_bytes(run: Run, paths: Paths) -> int:
     """What building the model leaves in a CPU process: compare's workers build in fp32 and cast
     to bf16 (Float16Module), the TE spec's model from a local-spec model of the same seed (4 + 4 + 2
     bytes a parameter), the local spec once (4 + 2); glibc keeps those pages for the rest of the
-    run. An accelerator run counts only live bytes (0 here)."""
+    run. An accelerator run counts only live bytes (0)."""
     if run.device != "cpu" or run.precision.params == "fp32":
         return 0
     per = 10 if run.transformer_impl == "transformer_engine" else 6
@@ -164,6 +161,7 @@ def estimate(
     lines: Sequence[Line],
     chunk_rows: Sequence[dict[str, list[Saved]]],
     in_flight: dict[int, int],
+    arm: str = "megatron",
 ) -> Peak:
     held = sum(sum(r.total for rows in chunk_rows[c].values() for r in rows) * n for c, n in in_flight.items())
     last = any("head" in rows for rows in chunk_rows)
@@ -171,7 +169,7 @@ def estimate(
     state = sum(line.bytes for line in lines)
     largest = run.model.vocab_size // run.layout.tp * run.model.hidden_size
     return Peak(
-        runtime=runtime_bytes(run.device, family(run)),
+        runtime=runtime_bytes(run.device, family(run), arm),
         build=build_bytes(run, paths),
         model_state=state,
         activations=held,

@@ -47,7 +47,7 @@ def _selective(run: Run, dims: Dims, rows: list[Saved]) -> list[Saved]:
     modules = run.recompute.modules
     out = list(rows)
     if "core_attn" in modules:
-        kept = [r for r in out if r.component != "core_attn" or "output" in r.what]
+        kept = [r for r in out if r.component != "core_attn"]  # the output linear_proj keeps is "attention"
         m = run.model
         if m.multi_latent_attention:
             qk = m.qk_head_dim + m.qk_pos_emb_head_dim

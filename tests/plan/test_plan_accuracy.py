@@ -1,0 +1,85 @@
+"""The accuracy lane: every CPU compare record in results/ predicted from its own options and held
+to issue 38's targets (model state within 2%, activations and process peak within 10%), and the
+rendered record (results/plan-accuracy.json, docs/plan.md's table) equal to what the plan predicts
+now. No training runs here: the measurements are the records."""
+
+from __future__ import annotations
+
+import pytest
+
+from mindspeed_like.plan import accuracy
+from mindspeed_like.toolkit import records
+
+# Targets this lane misses, each with the error it measured and why; the bound keeps it from
+# getting worse unnoticed (record, arm, metric) -> (bound as a fraction, reason)
+_RSS = (
+    "CPU resident set above the modeled terms: glibc's heap grows over a run's steps (a DeepSeek run: 647, 714, "
+    "756 MiB after steps 1-3) and identical runs' peaks differed by up to 60 MiB; under-predicted"
+)
+KNOWN_MISSES: dict[tuple[str, str, str], tuple[float, str]] = {
+    ("compare-plan-deepseek-level1", "features", "process_peak_bytes"): (0.13, _RSS),
+    ("compare-plan-deepseek-level2", "features", "process_peak_bytes"): (0.14, _RSS),
+    ("compare-plan-llama-dp2-distopt-level2", "features", "process_peak_bytes"): (0.14, _RSS),
+    ("compare-plan-llama-tp2-sp-level1", "megatron", "process_peak_bytes"): (0.13, _RSS),
+    ("compare-plan-moe-ep2-dp2-level2", "megatron", "process_peak_bytes"): (0.12, _RSS),
+    ("compare-plan-qwen3-moe-level1", "megatron", "process_peak_bytes"): (0.12, _RSS),
+    ("compare-plan-qwen3-moe-level2", "megatron", "process_peak_bytes"): (0.13, _RSS),
+}
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[accuracy.Case]:
+    return accuracy.all_cases()
+
+
+def test_the_lane_covers_the_presets_and_layouts(cases: list[accuracy.Case]) -> None:
+    presets = {case.layout.split()[0] for case in cases}
+    assert {"llama", "moe", "qwen3-moe", "deepseek", "gpt"} <= presets
+    layouts = " ".join(case.layout for case in cases)
+    for layout in ("TP2 SP", "PP2", "VPP", "CP2", "EP2", "distopt", "local spec", "level 1", "level 2"):
+        assert layout in layouts, layout
+
+
+def test_every_case_is_within_its_target(cases: list[accuracy.Case]) -> None:
+    failures = []
+    for case in cases:
+        for metric, bound in accuracy.TARGETS.items():
+            if not accuracy.held(case, metric):
+                continue  # torch.compile on: another process runtime than the eager baselines
+            known = KNOWN_MISSES.get((case.record, case.arm, metric))
+            limit = known[0] if known else bound
+            err = case.error(metric)
+            if abs(err) > limit:
+                failures.append(f"{case.record} {case.arm} {metric}: {100 * err:+.2f}% (bound {100 * limit:.0f}%)")
+        for metric in ("weights_bytes", "gradients_bytes", "optimizer_bytes"):
+            if abs(case.error(metric)) > accuracy.TARGETS["model_state_bytes"]:
+                failures.append(f"{case.record} {case.arm} {metric}: {100 * case.error(metric):+.2f}%")
+    assert not failures, "\n".join(failures)
+
+
+def test_known_misses_are_still_misses(cases: list[accuracy.Case]) -> None:
+    """A miss that the plan now meets leaves the list (the docs' claims follow the lane)."""
+    by_key = {(c.record, c.arm): c for c in cases}
+    for (record, arm, metric), (_, why) in KNOWN_MISSES.items():
+        case = by_key[(record, arm)]
+        assert abs(case.error(metric)) > accuracy.TARGETS[metric], (
+            f"{record} {arm} {metric} now meets its target: {why}"
+        )
+
+
+def test_the_rendered_record_is_what_the_plan_predicts_now(cases: list[accuracy.Case]) -> None:
+    path = records.results_dir() / f"{accuracy.RECORD}.json"
+    rows = [r for r in records.read(path)["rows"] if r.get("table") == accuracy.TABLE]
+    fresh = [accuracy.row_of(case) for case in cases]
+    assert [(r["record"], r["arm"]) for r in rows] == [(r["record"], r["arm"]) for r in fresh], (
+        "results/plan-accuracy.json is stale: `python -m mindspeed_like.plan.accuracy --record` then `make docs`"
+    )
+    for old, new in zip(rows, fresh):
+        for key, value in new.items():
+            if key.startswith("theory_") and value is None:
+                continue  # Megatron-LM not at hand here: the record keeps its figures
+            expected = pytest.approx(value, rel=1e-9) if isinstance(value, float) else value
+            assert old[key] == expected, (
+                f"{new['record']} {new['arm']} {key}: recorded {old[key]}, now {value}: "
+                "`python -m mindspeed_like.plan.accuracy --record` then `make docs`"
+            )
