@@ -79,6 +79,8 @@ bench-gpu:
 # The docs' numeric tables and quoted figures, re-rendered from results/ (`--check`: `make test`'s
 # tests/docs/test_doc_tables.py does the same comparison and names a hand-edited row).
 docs: $(STAMP)
+	$(PY) -m mindspeed_like.plan.accuracy --record > /dev/null
+	$(PY) -m mindspeed_like.plan.fit_check --record > /dev/null
 	$(PY) -m mindspeed_like.toolkit.doc_tables
 
 lint: $(STAMP)

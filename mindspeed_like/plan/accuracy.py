@@ -198,6 +198,18 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.1f}%"
 
 
+def _previous_theory(path: Path) -> dict[tuple[str, str], dict[str, float]]:
+    """The report_theoretical_memory errors of the record being replaced, by (record, arm)."""
+    if not path.exists():
+        return {}
+    out = {}
+    for row in records.read(path)["rows"]:
+        kept = {k: v for k, v in row.items() if k.startswith("theory_") and v is not None}
+        if kept:
+            out[(row["record"], row["arm"])] = kept
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mindspeed_like.plan.accuracy",
@@ -220,11 +232,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  " + m)
     if args.record:
         name = records.device_record_name(RECORD, args.device)
+        previous = _previous_theory(records.results_dir() / f"{name}.json")
         rec = records.Record(
             name, command=["python", "-m", "mindspeed_like.plan.accuracy", "--record", "--device", args.device]
         )
         for case in cases:
-            rec.add_row(**row_of(case))
+            row = row_of(case)
+            for key, value in previous.get((case.record, case.arm), {}).items():
+                if row.get(key) is None:
+                    row[key] = value  # Megatron-LM not at hand: its figures are a function of the options
+            rec.add_row(**row)
         rec.extra["targets_pct"] = {k: 100 * v for k, v in TARGETS.items()}
         rec.extra["records"] = sorted({case.record for case in cases})
         print("wrote", rec.write())
