@@ -72,7 +72,7 @@ def test_the_rendered_record_is_what_the_plan_predicts_now(cases: list[accuracy.
     rows = [r for r in records.read(path)["rows"] if r.get("table") == accuracy.TABLE]
     fresh = [accuracy.row_of(case) for case in cases]
     assert [(r["record"], r["arm"]) for r in rows] == [(r["record"], r["arm"]) for r in fresh], (
-        "results/plan-accuracy.json is stale: `python -m mindspeed_like.plan.accuracy --record` then `make docs`"
+        "results/plan-accuracy.json is stale: `make docs`"
     )
     for old, new in zip(rows, fresh):
         for key, value in new.items():
@@ -80,6 +80,5 @@ def test_the_rendered_record_is_what_the_plan_predicts_now(cases: list[accuracy.
                 continue  # Megatron-LM not at hand here: the record keeps its figures
             expected = pytest.approx(value, rel=1e-9) if isinstance(value, float) else value
             assert old[key] == expected, (
-                f"{new['record']} {new['arm']} {key}: recorded {old[key]}, now {value}: "
-                "`python -m mindspeed_like.plan.accuracy --record` then `make docs`"
+                f"{new['record']} {new['arm']} {key}: recorded {old[key]}, now {value}: `make docs`"
             )

@@ -50,7 +50,7 @@ def test_each_recommendation_is_near_the_fastest_fitting_level(cases: list[fit_c
 def test_the_rendered_record_is_what_the_fit_chooses_now(cases: list[fit_check.FitCase]) -> None:
     rows = [r for r in records.read(records.results_dir() / f"{fit_check.RECORD}.json")["rows"]]
     fresh = [fit_check.row_of(c) for c in cases]
-    stale = "results/plan-fit.json is stale: `python -m mindspeed_like.plan.fit_check --record` then `make docs`"
+    stale = "results/plan-fit.json is stale: `make docs`"
     assert [r["case"] for r in rows] == [r["case"] for r in fresh], stale
     for old, new in zip(rows, fresh):
         for key, value in new.items():
