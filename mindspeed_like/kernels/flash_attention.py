@@ -209,7 +209,11 @@ def _portable_bnsd(
             qp, kp, vp, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=nq != nk
         )
         out = out[..., :dv] if out.shape[-1] != dv else out
-        out = out + _nan_query_rows(q)
+        if q.device.type != "cpu" or torch.isnan(q).any():
+            # On a host the check is free and the rare NaN case alone pays for the add (a new tensor:
+            # the output projection then saves it beside SDPA's own saved output, one more copy a
+            # layer); on an accelerator the check would be a host sync per layer, so the add runs.
+            out = out + _nan_query_rows(q)
     if empty is not None:
         out = torch.where(empty, _uniform_rows(v, nq).to(out.dtype), out)
     return out
