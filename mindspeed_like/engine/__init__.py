@@ -1,6 +1,6 @@
 """The patching engine: knows neither kernels nor megatron; applies, stacks and undoes patches."""
 
-from mindspeed_like.engine.engine import PatchEngine, distribution_version
+from mindspeed_like.engine.engine import PatchEngine, distribution_version, wrappers_of
 from mindspeed_like.engine.locate import split_target
 from mindspeed_like.engine.patch import Deferred, Kind, Patch, PatchError, PatchRecord, PatchTargetError, StackingError
 
@@ -15,4 +15,5 @@ __all__ = [
     "StackingError",
     "distribution_version",
     "split_target",
+    "wrappers_of",
 ]

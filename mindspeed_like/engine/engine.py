@@ -89,6 +89,19 @@ class _CountingWrapper:
         return self.inner(wrapped, instance, args, kwargs)
 
 
+def wrappers_of(function: Any) -> list[Any]:
+    """The wrapper objects (a WRAP patch's ``new``) stacked on ``function``, outermost first: each
+    wrapt layer's wrapper, seen through the engine's call counter (compare's arms count calls), so
+    a caller can ask "is feature X's wrapper in place" without knowing whether calls are counted."""
+    found = []
+    while function is not None:
+        wrapper = getattr(function, "_self_wrapper", None)
+        if wrapper is not None:
+            found.append(wrapper.inner if isinstance(wrapper, _CountingWrapper) else wrapper)
+        function = getattr(function, "__wrapped__", None)
+    return found
+
+
 class PatchEngine:
     """Applies patches by feature and undoes them by identity.
 

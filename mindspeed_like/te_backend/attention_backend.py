@@ -32,14 +32,10 @@ def flash_attention_on() -> bool:
     """Whether flash-attention's wrapper is in ``DotProductAttention.forward``'s wrapper chain."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    from mindspeed_like.engine import wrappers_of
     from mindspeed_like.features.flash_attention.forward import FlashAttentionForward
 
-    forward = DotProductAttention.__dict__.get("forward")
-    while forward is not None:
-        if isinstance(getattr(forward, "_self_wrapper", None), FlashAttentionForward):
-            return True
-        forward = getattr(forward, "__wrapped__", None)
-    return False
+    return any(isinstance(w, FlashAttentionForward) for w in wrappers_of(DotProductAttention.__dict__.get("forward")))
 
 
 @functools.cache

@@ -124,8 +124,10 @@ def ours_installed() -> bool:
     except ImportError:
         from megatron.core.transformer.moe.experts import SequentialMLP
 
+        from mindspeed_like.engine import wrappers_of
+
         forward = SequentialMLP.__dict__.get("forward")
-        return type(getattr(forward, "_self_wrapper", None)).__name__ == "SequentialExpertsForward"
+        return any(type(w).__name__ == "SequentialExpertsForward" for w in wrappers_of(forward))
     return isinstance(gg.ops, GroupedGemmOps)
 
 
