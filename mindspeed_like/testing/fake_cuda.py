@@ -70,6 +70,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from mindspeed_like.adapters.cpu.host_view import NullEvent
+
 _REAL_DEVICE = torch.device  # the block replaces torch.device (see _OneGpuDevice)
 CUDA0 = _REAL_DEVICE("cuda", 0)
 _HOST = _REAL_DEVICE("cpu")
@@ -395,24 +397,7 @@ class _OneGpuDevice(metaclass=_DeviceType):
     objects, and ``isinstance(x, torch.device)`` holds for them; ``type(x) is torch.device`` does not."""
 
 
-class _Event:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
+_Event = NullEvent  # an event on one in-order stream: every operation is already complete
 
 
 class _Stream(torch.Stream):

@@ -52,7 +52,7 @@ _HOST_CONSTANTS = {
 }
 
 
-class _NullEvent:
+class NullEvent:
     """A CUDA event on a host where every operation is already complete."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -70,7 +70,7 @@ class _NullEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, other: _NullEvent) -> float:
+    def elapsed_time(self, other: NullEvent) -> float:
         return 0.0
 
 
@@ -83,8 +83,8 @@ class _NullStream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> _NullEvent:
-        return event if event is not None else _NullEvent()
+    def record_event(self, event: Any = None) -> NullEvent:
+        return event if event is not None else NullEvent()
 
     def synchronize(self) -> None:
         pass
@@ -152,7 +152,7 @@ class HostCuda(types.SimpleNamespace):
     def Stream(*args: Any, **kwargs: Any) -> _NullStream:  # noqa: N802 - torch's spelling
         return _HOST_STREAM
 
-    Event = _NullEvent
+    Event = NullEvent
 
     @staticmethod
     def stream(stream: Any = None) -> contextlib.nullcontext:
