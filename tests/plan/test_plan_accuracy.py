@@ -20,10 +20,7 @@ KNOWN_MISSES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("compare-plan-deepseek-level1", "features", "process_peak_bytes"): (0.13, _RSS),
     ("compare-plan-deepseek-level2", "features", "process_peak_bytes"): (0.14, _RSS),
     ("compare-plan-llama-dp2-distopt-level2", "features", "process_peak_bytes"): (0.14, _RSS),
-    ("compare-plan-llama-tp2-sp-level1", "megatron", "process_peak_bytes"): (0.13, _RSS),
-    ("compare-plan-moe-ep2-dp2-level2", "megatron", "process_peak_bytes"): (0.12, _RSS),
-    ("compare-plan-qwen3-moe-level1", "megatron", "process_peak_bytes"): (0.12, _RSS),
-    ("compare-plan-qwen3-moe-level2", "megatron", "process_peak_bytes"): (0.13, _RSS),
+    ("compare-plan-llama-tp2-sp-level1", "megatron", "process_peak_bytes"): (0.14, _RSS),
 }
 
 
