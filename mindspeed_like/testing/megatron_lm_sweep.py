@@ -13,6 +13,8 @@ flag responsible. The outcome of each case (:data:`OUTCOMES`):
 * ``changed``: trained, finite losses, different ones (the flag changes the math: precision, a
   schedule, skipped iterations; or a flag that acts on an earlier batch member);
 * ``no training``: exited 0 without an iteration (``--skip-train``);
+* ``stopped by the rerun machine``: megatron's result validation ended the run on purpose (exit code
+  16 or 17 after an iteration: ``--error-injection-rate`` makes it);
 * ``refused``: stopped at start-up by mindspeed_like with its message (a flag a CPU cannot run);
 * ``stopped at start-up``: stopped by Megatron-LM itself before training (its argument checks,
   a package it imports), its last error line recorded;
@@ -40,17 +42,22 @@ from mindspeed_like.testing.megatron_lm_flags import Case, fill
 
 ITERATIONS = 3
 BATCH = 8
-TIMEOUT = 300
+TIMEOUT = 150  # a run of the tiny model takes 10-60 s (the latter on a loaded 2-core host)
 SAME, CHANGED, NO_TRAINING, REFUSED, STOPPED = "same", "changed", "no training", "refused", "stopped at start-up"
 CRASHED_START, CRASHED_MID, HUNG, NOT_TRIED = "crashed at start-up", "crashed mid-run", "hung", "not tried"
-OUTCOMES = (SAME, CHANGED, NO_TRAINING, REFUSED, STOPPED, CRASHED_START, CRASHED_MID, HUNG, NOT_TRIED)
-PASSED = (SAME, CHANGED, NO_TRAINING)
+RERUN_EXIT = "stopped by the rerun machine"
+OUTCOMES = (SAME, CHANGED, NO_TRAINING, RERUN_EXIT, REFUSED, STOPPED, CRASHED_START, CRASHED_MID, HUNG, NOT_TRIED)
+PASSED = (SAME, CHANGED, NO_TRAINING, RERUN_EXIT)
+# megatron's rerun state machine (result validation, error injection) ends a run on purpose with these
+# (megatron/core/rerun_state_machine.py: EXIT_CODE_RESUME_TO_DISAMBIGUATE, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
+RERUN_EXIT_CODES = (16, 17)
 FAILURES = (CRASHED_START, CRASHED_MID, HUNG)
 # the last marker Megatron-LM prints before its training loop starts: a failure after it is mid-run
 TRAINING_STARTS = "after dataloaders are built"
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
 PRINTED = re.compile(r"\| (lm loss|grad norm): ([^ |]+)")
 ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception|Interrupt)|AssertionError|SystemExit)\b.*|.*: error: .*")
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 NEEDS_CUDA = re.compile(r"cuda|nvcc|nccl|not compiled with|nvml|cudart", re.IGNORECASE)
 
 
@@ -79,7 +86,7 @@ class Run:
         if refusal:  # our message and its detail lines (toolkit/uncaught.py)
             start = refusal[-1]
             return " ".join(lines[start : start + 4]).split(" (raised at")[0]
-        errors = [line for line in lines if ERROR_LINE.match(line)]
+        errors = [line for line in lines if ERROR_LINE.match(RANK_PREFIX.sub("", line))]
         return (errors[-1] if errors else (lines[-1] if lines else ""))[:400]
 
 
@@ -113,6 +120,8 @@ def outcome(run: Run, reference: Run | None) -> tuple[str, str]:
     """What ``run`` did, compared with ``reference`` (the same companions without the cases)."""
     if run.returncode is None:
         return HUNG, f"no exit within {TIMEOUT} s (iterations printed: {sorted(run.printed)})"
+    if run.returncode in RERUN_EXIT_CODES and run.printed:
+        return RERUN_EXIT, f"exit code {run.returncode} after iteration {max(run.printed)}, as megatron means it to"
     if run.returncode != 0:
         line = run.error_line()
         if "mindspeed_like: " in line:
@@ -125,8 +134,10 @@ def outcome(run: Run, reference: Run | None) -> tuple[str, str]:
     if not run.printed:
         return NO_TRAINING, "exited 0 without a training iteration"
     losses = [float(v["lm loss"]) for v in run.printed.values() if "lm loss" in v]
-    if not losses or not all(math.isfinite(x) for x in losses):
-        return CRASHED_MID, f"non-finite or missing losses: {run.printed}"
+    if not losses:  # megatron prints no loss for an iteration its loss scaler skipped (fp16's first ones)
+        return CHANGED, f"iterations {sorted(run.printed)} printed without a loss: skipped by the loss scaler"
+    if not all(math.isfinite(x) for x in losses):
+        return CRASHED_MID, f"non-finite losses: {run.printed}"
     if reference is None or not reference.printed:
         return CHANGED, "no reference run to compare with"
     common = sorted(set(run.printed) & set(reference.printed))
@@ -154,8 +165,10 @@ def sweep(
     jobs: int = 2,
     runner: Callable[[list[str]], Run] = run_pretrain,
     log: Callable[[str], None] = print,
+    progress: Callable[[list[Result]], None] | None = None,
 ) -> tuple[list[Result], dict[str, float]]:
-    """Every case's result; and the number of runs and the wall seconds."""
+    """Every case's result; and the number of runs and the wall seconds. ``progress`` gets the
+    results so far after every round of runs (a lane cut short still leaves what it found)."""
     previous = previous or {}
     cases = list(cases)
     results: list[Result] = [Result(c, NOT_TRIED, c.note, 0, 0.0) for c in cases if c.note]
@@ -194,7 +207,7 @@ def sweep(
             split: list[list[Case]] = []
             for batch, run in zip(pending, runs):
                 kind, detail = outcome(run, references[batch[0].companions])
-                if len(batch) == 1 or kind in (SAME, NO_TRAINING):
+                if len(batch) == 1 or kind == SAME:
                     results += [Result(c, kind, detail, len(batch), run.seconds) for c in batch]
                     log(f"{kind}: {', '.join(c.name for c in batch)}" + (f" ({detail})" if len(batch) == 1 else ""))
                 else:
@@ -202,6 +215,8 @@ def sweep(
                     split += [batch[:half], batch[half:]]
                     log(f"bisecting ({kind}): {', '.join(c.name for c in batch)}")
             pending = split
+            if progress is not None:
+                progress(list(results))
     order = {case: index for index, case in enumerate(cases)}
     results.sort(key=lambda r: order[r.case])
     return results, {"runs": counter["runs"], "wall_seconds": time.monotonic() - start}
@@ -210,8 +225,8 @@ def sweep(
 def _batches(members: list[Case], previous: dict[str, str]) -> list[list[Case]]:
     """Cases that kept the losses last time (or are new) share runs, at most BATCH and one case per
     flag each; the others run alone."""
-    alone = [[c] for c in members if previous.get(c.name, SAME) not in (SAME, NO_TRAINING)]
-    shared = [c for c in members if previous.get(c.name, SAME) in (SAME, NO_TRAINING)]
+    alone = [[c] for c in members if previous.get(c.name, SAME) != SAME]
+    shared = [c for c in members if previous.get(c.name, SAME) == SAME]
     batches: list[list[Case]] = []
     for case in shared:
         target = next((b for b in batches if len(b) < BATCH and all(o.dest != case.dest for o in b)), None)

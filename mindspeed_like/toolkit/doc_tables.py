@@ -628,6 +628,7 @@ _FLAG_OUTCOMES = (
     ("same losses", "same"),
     ("changed losses", "changed"),
     ("no training", "no training"),
+    ("stopped by the rerun machine", "stopped by the rerun machine"),
     ("refused (message)", "refused"),
     ("stopped by Megatron-LM at start-up", "stopped at start-up"),
     ("crashed", ("crashed at start-up", "crashed mid-run", "hung")),
@@ -653,6 +654,11 @@ def _megatron_lm_flags(recs: Records) -> list[str]:
     return markdown(["group", "tried", *(header for header, _ in _FLAG_OUTCOMES)], table_rows)
 
 
+def _placeholders(text: str) -> str:
+    """The sweep's per-run paths as words: a fresh directory, a file, the checkpoint it saved."""
+    return text.replace("{tmp_dir}", "DIR").replace("{tmp_file}", "FILE").replace("{checkpoint}", "CHECKPOINT")
+
+
 @table("megatron_lm_flags.all")
 def _megatron_lm_flags_all(recs: Records) -> list[str]:
     """Every case: the flag as passed, what it ran beside, its outcome and the evidence."""
@@ -663,7 +669,7 @@ def _megatron_lm_flags_all(recs: Records) -> list[str]:
     return columns_table(
         recs.rows("megatron-lm-flags"),
         [
-            Col("flag", lambda row: f"`{row['flag']}`"),
+            Col("flag", lambda row: "`" + _placeholders(row["flag"]) + "`"),
             Col("group", "group"),
             Col("beside", lambda row: f"`{row['companions']}`" if row["companions"] else ""),
             Col("outcome", "outcome"),

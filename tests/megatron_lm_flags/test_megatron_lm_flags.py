@@ -64,28 +64,33 @@ def swept(parser):
     cases, out_of_scope = flags.cases(parser, sweep.base_arguments())
     record = records.Record(RECORD, command=["make", "test-megatron-lm-flags"])
     jobs = int(os.environ.get("MEGATRON_LM_FLAGS_JOBS", "2"))
-    results, stats = sweep.sweep(cases, _previous(), jobs=jobs)
-    for result in results:
-        record.add_row(
-            flag=result.case.name,
-            group=result.case.group,
-            companions=" ".join(result.case.companions)
-            .replace(flags.TMP_DIR, "DIR")
-            .replace(flags.CHECKPOINT, "CHECKPOINT"),
-            outcome=result.outcome,
-            detail=result.detail,
-            batch=result.batch,
-        )
+
+    def write(results, complete: bool) -> None:
+        record.rows.clear()
+        for result in results:
+            record.add_row(
+                flag=result.case.name,
+                group=result.case.group,
+                companions=_words(" ".join(result.case.companions)),
+                outcome=result.outcome,
+                detail=result.detail,
+                batch=result.batch,
+            )
+        record.extra.update(complete=complete)
+        record.write()
+
     record.extra.update(
-        megatron_lm=megatron_lm.MEGATRON_LM,
-        base=sweep.base_arguments(),
-        iterations=sweep.ITERATIONS,
-        out_of_scope=out_of_scope,
-        jobs=jobs,
-        **stats,
+        megatron_lm=megatron_lm.MEGATRON_LM, base=sweep.base_arguments(), iterations=sweep.ITERATIONS, jobs=jobs
     )
-    record.write()
+    record.extra.update(out_of_scope=out_of_scope)
+    results, stats = sweep.sweep(cases, _previous(), jobs=jobs, progress=lambda partial: write(partial, False))
+    record.extra.update(**stats)
+    write(results, True)
     return results
+
+
+def _words(companions: str) -> str:
+    return companions.replace(flags.TMP_DIR, "DIR").replace(flags.CHECKPOINT, "CHECKPOINT")
 
 
 @pytest.mark.slow
