@@ -41,8 +41,9 @@ def _present(patch) -> bool:
 
 
 # Target existence per installed megatron-core version: tests/test_megatron_versions.py.
-# Optional targets absent from the installed version (e.g. get_sliding_window_causal_mask
-# before 0.15) are skipped by the engine; the tests below check the ones that exist.
+# Targets of other releases declare theirs (``versions``: get_sliding_window_causal_mask from 0.15)
+# and are not declared here; optional targets absent from the installed version are skipped by the
+# engine; the tests below check the ones that exist.
 ADAPTER_PATCHES = declared_patches("cpu-adapter")  # what configure(device="cpu") applies
 
 

@@ -20,13 +20,13 @@ smallest enclosing functions (nested helpers are covered by their enclosing func
   from megatron-core 0.16 and in the ``lru_cache``-decorated ``RotaryEmbedding.forward`` before
   (0.13-0.15, where ``get_emb`` does not exist): the patch targets the one the installed
   version has (chosen each time the feature is applied); the host twin keeps the ``lru_cache``;
-* ``transformer.utils.get_sliding_window_causal_mask``: optional, megatron-core 0.15+ only;
+* ``transformer.utils.get_sliding_window_causal_mask``: megatron-core 0.15+ only;
 * ``transformer.utils.get_default_causal_mask``: ``device="cuda"``;
 * ``DotProductAttention.__init__``: softmax-offset buffers;
 * ``pipeline_parallel.schedules.forward_step/forward_backward_no_pipelining``: loss-scale and
   token-count tensors on ``'cuda'`` (users' training loops call these);
 * ``distributed.*``: DDP's communication stream and gradient buffers; ``offload_grad_buffers`` /
-  ``restore_grad_buffers`` (optional; RL clients): ``torch.cuda.synchronize()``.
+  ``restore_grad_buffers`` (0.16+; RL clients): ``torch.cuda.synchronize()``.
 
 Reached only behind a flag or by a client (issue 37: items 1, 5 and 9a were one class, megatron
 code behind a flag calling CUDA outside what the adapter covered; ``cuda_sites`` lists every
@@ -40,11 +40,11 @@ that is neither adapted nor declared in ``not_adapted``):
   ``device='cuda'`` after ``.cuda()``;
 * ``utils.nvtx_range_push`` / ``nvtx_range_pop`` (optional): ``torch.cuda.nvtx`` once megatron's
   NVTX ranges are switched on (``configure_nvtx_profiling``);
-* ``parallel_state.update_pg_timeout`` (optional): ``--distributed-timeout-seconds-after-init``
+* ``parallel_state.update_pg_timeout`` (0.15+): ``--distributed-timeout-seconds-after-init``
   syncs the device after its barrier;
 * ``MultimodalRotaryEmbedding.__init__`` (``--position-embedding-type mrope``) and
-  ``DSAIndexerLossLoggingHelper.save_loss_to_tracker`` (DeepSeek sparse attention's indexer loss),
-  both optional: ``torch.cuda.current_device()`` as a device, as their dense siblings above.
+  ``DSAIndexerLossLoggingHelper.save_loss_to_tracker`` (DeepSeek sparse attention's indexer loss,
+  0.16+): ``torch.cuda.current_device()`` as a device, as their dense siblings above.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ PATCHES = [
         "inv_freq on torch.cuda.current_device()",
     ),
     on_host("transformer.utils.get_default_causal_mask", "mask on device='cuda'"),
-    on_host("transformer.utils.get_sliding_window_causal_mask", "mask on device='cuda'", optional=True),
+    on_host("transformer.utils.get_sliding_window_causal_mask", "mask on device='cuda'", versions=">=0.15"),
     on_host(
         "transformer.dot_product_attention.DotProductAttention.__init__",
         "softmax offset on torch.cuda.current_device()",
@@ -105,7 +105,7 @@ PATCHES = [
         on_host(
             f"distributed.distributed_data_parallel.DistributedDataParallel.{name}",
             "torch.cuda.synchronize()",
-            optional=True,
+            versions=">=0.16",
         )
         for name in ("offload_grad_buffers", "restore_grad_buffers")
     ],
@@ -115,7 +115,7 @@ PATCHES = [
     on_host("tensor_parallel.data._build_key_size_numel_dictionaries", "sizes broadcast on device='cuda'"),
     on_host("utils.nvtx_range_push", "torch.cuda.nvtx.range_push", optional=True),
     on_host("utils.nvtx_range_pop", "torch.cuda.nvtx.range_pop", optional=True),
-    on_host("parallel_state.update_pg_timeout", "torch.cuda.synchronize() after the barrier", optional=True),
+    on_host("parallel_state.update_pg_timeout", "torch.cuda.synchronize() after the barrier", versions=">=0.15"),
     on_host(
         "models.common.embeddings.rotary_pos_embedding.MultimodalRotaryEmbedding.__init__",
         "inv_freq on torch.cuda.current_device()",
@@ -124,6 +124,6 @@ PATCHES = [
     on_host(
         "transformer.experimental_attention_variant.dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker",
         "loss tracker on torch.cuda.current_device()",
-        optional=True,
+        versions=">=0.16",
     ),
 ]

@@ -17,11 +17,20 @@ without --use-pytorch-profiler); the cpu-training-loop refuses them at start-up 
 reason (``cpu_training.arguments.refuse_host_unsupported``) instead, unless an argument of the
 entry's ``unless`` takes the flag off its CUDA path. A flag listed without
 a refusal was not seen to crash (--log-straggler and --log-energy train) or was not tried.
+
+An entry whose functions exist only in some megatron-core releases declares them (``versions``, a
+PEP 440 specifier as on patches): the test scans the installed release, so an entry counts only
+where its release range includes the installed one, and it is stale there when it matches nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from mindspeed_like.megatron_version import megatron_core_version
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,13 @@ class NotAdapted:
     why: str
     refused_flags: tuple[str, ...] = ()
     unless: tuple[str, ...] = ()  # arguments that, given, take the refused flags off the CUDA path
+    versions: str | None = None  # the megatron-core releases whose source holds these sites; None: all
+
+    def applies_to(self, version: Version | None) -> bool:
+        """The entry names sites of megatron-core ``version`` (None: unknown, taken as the newest)."""
+        if self.versions is None or version is None:
+            return True
+        return version in SpecifierSet(self.versions, prereleases=True)
 
     def matches(self, key: str) -> bool:
         if ":" in self.where:
@@ -44,30 +60,62 @@ TRAINING = "megatron.training"
 NOT_ADAPTED: tuple[NotAdapted, ...] = (
     # whole areas that exist for a GPU (or for inference) only
     NotAdapted(f"{CORE}.inference", "inference engines and servers: CUDA graphs, KV caches, unified memory"),
-    NotAdapted(f"{CORE}.distributed.fsdp", "megatron-FSDP (--use-megatron-fsdp)", ("use_megatron_fsdp",)),
+    NotAdapted(
+        f"{CORE}.distributed.fsdp", "megatron-FSDP (--use-megatron-fsdp)", ("use_megatron_fsdp",), versions=">=0.14"
+    ),
+    NotAdapted(f"{CORE}.distributed.custom_fsdp", "megatron-FSDP's 0.13 home (--use-custom-fsdp)", versions="<0.14"),
     NotAdapted(
         f"{CORE}.distributed.torch_fully_sharded_data_parallel",
         "torch FSDP2 (--use-torch-fsdp2): its mesh is built on 'cuda'",
         ("use_torch_fsdp2",),
     ),
-    NotAdapted(f"{CORE}.transformer.fsdp_dtensor_checkpoint", "checkpoints of megatron-FSDP's DTensors"),
+    NotAdapted(
+        f"{CORE}.transformer.fsdp_dtensor_checkpoint", "checkpoints of megatron-FSDP's DTensors", versions=">=0.16"
+    ),
     NotAdapted(f"{CORE}.transformer.cuda_graphs", "CUDA graphs (--cuda-graph-impl, --enable-cuda-graph)"),
-    NotAdapted(f"{CORE}.full_cuda_graph", "CUDA graphs of the whole step (--cuda-graph-scope full_iteration)"),
-    NotAdapted(f"{CORE}.transformer.module:GraphableMegatronModule.get_layer_static_inputs", "CUDA graph capture"),
+    NotAdapted(
+        f"{CORE}.full_cuda_graph",
+        "CUDA graphs of the whole step (--cuda-graph-scope full_iteration)",
+        versions=">=0.14",
+    ),
+    NotAdapted(
+        f"{CORE}.transformer.module:GraphableMegatronModule.get_layer_static_inputs",
+        "CUDA graph capture",
+        versions=">=0.15",
+    ),
     NotAdapted(f"{CORE}.transformer.transformer_layer:TransformerLayer.get_layer_static_inputs", "CUDA graph capture"),
     NotAdapted(
-        f"{CORE}.transformer.transformer_layer:TransformerLayer._get_te_cuda_graph_replay_args", "CUDA graph replay"
+        f"{CORE}.transformer.transformer_layer:TransformerLayer._get_te_cuda_graph_replay_args",
+        "CUDA graph replay",
+        versions=">=0.15",
     ),
-    NotAdapted(f"{CORE}.nccl_allocator", "NCCL user buffers (--nccl-ub): NCCL's memory pool"),
     NotAdapted(
-        f"{CORE}.utils:GlobalSymmetricMemoryBuffer.__init__", "symmetric memory for NCCL/NVSHMEM collectives (CUDA)"
+        f"{CORE}.transformer.transformer_layer:TransformerLayer._cuda_graph_replay",
+        "CUDA graph replay",
+        versions="<0.15",
     ),
-    NotAdapted(f"{CORE}.resharding", "RL weight refit between training and inference layouts (NCCL/NVSHMEM copies)"),
+    NotAdapted(
+        f"{CORE}.transformer.transformer_layer:MoETransformerLayer.transition_cudagraph_scope",
+        "partial CUDA graphs of MoE layers (--cuda-graph-impl local)",
+        versions=">=0.17",
+    ),
+    NotAdapted(f"{CORE}.nccl_allocator", "NCCL user buffers (--nccl-ub): NCCL's memory pool", versions=">=0.14"),
+    NotAdapted(
+        f"{CORE}.utils:GlobalSymmetricMemoryBuffer.__init__",
+        "symmetric memory for NCCL/NVSHMEM collectives (CUDA)",
+        versions=">=0.16,<0.17",
+    ),
+    NotAdapted(
+        f"{CORE}.resharding",
+        "RL weight refit between training and inference layouts (NCCL/NVSHMEM copies)",
+        versions=">=0.16",
+    ),
     NotAdapted(f"{CORE}.export", "TensorRT-LLM export"),
     NotAdapted(
         f"{CORE}.pipeline_parallel.fine_grained_activation_offload",
         "activation offloading to the host (--fine-grained-activation-offloading): the activations are on the host",
         ("fine_grained_activation_offloading",),
+        versions=">=0.16",
     ),
     NotAdapted(
         f"{CORE}.optimizer.cpu_offloading",
@@ -78,34 +126,158 @@ NOT_ADAPTED: tuple[NotAdapted, ...] = (
     NotAdapted(f"{CORE}.ssm", "Mamba / gated delta net layers: their kernels (mamba_ssm, causal_conv1d) are CUDA"),
     NotAdapted(f"{CORE}.fp8_utils", "FP8 parameters need TransformerEngine"),
     NotAdapted(
+        f"{CORE}.extensions.kitchen", "Kitchen's quantized layers need NVIDIA's kitchen (CUDA)", versions="<0.16"
+    ),
+    NotAdapted(
         f"{CORE}.fusions.fused_indices_converter",
         "Triton kernel on CUDA (--moe-permute-fusion is served by moe-permute)",
     ),
-    NotAdapted(f"{CORE}.tensor_parallel.inference_layers", "inference-optimized linears (symmetric memory)"),
+    NotAdapted(
+        f"{CORE}.tensor_parallel.inference_layers",
+        "inference-optimized linears (symmetric memory)",
+        versions=">=0.16,<0.17",
+    ),
+    NotAdapted(
+        f"{CORE}.tensor_parallel.generalized_tensor_parallelism",
+        "generalized tensor parallelism (--tensor-parallel-num-weight-shards): weight all-gathers on CUDA streams",
+        versions=">=0.19",
+    ),
     NotAdapted(f"{CORE}.transformer.attention:Attention._allocate_memory", "inference KV cache"),
     NotAdapted(
         f"{CORE}.transformer.custom_layers.batch_invariant_kernels",
         "batch-invariant Triton kernels (--batch-invariant-mode)",
         ("batch_invariant_mode",),
+        versions=">=0.16",
     ),
     # hybrid context parallel and the A2A-overlap schedule: CUDA streams and events throughout
-    NotAdapted(f"{CORE}.pipeline_parallel.hybrid_cp_schedule", "hybrid context parallel (--hybrid-context-parallel)"),
-    NotAdapted(f"{CORE}.datasets.data_schedule", "hybrid context parallel's data loader"),
-    NotAdapted(f"{CORE}.utils:get_batch_on_this_hybrid_cp_rank", "hybrid context parallel's batch split"),
+    NotAdapted(
+        f"{CORE}.pipeline_parallel.hybrid_cp_schedule",
+        "hybrid context parallel (--hybrid-context-parallel)",
+        versions=">=0.16",
+    ),
+    NotAdapted(f"{CORE}.datasets.data_schedule", "hybrid context parallel's data loader", versions=">=0.16"),
+    NotAdapted(
+        f"{CORE}.utils:get_batch_on_this_hybrid_cp_rank",
+        "hybrid context parallel's batch split",
+        versions=">=0.16,<0.18",
+    ),
     NotAdapted(
         f"{CORE}.pipeline_parallel.combined_1f1b",
         "EP all-to-all overlap with a second CUDA stream (--overlap-moe-expert-parallel-comm); "
         "moe-alltoall-overlap is the host's overlap",
+        versions=">=0.14",
     ),
     NotAdapted(f"{CORE}.pipeline_parallel.utils", "streams of the A2A-overlap schedule"),
-    NotAdapted(f"{CORE}.models.common.model_chunk_schedule_plan", "the A2A-overlap schedule plan"),
+    NotAdapted(f"{CORE}.models.common.model_chunk_schedule_plan", "the A2A-overlap schedule plan", versions=">=0.14"),
+    NotAdapted(
+        f"{CORE}.models.common.utils:TransformerLayerNode.backward_dw",
+        "the A2A-overlap schedule's delayed weight gradients (--delay-wgrad-compute) on its stream",
+        versions=">=0.19",
+    ),
     NotAdapted(f"{CORE}.models.gpt.fine_grained_callables", "the A2A-overlap layer callables"),
     NotAdapted(
-        f"{CORE}.pipeline_parallel.bridge_communicator", "pipelines between modules of different layouts (multimodal)"
+        f"{CORE}.pipeline_parallel.bridge_communicator",
+        "pipelines between modules of different layouts (multimodal)",
+        versions=">=0.15",
+    ),
+    # MoE paths that need a GPU (streams, CUDA graphs, NVLink/NCCL dispatchers) or serve inference
+    NotAdapted(
+        f"{CORE}.transformer.moe.moe_layer:MoELayer.backward_dw",
+        "latent MoE's fc2 weight gradient on the A2A-overlap schedule's communication stream",
+        versions=">=0.17",
+    ),
+    *(
+        NotAdapted(
+            f"{CORE}.transformer.moe.moe_layer:{where}",
+            "the NVLS inference dispatcher's shared-expert overlap of latent MoEs (inference only)",
+            versions=">=0.18",
+        )
+        for where in ("MoELayer.preprocess", "MoELayer.postprocess")
+    ),
+    *(
+        NotAdapted(
+            f"{CORE}.transformer.moe.moe_layer:{where}",
+            "expert weight gradients delayed onto a second CUDA stream "
+            "(TransformerConfig.overlap_dispatch_backward_with_experts_wgrad)",
+            versions=">=0.18",
+        )
+        for where in (
+            "MoELayer.setup_delayed_wgrad_for_dispatch_backward_overlap",
+            "_RecordExpertDgradCompletion.backward",
+            "_RegisterDelayedWgradForExperts.backward",
+        )
+    ),
+    NotAdapted(
+        f"{CORE}.transformer.moe.paged_stash", "paged stashing of MoE activations (moe_paged_stash)", versions=">=0.18"
+    ),
+    NotAdapted(
+        f"{CORE}.transformer.moe.token_dispatcher:_HybridEPManager.__init__",
+        "the HybridEP flex dispatcher (--moe-flex-dispatcher-backend hybridep) needs DeepEP's CUDA package",
+        versions=">=0.18",
+    ),
+    *(
+        NotAdapted(
+            f"{CORE}.transformer.moe.token_dispatcher:_NCCLEPManager.{name}",
+            "the NCCL EP flex dispatcher (--moe-flex-dispatcher-backend ncclep) needs TransformerEngine and NCCL",
+            versions=">=0.19",
+        )
+        for name in ("__init__", "_ensure_bootstrap")
+    ),
+    NotAdapted(
+        f"{CORE}.transformer.moe.token_dispatcher_inference", "MoE dispatchers of inference (NVLS)", versions=">=0.18"
+    ),
+    NotAdapted(
+        f"{CORE}.transformer.moe.shared_experts:FusedSharedExpertMLP.linear_fc1_forward_and_act",
+        "TE's fused shared experts (GroupedLinear), overlapped on a CUDA stream",
+        versions=">=0.19",
+    ),
+    NotAdapted(
+        f"{CORE}.transformer.moe.router_trace:RouterTracer.make_hook",
+        "--moe-routing-trace-path: its hook asks torch.cuda.is_current_stream_capturing(), which raises on a "
+        "CPU-only torch (not tried on a host)",
+        versions=">=0.19",
+    ),
+    NotAdapted(
+        f"{CORE}.transformer.moe.moe_logging:MoEMetricsTracker.ensure_initialized",
+        "torch.cuda.current_device() only where torch.cuda.is_available(); a host gets 'cpu'",
+        versions=">=0.18",
+    ),
+    NotAdapted(
+        f"{CORE}.transformer.experimental_attention_variant.dsa_cudnn_kernels",
+        "DeepSeek sparse attention's cuDNN / FlashMLA kernels (CUDA)",
+        versions=">=0.19",
+    ),
+    NotAdapted(
+        f"{CORE}.transformer.attention:Attention._get_inference_softmax_offset", "inference only", versions=">=0.19"
+    ),
+    NotAdapted(
+        f"{CORE}.optimizer.optimizer_cuda_graph",
+        "a CUDA graph of the optimizer step (OptimizerConfig.optimizer_cuda_graph)",
+        versions=">=0.17",
+    ),
+    NotAdapted(
+        f"{CORE}.optimizer.layer_wise_optimizer:LayerWiseDistributedOptimizer.has_grad_norm_group",
+        "the layer-wise distributed optimizer (emerging optimizers, e.g. Muon) needs the emerging-optimizers package",
+        versions=">=0.19",
     ),
     # models other than GPT: not run on a host by this project
     NotAdapted(f"{CORE}.models.bert", "BERT is not run on a host by this project"),
     NotAdapted(f"{CORE}.models.vision", "vision encoders are not run on a host by this project"),
+    NotAdapted(f"{CORE}.models.multimodal", "LLaVA is not run on a host by this project", versions=">=0.18"),
+    NotAdapted(
+        f"{CORE}.models.mimo", "MIMO multimodal models are not run on a host by this project", versions=">=0.17"
+    ),
+    NotAdapted(
+        f"{CORE}.models.audio",
+        "audio models are not run on a host by this project (CPU tensors skip the CUDA check anyway)",
+        versions=">=0.19",
+    ),
+    NotAdapted(
+        f"{CORE}.models.hybrid",
+        "Mamba hybrid models (as ssm); the site is inference with CUDA graphs or flash decode",
+        versions=">=0.18",
+    ),
+    NotAdapted(f"{CORE}.datasets.retro", "Retro is not run on a host by this project", versions="<0.16"),
     # one function each
     NotAdapted(
         f"{CORE}.parallel_state:initialize_model_parallel",
@@ -119,9 +291,24 @@ NOT_ADAPTED: tuple[NotAdapted, ...] = (
     NotAdapted(f"{CORE}.utils:StragglerDetector.start_method", "--log-straggler: CUDA events only with NCCL"),
     NotAdapted(f"{CORE}.utils:StragglerDetector.elapsed", "--log-straggler: GPU readings only with NCCL"),
     NotAdapted(f"{CORE}.energy_monitor", "--log-energy: NVML's counters; without pynvml megatron prints 0.0 J"),
+    NotAdapted(f"{CORE}.fault_injector", "fault injection needs nvidia-resiliency-ext", versions=">=0.18"),
     NotAdapted(
         f"{CORE}.dist_checkpointing.strategies.async_utils:PersistentAsyncCaller.async_loop",
         "the persistent async-save worker (--use-persistent-ckpt-worker) sets a CUDA device in its new process",
+        versions=">=0.16",
+    ),
+    NotAdapted(
+        f"{CORE}.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.prepare_write_data",
+        "'cuda' is compared with a tensor's device type (a host's tensors are 'cpu')",
+        versions=">=0.17",
+    ),
+    NotAdapted(
+        f"{CORE}.dist_checkpointing.strategies.two_stage",
+        "a load strategy that megatron never selects itself (clients pass it)",
+        versions="<0.16",
+    ),
+    NotAdapted(
+        f"{CORE}.dist_checkpointing.strategies.zarr", "the deprecated zarr checkpoint backend", versions="<0.16"
     ),
     NotAdapted(
         f"{CORE}.dist_checkpointing.tensor_aware_state_dict",
@@ -182,9 +369,16 @@ NOT_ADAPTED: tuple[NotAdapted, ...] = (
 )
 
 
-def entry_for(key: str) -> NotAdapted | None:
-    """The most specific entry naming ``key`` ("module:Qualname"): a function's own before its area's."""
-    matches = [entry for entry in NOT_ADAPTED if entry.matches(key)]
+def installed_entries(version: Version | None = None) -> list[NotAdapted]:
+    """The entries for megatron-core ``version`` (default: the installed one)."""
+    version = megatron_core_version() if version is None else version
+    return [entry for entry in NOT_ADAPTED if entry.applies_to(version)]
+
+
+def entry_for(key: str, version: Version | None = None) -> NotAdapted | None:
+    """The most specific entry naming ``key`` ("module:Qualname") in megatron-core ``version``
+    (default: the installed one): a function's own before its area's."""
+    matches = [entry for entry in installed_entries(version) if entry.matches(key)]
     return max(matches, key=lambda entry: (":" in entry.where, len(entry.where)), default=None)
 
 

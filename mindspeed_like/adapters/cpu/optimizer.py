@@ -19,7 +19,7 @@ literals (0.13-0.16):
 * ``optimizer.grad_scaler``: ``MegatronGradScaler.__init__``, ``DynamicGradScaler.__init__``, and
   ``DynamicGradScaler.load_state_dict`` (``--fp16`` resume: the loaded scale is moved with
   ``.cuda(torch.cuda.current_device())``; issue 37 item 1);
-* ``optimizer.optimizer.MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu`` (optional: RL
+* ``optimizer.optimizer.MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu`` (0.15+: RL
   clients, e.g. verl, park the optimizer state between rollouts): ``torch.cuda.empty_cache()`` and
   ``.cuda()`` back; on a host both leave the state where it is;
 * ``utils.local_multi_tensor_l2_norm``: megatron's fallback l2 norm (no apex/TE) puts its
@@ -51,8 +51,11 @@ PATCHES = [
         "optimizer.grad_scaler.DynamicGradScaler.load_state_dict",
         "--fp16 resume: scale moved with .cuda(torch.cuda.current_device())",
     ),
-    on_host("optimizer.optimizer.MegatronOptimizer.offload_to_cpu", "torch.cuda.empty_cache()", optional=True),
-    on_host("optimizer.optimizer.MegatronOptimizer.restore_from_cpu", "state moved back with .cuda()", optional=True),
+    # megatron-core 0.15+ (RL clients)
+    on_host("optimizer.optimizer.MegatronOptimizer.offload_to_cpu", "torch.cuda.empty_cache()", versions=">=0.15"),
+    on_host(
+        "optimizer.optimizer.MegatronOptimizer.restore_from_cpu", "state moved back with .cuda()", versions=">=0.15"
+    ),
     on_host("utils.local_multi_tensor_l2_norm", "l2 norm result on device='cuda'"),
     # megatron-core 0.19: asked on every clipped step (cached per group after the first)
     on_host(
