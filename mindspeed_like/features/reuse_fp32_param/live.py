@@ -35,9 +35,13 @@ def track(optimizer) -> None:
     _live.add(optimizer)
 
 
-def live_optimizers() -> list:
-    if _live:
-        gc.collect()  # optimizers dropped in reference cycles (megatron's have some) are not live
+def live_optimizers(collect: bool = True) -> list:
+    """The optimizers built with the feature that still hold its layout. ``collect``: first collect
+    reference cycles (megatron's optimizers have some), so a dropped one is not converted back at
+    switch-off; readers that run every logging interval pass False (a full ``gc.collect()`` each
+    time costs a large process real time, and reading a dropped optimizer's masters is harmless)."""
+    if _live and collect:
+        gc.collect()
     return [o for o in list(_live) if getattr(o, STATE_ATTR, None) is not None]
 
 

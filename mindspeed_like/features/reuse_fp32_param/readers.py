@@ -50,7 +50,7 @@ def true_masters() -> Iterator[None]:
     changed = []
     try:
         with torch.no_grad():
-            for optimizer in live.live_optimizers():
+            for optimizer in live.live_optimizers(collect=False):
                 state = state_of(optimizer)
                 if state is None or state.layout != "split":
                     continue  # already true fp32 masters (inside a step, or materialized for a checkpoint)
