@@ -35,9 +35,13 @@ H100's 9.0), RNG state (``get_rng_state`` / ``set_rng_state`` / ``manual_seed`` 
 ``default_generators``: a generator of its own standing for the GPU's), streams and events (one
 stream in program order; ``record_stream`` accepted), ``synchronize``, ``empty_cache``, memory
 statistics (zero) and nvtx ranges (no-ops); ``torch.device(0)`` is ``cuda:0`` (a CPU-only torch
-refuses a bare index). All of it is patched only inside the block and restored on exit (nothing
-survives it; not reentrant, one thread), and torch.compile is forced eager inside it
-(``torch.compiler.set_stance("force_eager")``: dynamo would trace the labels away).
+refuses a bare index). All of it is patched only inside the block and restored on exit (not
+reentrant, one thread), and torch.compile is forced eager inside it
+(``torch.compiler.set_stance("force_eager")``: dynamo would trace the labels away). One thing
+survives the block: torch's C++ marks CUDA initialized the first time a GPU tensor is made inside
+it (a one-way flag with no Python reset), so afterwards ``.cuda()`` of a host tensor outside a block
+fails with ``RuntimeError: PyTorch is not linked with support for cuda devices`` instead of
+torch.cuda's ``AssertionError: Torch not compiled with CUDA enabled``; it still fails.
 
 What it does not prove:
 - speed, memory, or that a CUDA kernel exists for an operation: every operation runs on the CPU (a

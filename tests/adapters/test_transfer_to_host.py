@@ -22,6 +22,21 @@ def _mbridge_get_model_tail(model: list[torch.nn.Module]) -> list[torch.nn.Modul
     return model
 
 
+def _cuda_call_failure() -> str:
+    """How ``.cuda()`` of a host tensor fails in this process. A fresh one: torch.cuda's lazy init,
+    ``AssertionError: Torch not compiled with CUDA enabled``. Once a ``testing.fake_cuda`` block has
+    run (tests/features, tests/integration: ``make test-versions`` runs them first), torch's C++
+    keeps CUDA marked initialized for the process (a one-way flag with no Python reset), and the
+    same call fails in the dispatcher: ``RuntimeError: PyTorch is not linked with support for cuda
+    devices``."""
+    with pytest.raises(
+        (AssertionError, RuntimeError),
+        match="Torch not compiled with CUDA enabled|PyTorch is not linked with support for cuda devices",
+    ) as failure:
+        torch.ones(1).cuda()
+    return f"{failure.type.__name__}: {failure.value}"
+
+
 def test_off_by_default_a_clients_cuda_call_fails_as_before(cpu_config):
     cpu_config()
     with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
@@ -30,6 +45,8 @@ def test_off_by_default_a_clients_cuda_call_fails_as_before(cpu_config):
 
 def test_on_a_megatron_model_moved_by_the_client_stays_on_the_host_and_trains(cpu_config, caplog):
     originals = {name: getattr(torch.cuda, name) for name in ORIGINALS}
+    methods = (torch.Tensor.cuda, torch.nn.Module.cuda)
+    failure = _cuda_call_failure()
     with caplog.at_level(logging.WARNING, logger="mindspeed_like"):
         cpu_config(transfer_to_host=True)
     from mindspeed_like.testing.models import tiny_gpt
@@ -55,8 +72,8 @@ def test_on_a_megatron_model_moved_by_the_client_stays_on_the_host_and_trains(cp
     # switched off: every torch function is the original again, by identity
     mindspeed_like.configure(transfer_to_host=False)
     assert {name: getattr(torch.cuda, name) for name in ORIGINALS} == originals
-    with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
-        torch.ones(1).cuda()
+    assert (torch.Tensor.cuda, torch.nn.Module.cuda) == methods
+    assert _cuda_call_failure() == failure  # .cuda() fails again, as it did before the feature was on
 
 
 def test_said_once_when_on(cpu_config, caplog, monkeypatch):
