@@ -184,6 +184,7 @@ def sweep(
         return run
 
     checkpoint = os.path.join(tmp, "checkpoint")
+    failed_batches: list[tuple[list[Case], str, str]] = []
     groups: dict[tuple[str, ...], list[Case]] = {}
     for case in todo:
         groups.setdefault(case.companions, []).append(case)
@@ -213,13 +214,31 @@ def sweep(
                 else:
                     half = len(batch) // 2
                     split += [batch[:half], batch[half:]]
+                    failed_batches.append((batch, kind, detail))
                     log(f"bisecting ({kind}): {', '.join(c.name for c in batch)}")
             pending = split
             if progress is not None:
                 progress(list(results))
     order = {case: index for index, case in enumerate(cases)}
     results.sort(key=lambda r: order[r.case])
-    return results, {"runs": counter["runs"], "wall_seconds": time.monotonic() - start}
+    return results, {
+        "runs": counter["runs"],
+        "wall_seconds": time.monotonic() - start,
+        "interactions": interactions(failed_batches, results),
+    }
+
+
+def interactions(failed: list[tuple[list[Case], str, str]], results: list[Result]) -> list[dict[str, str]]:
+    """Batches that failed although each of their flags, alone, did not: flags that fail together (the
+    sweep's first full run found --async-save with --use-persistent-ckpt-worker never ending)."""
+    outcome_of = {r.case: r.outcome for r in results}
+    found = []
+    for batch, kind, detail in failed:
+        if kind in FAILURES and all(outcome_of.get(case) not in FAILURES for case in batch):
+            found.append({"flags": " ".join(c.name for c in batch), "outcome": kind, "detail": detail})
+    # the smallest such batches name the interaction; a larger one that holds one of them adds nothing
+    names = [set(item["flags"].split(" --")) for item in found]
+    return [item for item, own in zip(found, names) if not any(other < own for other in names)]
 
 
 def _batches(members: list[Case], previous: dict[str, str]) -> list[list[Case]]:

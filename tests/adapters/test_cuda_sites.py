@@ -193,3 +193,16 @@ def test_profile_is_refused_only_on_cudas_profiler():
     with pytest.raises(ConfigError, match="--profile: --profile without --use-pytorch-profiler starts CUDA's profiler"):
         refuse_host_unsupported(argparse.Namespace(profile=True, use_pytorch_profiler=False))
     refuse_host_unsupported(argparse.Namespace(profile=True, use_pytorch_profiler=True))
+
+
+def test_the_persistent_checkpoint_worker_is_refused_only_with_async_save():
+    """``--use-persistent-ckpt-worker`` acts only with ``--async-save``; together the run never ended on a
+    host (the flag sweep: no exit in 150 s; the worker sets a CUDA device in its new process)."""
+    import argparse
+
+    from mindspeed_like.adapters.cpu_training.arguments import refuse_host_unsupported
+    from mindspeed_like.toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--use-persistent-ckpt-worker: the persistent async-save worker"):
+        refuse_host_unsupported(argparse.Namespace(use_persistent_ckpt_worker=True, async_save=True))
+    refuse_host_unsupported(argparse.Namespace(use_persistent_ckpt_worker=True, async_save=False))

@@ -86,7 +86,7 @@ def swept(parser):
     results, stats = sweep.sweep(cases, _previous(), jobs=jobs, progress=lambda partial: write(partial, False))
     record.extra.update(**stats)
     write(results, True)
-    return results
+    return results, stats["interactions"]
 
 
 def _words(companions: str) -> str:
@@ -94,7 +94,14 @@ def _words(companions: str) -> str:
 
 
 @pytest.mark.slow
+def test_no_flags_crash_a_run_together(swept):
+    """A batch that crashed or hung although none of its flags does alone: two flags that fail together."""
+    assert swept[1] == [], swept[1]
+
+
+@pytest.mark.slow
 def test_no_flag_crashes_a_run(swept):
+    swept = swept[0]
     failed = [
         f"{r.case.name} [{' '.join(r.case.companions)}]: {r.outcome}: {r.detail}"
         for r in swept
@@ -105,6 +112,7 @@ def test_no_flag_crashes_a_run(swept):
 
 @pytest.mark.slow
 def test_reporting_flags_leave_the_losses_alone(swept):
+    swept = swept[0]
     changed = [
         f"{r.case.name}: {r.detail}" for r in swept if r.case.group in REPORTING_GROUPS and r.outcome == sweep.CHANGED
     ]
@@ -113,6 +121,7 @@ def test_reporting_flags_leave_the_losses_alone(swept):
 
 @pytest.mark.slow
 def test_most_flags_tried_train(swept):
+    swept = swept[0]
     tried = [r for r in swept if r.outcome != sweep.NOT_TRIED]
     passed = [r for r in tried if r.outcome in sweep.PASSED]
     assert len(passed) > 0.6 * len(tried), collections.Counter(r.outcome for r in tried)

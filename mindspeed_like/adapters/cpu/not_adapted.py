@@ -39,6 +39,7 @@ class NotAdapted:
     why: str
     refused_flags: tuple[str, ...] = ()
     unless: tuple[str, ...] = ()  # arguments that, given, take the refused flags off the CUDA path
+    only_with: tuple[str, ...] = ()  # the refused flags reach the CUDA path only beside one of these
     versions: str | None = None  # the megatron-core releases whose source holds these sites; None: all
 
     def applies_to(self, version: Version | None) -> bool:
@@ -295,6 +296,8 @@ NOT_ADAPTED: tuple[NotAdapted, ...] = (
     NotAdapted(
         f"{CORE}.dist_checkpointing.strategies.async_utils:PersistentAsyncCaller.async_loop",
         "the persistent async-save worker (--use-persistent-ckpt-worker) sets a CUDA device in its new process",
+        ("use_persistent_ckpt_worker",),  # seen by the flag sweep: with --async-save the run never ends
+        only_with=("async_save",),
         versions=">=0.16",
     ),
     NotAdapted(
@@ -396,6 +399,8 @@ def refused_given(args) -> dict[str, str]:
     given: dict[str, str] = {}
     for entry in NOT_ADAPTED:
         if any(getattr(args, name, None) for name in entry.unless):
+            continue
+        if entry.only_with and not any(getattr(args, name, None) for name in entry.only_with):
             continue
         for flag in entry.refused_flags:
             if getattr(args, flag, None):

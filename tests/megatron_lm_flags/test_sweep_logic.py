@@ -1,0 +1,43 @@
+"""The flag sweep's batching, bisection and outcomes on a fake pretrain_gpt.py (no Megatron-LM needed)."""
+
+from __future__ import annotations
+
+from mindspeed_like.testing import megatron_lm_sweep as sweep
+from mindspeed_like.testing.megatron_lm_flags import Case
+
+LOSSES = {1: {"lm loss": "5.5", "grad norm": "1.0"}, 2: {"lm loss": "5.4", "grad norm": "1.0"}}
+
+
+def fake_run(extra: list[str]) -> sweep.Run:
+    """--math changes the losses, --cuda crashes mid-run, --a with --b never ends; the rest log."""
+    if "--a" in extra and "--b" in extra:
+        return sweep.Run(extra, None, "", 1.0)
+    if "--cuda" in extra:
+        return sweep.Run(extra, 1, "after dataloaders are built\nAssertionError: Torch not compiled with CUDA", 1.0)
+    printed = {i: dict(v) for i, v in LOSSES.items()}
+    if "--math" in extra:
+        printed[2]["lm loss"] = "5.3"
+    return sweep.Run(extra, 0, "", 1.0, printed)
+
+
+def test_a_failing_batch_is_bisected_to_the_flag_and_interactions_are_named():
+    names = ["--log-x", "--math", "--cuda", "--a", "--b", "--log-y"]
+    cases = [Case(name, name[2:].replace("-", "_"), "logging") for name in names]
+    results, stats = sweep.sweep(cases, runner=fake_run, jobs=1, log=lambda line: None)
+    outcomes = {r.case.option: r.outcome for r in results}
+    assert outcomes == {
+        "--log-x": sweep.SAME,
+        "--math": sweep.CHANGED,
+        "--cuda": sweep.CRASHED_MID,
+        "--a": sweep.SAME,
+        "--b": sweep.SAME,
+        "--log-y": sweep.SAME,
+    }
+    # the smallest failed batch that holds them (bisection split it as --a | --b --log-y)
+    assert [item["flags"] for item in stats["interactions"]] == ["--a --b --log-y"]
+
+
+def test_cases_that_changed_last_time_run_alone():
+    cases = [Case(f"--f{i}", f"f{i}", "logging") for i in range(3)]
+    batches = sweep._batches(cases, {"--f1": sweep.CHANGED})
+    assert [[c.option for c in b] for b in batches] == [["--f1"], ["--f0", "--f2"]]
