@@ -70,12 +70,13 @@ _SIZE_ARGUMENTS = ("num_layers", "hidden_size", "num_attention_heads", "seq_leng
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     from mindspeed_like.compare.presets import PRESETS
+    from mindspeed_like.toolkit.cli_values import at_least
 
     group = parser.add_argument_group("demo")
     for name in _SIZE_ARGUMENTS:
         option = "--" + name.replace("_", "-")
         group.add_argument(option, type=int, default=None, help="(default: per device, see `demo --help` epilog)")
-    group.add_argument("--lr", type=float, default=3e-3)
+    group.add_argument("--lr", type=at_least(0), default=3e-3, help="learning rate, finite and >= 0 (default 3e-3)")
     group.add_argument("--seed", type=int, default=1234)
     group.add_argument(
         "--bf16",
