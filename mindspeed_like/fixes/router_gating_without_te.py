@@ -16,10 +16,11 @@ same bytecode, so the same numbers). Every other global is read live from the mo
 installed the name exists and the originals run untouched. Nothing is added to megatron's module
 (DESIGN principle 1: never create a missing attribute).
 
-Why these two targets: the name is read only in these two methods (0.16.1; megatron-core main of
-2026 too), and ``router_gating_linear`` calls them through ``RouterGatingLinearFunction.apply``, so
-patching the methods on the class covers every caller. Optional: releases without the function
-have nothing to fix.
+Why these two targets: the name is read only in these two methods (0.13-0.19), and
+``router_gating_linear`` calls them through ``RouterGatingLinearFunction.apply``, so patching the
+methods on the class covers every caller. Releases 0.13-0.16 only: from 0.17 megatron binds the
+TE names to None itself without TE (``if HAVE_TE: ... else: (..., te_general_gemm) = (None, ...)``),
+so there is nothing to fix.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ PATCHES = [
         f"{MOE_UTILS}.RouterGatingLinearFunction.{method}",
         Kind.WRAP,
         _te_general_gemm_none_when_unbound,
-        optional=True,
+        versions="<0.17",
         why="te_general_gemm is unbound without TransformerEngine (NameError at the first MoE forward)",
     )
     for method in ("forward", "backward")

@@ -1,6 +1,7 @@
-"""megatron's MoE router without TransformerEngine: ``te_general_gemm`` is unbound (NameError); the
-fix runs the router's non-TE branch on every device (this CPU here; a GPU in
-tests/integration/test_cuda_placement.py), and leaves megatron's TE branch alone where TE binds it."""
+"""megatron's MoE router without TransformerEngine: ``te_general_gemm`` is unbound (NameError) in
+megatron-core 0.13-0.16; the fix runs the router's non-TE branch on every device (this CPU here; a
+GPU in tests/integration/test_cuda_placement.py), and leaves megatron's TE branch alone where TE
+binds it. From 0.17 megatron binds the name to None itself and the fix declares nothing."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import importlib
 
 import pytest
 import torch
+from packaging.version import Version
 
 from mindspeed_like import runtime
 from mindspeed_like.fixes import router_gating_without_te
+from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt
+from mindspeed_like.testing.declarations import declared_patches
 
 MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+FIXED_UPSTREAM = megatron_core_version() >= Version("0.17")  # megatron binds te_general_gemm = None
 
 
 def _moe_loss() -> torch.Tensor:
@@ -30,7 +35,15 @@ def _moe_loss() -> torch.Tensor:
 
 
 def test_the_router_runs_without_te_and_fails_without_the_fix(adaptor):
-    assert not hasattr(importlib.import_module(MOE_UTILS), "te_general_gemm")  # no TransformerEngine here
+    """0.13-0.16: the name is unbound without TE and the fix makes the router run. 0.17+: megatron
+    binds it to None, its own router runs, and the fix declares no patch for the release."""
+    moe_utils = importlib.import_module(MOE_UTILS)
+    if FIXED_UPSTREAM:
+        assert moe_utils.te_general_gemm is None  # no TransformerEngine here
+        assert declared_patches(router_gating_without_te.FEATURE.name) == []
+        assert _moe_loss().isfinite()
+        return
+    assert not hasattr(moe_utils, "te_general_gemm")  # no TransformerEngine here
     assert _moe_loss().isfinite()
     runtime.ENGINE.remove(router_gating_without_te.FEATURE.name)  # megatron's own path
     with pytest.raises(NameError, match="te_general_gemm"):
