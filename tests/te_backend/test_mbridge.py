@@ -26,6 +26,7 @@ import tempfile
 
 import pytest
 import torch
+from tiny_qwen3 import COMMON, hf_model
 
 from mindspeed_like.testing import run_distributed
 
@@ -43,28 +44,6 @@ STEPS = 3
 # megatron's fused softmax takes 16 < seq <= 4096 with seq and batch x heads divisible by 4: the shape
 # at which item 9b's ModuleNotFoundError was met (at 16 tokens megatron's own torch softmax runs)
 SEQ = 32
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True)
-
-
-def _hf_model(kind: str):
-    import transformers
-
-    torch.manual_seed(0)
-    if kind == "qwen3":
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON)).eval()
-    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**COMMON, **MOE, mlp_only_layers=[])).eval()
 
 
 def mbridge_worker(kinds: list[str]) -> dict:
@@ -78,7 +57,7 @@ def mbridge_worker(kinds: list[str]) -> dict:
 
     results: dict = {}
     for kind in kinds:
-        hf = _hf_model(kind)
+        hf = hf_model(kind)
         path = tempfile.mkdtemp(prefix=f"mbridge_{kind}_")
         hf.save_pretrained(path)
         bridge = AutoBridge.from_pretrained(path)

@@ -18,6 +18,7 @@ import tempfile
 
 import pytest
 import torch
+from tiny_qwen3 import COMMON, hf_model
 
 from mindspeed_like.testing import run_distributed
 
@@ -28,29 +29,6 @@ pytestmark = pytest.mark.skipif(
 
 LOGITS_ATOL = 1e-4  # the bound: fp32, the same math in other module boundaries
 STEPS = 5
-COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True)
-
-
-def _hf_model(kind: str):
-    import transformers
-
-    torch.manual_seed(0)
-    if kind == "qwen3":
-        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON)).float().eval()
-    config = transformers.Qwen3MoeConfig(**COMMON, **MOE, mlp_only_layers=[])
-    return transformers.Qwen3MoeForCausalLM(config).float().eval()
 
 
 def _save_tiny_tokenizer(path: str) -> None:
@@ -82,7 +60,7 @@ def bridge_worker(kinds: list[str]) -> dict:
 
     results: dict = {"te_module": repr(sys.modules["transformer_engine"].__spec__.loader)}
     for kind in kinds:
-        hf = _hf_model(kind)
+        hf = hf_model(kind)
         expected = {k: v.detach().clone() for k, v in hf.state_dict().items()}
         path = tempfile.mkdtemp(prefix=f"bridge_{kind}_")
         hf.save_pretrained(path)
