@@ -48,7 +48,8 @@ MAX_CHOICES = 6  # a flag with more choices (e.g. --exit-signal's 33 signals) tr
 # Placeholders the runner fills per run: a fresh directory / file, and the checkpoint it prepared.
 TMP_DIR, TMP_FILE, CHECKPOINT = "{tmp_dir}", "{tmp_file}", "{checkpoint}"
 
-# dest (exact, or a prefix ending in "_") -> the flags it needs beside it to act at all
+FULL_RECOMPUTE = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+# dest (exact, a prefix ending in "_", or one case's name: "--flag value") -> the flags it needs beside it to act at all
 COMPANIONS: dict[str, tuple[str, ...]] = {
     "loss_scale": ("--fp16",),
     "initial_loss_scale": ("--fp16",),
@@ -96,9 +97,12 @@ COMPANIONS: dict[str, tuple[str, ...]] = {
     "error_injection_": ("--rerun-mode", "validate_results", "--save", TMP_DIR, "--save-interval", "100"),
     "replication_": ("--replication",),
     "non_persistent_": ("--non-persistent-save-interval", "2", "--save", TMP_DIR, "--save-interval", "2"),
-    "recompute_method": ("--recompute-granularity", "full"),
-    "recompute_num_layers": ("--recompute-granularity", "full", "--recompute-method", "uniform"),
-    "distribute_saved_activations": ("--recompute-granularity", "full", "--recompute-method", "uniform"),
+    # full recompute needs all three (megatron's TransformerConfig checks); a case's own value overrides the
+    # companion's (argparse keeps the last), so "--recompute-method block" runs block with one layer
+    "--recompute-granularity full": ("--recompute-method", "uniform", "--recompute-num-layers", "1"),
+    "recompute_method": FULL_RECOMPUTE,
+    "recompute_num_layers": FULL_RECOMPUTE,
+    "distribute_saved_activations": FULL_RECOMPUTE,
     "recompute_modules": ("--recompute-granularity", "selective"),
     "fim_": ("--fim-data",),
     "optimizer_offload_fraction": ("--optimizer-cpu-offload",),
@@ -123,6 +127,7 @@ VALUES: dict[str, tuple[str, ...]] = {
     # not "mlp": megatron's selective mlp recompute with biases (the base model has them) never ends
     # (docs/megatron-lm.md, the sweep's section)
     "recompute_modules": ("core_attn", "layernorm"),
+    "recompute_num_layers": ("2",),  # 1 is FULL_RECOMPUTE's own
     "iterations_to_skip": ("2",),
     "exit_duration_in_mins": ("100",),
     "ckpt_step": ("2",),
@@ -211,10 +216,10 @@ def cases(parser: argparse.ArgumentParser, base: list[str]) -> tuple[list[Case],
             if set(action.option_strings) & given:
                 found.append(Case(option, action.dest, group.title, note="set by the sweep's base command line"))
                 continue
-            companions = companions_for(action.dest, group.title)
             aliases = tuple(o for o in action.option_strings if o != option)
             for values in values_for(action):
                 name = " ".join((option, *values)) if not isinstance(values, str) else option
+                companions = COMPANIONS.get(name) or companions_for(action.dest, group.title)
                 if name in NOT_RUN:
                     found.append(Case(option, action.dest, group.title, values, note=NOT_RUN[name]))
                 elif isinstance(values, str):
@@ -227,6 +232,8 @@ def cases(parser: argparse.ArgumentParser, base: list[str]) -> tuple[list[Case],
 def companions_for(dest: str, group: str) -> tuple[str, ...]:
     extra: tuple[str, ...] = ()
     for key, flags in COMPANIONS.items():
+        if key.startswith("--"):
+            continue  # one case's own entry (cases() looks it up by name)
         if dest == key or (key.endswith("_") and dest.startswith(key)):
             extra = flags
             break
@@ -283,6 +290,10 @@ def unmatched_entries(parser: argparse.ArgumentParser) -> list[str]:
     dests = {action.dest for action in parser._actions}
     stale = [f"VALUES[{key!r}]" for key in VALUES if key not in dests]
     for key in COMPANIONS:
+        if key.startswith("--"):
+            if key.split()[0] not in parser._option_string_actions:
+                stale.append(f"COMPANIONS[{key!r}]")
+            continue
         if not any(d == key or (key.endswith("_") and d.startswith(key)) for d in dests):
             stale.append(f"COMPANIONS[{key!r}]")
     stale += [f"LOAD_SIDE {key!r}" for key in LOAD_SIDE if key not in dests]
