@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from mindspeed_like.testing import megatron_lm
@@ -177,55 +177,76 @@ def sweep(
     progress: Callable[[list[Result]], None] | None = None,
 ) -> tuple[list[Result], dict[str, float]]:
     """Every case's result; and the number of runs and the wall seconds. ``progress`` gets the
-    results so far after every round of runs (a lane cut short still leaves what it found)."""
+    results so far after every finished run (a lane cut short still leaves what it found).
+
+    The runs form one queue, ``jobs`` at a time, with no rounds: a group's batches start as soon
+    as its reference run ends, a failed batch's halves as soon as it ends. A case whose command
+    line is another group's reference (``--fp16`` alone is the reference of ``--loss-scale``)
+    takes that run's result instead of running it again."""
     previous = previous or {}
     cases = list(cases)
     results: list[Result] = [Result(c, NOT_TRIED, c.note, 0, 0.0) for c in cases if c.note]
     todo = [c for c in cases if not c.note]
     tmp = tempfile.mkdtemp(prefix="megatron-lm-flags-")
+    checkpoint = os.path.join(tmp, "checkpoint")
     counter = {"runs": 0}
     start = time.monotonic()
 
     def execute(tokens: tuple[str, ...]) -> Run:
-        folder = tempfile.mkdtemp(dir=tmp)
-        run = runner(fill(tokens, folder, checkpoint))
+        run = runner(fill(tokens, tempfile.mkdtemp(dir=tmp), checkpoint))
         counter["runs"] += 1
         return run
 
-    checkpoint = os.path.join(tmp, "checkpoint")
     failed_batches: list[tuple[list[Case], str, str]] = []
     groups: dict[tuple[str, ...], list[Case]] = {}
     for case in todo:
         groups.setdefault(case.companions, []).append(case)
+    reused = {case for case in todo if _tokens([case]) in groups and _tokens([case]) != case.companions}
+    references: dict[tuple[str, ...], Run] = {}
     if any("{checkpoint}" in c.companions for c in todo):
         prepared = execute(("--save", checkpoint, "--save-interval", "2", "--exit-interval", "2"))
         log(f"checkpoint for the --load cases: {outcome(prepared, None)[0]} ({prepared.seconds:.0f} s)")
+
+    def decide(batch: list[Case], run: Run) -> list[list[Case]]:
+        """Record the batch's result, or return its halves to run."""
+        kind, detail = outcome(run, references[batch[0].companions])
+        if len(batch) == 1 or kind == SAME:
+            results.extend(Result(c, kind, detail, len(batch), run.seconds) for c in batch)
+            log(f"{kind}: {', '.join(c.name for c in batch)}" + (f" ({detail})" if len(batch) == 1 else ""))
+            return []
+        failed_batches.append((batch, kind, detail))
+        log(f"bisecting ({kind}): {', '.join(c.name for c in batch)}")
+        half = len(batch) // 2
+        return [batch[:half], batch[half:]]
+
+    waiting = set(reused)  # cases that take a reference's result, once both runs they need are done
+
+    def ready(group: tuple[str, ...]) -> list[list[Case]]:
+        """A reference ended: the batches of its group to run (and the reused cases now decidable)."""
+        for case in sorted(waiting, key=lambda c: c.name):
+            own = _tokens([case])
+            if case.companions in references and own in references:
+                waiting.discard(case)
+                if _passed_reference(case.companions, references, results, [case]):
+                    decide([case], references[own])
+        members = [c for c in groups[group] if c not in reused]
+        if not members or not _passed_reference(group, references, results, members):
+            return []
+        return _batches(members, previous)
+
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        references = dict(zip(groups, pool.map(execute, groups)))
-        pending: list[list[Case]] = []
-        for companions, members in groups.items():
-            reference = references[companions]
-            kind, detail = outcome(reference, None) if companions else (CHANGED, "")
-            if companions and kind not in PASSED:
-                why = f"its companions {' '.join(companions)} alone: {kind}: {detail}"
-                results += [Result(c, NOT_TRIED, why, 0, 0.0) for c in members]
-                continue
-            pending += _batches(members, previous)
-        log(f"{len(groups)} reference runs; {len(pending)} batches of {len(todo)} cases")
-        while pending:
-            runs = list(pool.map(lambda batch: execute(_tokens(batch)), pending))
-            split: list[list[Case]] = []
-            for batch, run in zip(pending, runs):
-                kind, detail = outcome(run, references[batch[0].companions])
-                if len(batch) == 1 or kind == SAME:
-                    results += [Result(c, kind, detail, len(batch), run.seconds) for c in batch]
-                    log(f"{kind}: {', '.join(c.name for c in batch)}" + (f" ({detail})" if len(batch) == 1 else ""))
+        running: dict = {pool.submit(execute, group): ("reference", group) for group in groups}
+        while running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                kind, payload = running.pop(future)
+                if kind == "reference":
+                    references[payload] = future.result()
+                    follow = ready(payload)
                 else:
-                    half = len(batch) // 2
-                    split += [batch[:half], batch[half:]]
-                    failed_batches.append((batch, kind, detail))
-                    log(f"bisecting ({kind}): {', '.join(c.name for c in batch)}")
-            pending = split
+                    follow = decide(payload, future.result())
+                for batch in follow:
+                    running[pool.submit(execute, _tokens(batch))] = ("batch", batch)
             if progress is not None:
                 progress(list(results))
     order = {case: index for index, case in enumerate(cases)}
@@ -235,6 +256,20 @@ def sweep(
         "wall_seconds": time.monotonic() - start,
         "interactions": interactions(failed_batches, results),
     }
+
+
+def _passed_reference(
+    group: tuple[str, ...], references: dict[tuple[str, ...], Run], results: list[Result], members: list[Case]
+) -> bool:
+    """Whether ``group``'s companions alone trained; if not its members are recorded as not tried."""
+    if not group:
+        return True
+    kind, detail = outcome(references[group], None)
+    if kind in PASSED:
+        return True
+    why = f"its companions {' '.join(group)} alone: {kind}: {detail}"
+    results.extend(Result(c, NOT_TRIED, why, 0, 0.0) for c in members)
+    return False
 
 
 def interactions(failed: list[tuple[list[Case], str, str]], results: list[Result]) -> list[dict[str, str]]:

@@ -41,3 +41,27 @@ def test_cases_that_changed_last_time_run_alone():
     cases = [Case(f"--f{i}", f"f{i}", "logging") for i in range(3)]
     batches = sweep._batches(cases, {"--f1": sweep.CHANGED})
     assert [[c.option for c in b] for b in batches] == [["--f1"], ["--f0", "--f2"]]
+
+
+def test_a_case_that_is_another_groups_reference_takes_its_run():
+    """``--fp16`` alone is the reference run of the cases that need it beside them: run once."""
+    commands: list[list[str]] = []
+
+    def counting_run(extra: list[str]) -> sweep.Run:
+        commands.append(extra)
+        return fake_run(extra)
+
+    cases = [
+        Case("--fp16", "fp16", "mixed precision"),
+        Case("--loss-scale", "loss_scale", "mixed precision", ("8",), ("--fp16",)),
+        Case("--math", "math", "logging"),
+    ]
+    results, stats = sweep.sweep(cases, runner=counting_run, jobs=2, log=lambda line: None)
+    assert {r.case.option: r.outcome for r in results} == {
+        "--fp16": sweep.SAME,
+        "--loss-scale": sweep.SAME,
+        "--math": sweep.CHANGED,
+    }
+    # the references of () and of ("--fp16",), then one batch per group; "--fp16" alone is not run again
+    assert sorted(map(tuple, commands)) == [(), ("--fp16",), ("--fp16", "--loss-scale", "8"), ("--math",)]
+    assert stats["runs"] == 4
