@@ -186,6 +186,14 @@ def test_block_codec_fp8():
     assert torch.equal(y[3 * BLOCK :], torch.zeros(BLOCK))  # an all-zero block stays exactly zero
 
 
+def _te_style_adam(params, dtype: torch.dtype, **overrides) -> PrecisionAwareAdam:
+    """Megatron's precision-aware setup (TE's FusedAdam arguments): exact masters from bf16 weights
+    and int16 remainders, decoupled gradients, both moments in ``dtype``."""
+    arguments = dict(lr=LR, betas=BETAS, weight_decay=WD, master_weights=True, store_param_remainders=True)
+    arguments.update(use_decoupled_grad=True, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype, **overrides)
+    return PrecisionAwareAdam(params, **arguments)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, FP8], ids=str)
 def test_state_api_round_trip_and_cross_dtype_load(dtype):
     """state_dict holds fp32 values (int16 remainders); an fp32-state checkpoint loads into ``dtype``
@@ -230,17 +238,7 @@ def test_step_in_pieces_is_bitwise_the_whole_bucket_step(dtype, monkeypatch):
         monkeypatch.setattr(adam, "STEP_CHUNK", chunk)
         params = _weights()
         params[0] = params[0].t()  # non-contiguous [33, 64]
-        opt = PrecisionAwareAdam(
-            params,
-            lr=LR,
-            betas=BETAS,
-            weight_decay=WD,
-            master_weights=True,
-            store_param_remainders=True,
-            use_decoupled_grad=True,
-            exp_avg_dtype=dtype,
-            exp_avg_sq_dtype=dtype,
-        )
+        opt = _te_style_adam(params, dtype)
         for step, gs in enumerate(_grads(4)):
             for i, (p, g) in enumerate(zip(params, gs)):
                 p.decoupled_grad = None if (i == 2 and step == 2) else g.view(p.shape).bfloat16()
@@ -275,17 +273,7 @@ def test_cuda_backend_steps_in_its_own_pieces_without_host_reads(dtype, monkeypa
 
     def run(backend: str):
         params = _weights()
-        opt = PrecisionAwareAdam(
-            params,
-            lr=LR,
-            betas=BETAS,
-            weight_decay=WD,
-            master_weights=True,
-            store_param_remainders=True,
-            use_decoupled_grad=True,
-            exp_avg_dtype=dtype,
-            exp_avg_sq_dtype=dtype,
-        )
+        opt = _te_style_adam(params, dtype)
         for gs in _grads(3):
             for p, g in zip(params, gs):
                 p.decoupled_grad = g.view(p.shape).bfloat16()
