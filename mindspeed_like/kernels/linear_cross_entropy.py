@@ -6,13 +6,31 @@ Per chunk of tokens, the same arithmetic as megatron's output layer followed by 
 ``logits = hidden @ weight^T`` in the model's dtype, then in fp32: the max over the vocabulary
 (all-reduced MAX over TP), logits minus max, the target's logit on the rank whose vocab shard
 holds it (SUM over TP), ``sum(exp)`` (SUM over TP), ``loss = log(sum_exp) - target_logit``.
-Forward keeps only the per-token log-sum-exp (fp32) and target index (int32) besides the inputs.
-Backward walks the vocabulary instead of the tokens: per slice of vocabulary columns it recomputes
-all tokens' logits of that slice, forms ``softmax - onehot`` scaled by the incoming per-token
-gradient (megatron's loss is per token: the caller's mask and normalisation arrive there), casts
+Forward keeps only the per-token max and ``sum(exp)`` (fp32) and target index (int32) besides the
+inputs. Backward walks the vocabulary instead of the tokens: per slice of vocabulary columns it
+recomputes all tokens' logits of that slice, forms megatron's ``(exp(logits - max) / sum_exp -
+onehot) * grad`` as ``(exp(logits - max) - sum_exp * onehot) * (grad / sum_exp)`` (the division
+folded into the scaling, no pass of its own; ``grad`` is the incoming per-token gradient:
+megatron's loss is per token, the caller's mask and normalisation arrive there), casts
 it to the model's dtype as megatron's autograd does, writes that slice's rows of ``d weight``
 once (or adds them to ``weight.main_grad`` with gradient-accumulation fusion, megatron's rule
 reproduced by the tp-overlap wgrad helper) and adds its term of ``d hidden`` (fp32).
+Why not one saved log-sum-exp, ``exp(logits - (max + log(sum_exp)))`` (flash-style, one fp32 a
+token): in fp32, ``max + log(sum_exp)`` loses ``log(sum_exp)`` (at most log V) to rounding once
+``|max|`` grows (its ulp reaches 1 at 2^24), so the probabilities stop summing to 1: at a largest
+``|logit|`` of 1.4e5 / 1.4e7 / 1.4e9 ``d hidden`` was 0.09% / 10% / 36% off megatron's and
+``d weight`` 0.14% / 26% / 97% (a tied maximum got probability 1 at each tied logit instead of
+1/n). Logits that large are what a diverging run reaches just before megatron's NaN guard fires:
+issue 37 item 3 measured ``--lr 1e3`` (bf16) stopping at iteration 7 (DP=2; 12 at DP=1) instead
+of megatron's 3 with this feature alone, at megatron's iteration after the change
+(tests/kernels/test_nonfinite_propagation.py,
+tests/reliability/test_megatron_lm_nan_guard.py). ``logits - max`` is clamped at 0 before the
+exp: the backward's recomputed logits come from another matmul shape than forward's and BLAS may
+round them differently (MKL did for 16 tokens x 2 columns); at ``|logit|`` 1e9 one fp32 ulp is 64,
+so a recomputed maximum one ulp higher gave ``exp(64)`` and an inf gradient where megatron's softmax
+(saved from forward) never exceeds 1. The price, one more elementwise pass (the clamp) per
+vocabulary slice and 4 bytes a token: fwd+bwd time within the noise of this shared 2-core CPU
+(-1% to +4% at hidden 128, vocab 32k; +-1.5% at hidden 1024).
 Why columns in backward: with token chunks every chunk re-read and re-wrote the whole
 ``[vocab/TP, hidden]`` fp32 weight gradient (at vocab 128k, hidden 1024 and 128-token chunks,
 32 passes over 512 MiB), measured 1.8x megatron's time where the extra matmul explains 1.33x;
@@ -60,16 +78,16 @@ def vocab_columns(chunk_tokens: int, vocab_local: int, tokens: int) -> int:
     return max(1, min(vocab_local, chunk_tokens * vocab_local // max(1, tokens)))
 
 
-def _subtract_onehot(probs: torch.Tensor, targets: torch.Tensor, lo: int, hi: int) -> None:
-    """``probs[t, targets[t] - lo] -= 1`` for the tokens whose target lies in ``[lo, hi)``.
+def _subtract_onehot(probs: torch.Tensor, targets: torch.Tensor, lo: int, hi: int, value: torch.Tensor) -> None:
+    """``probs[t, targets[t] - lo] -= value[t]`` for the tokens whose target lies in ``[lo, hi)``.
 
-    A scatter of ``-1`` (holders) or ``-0.0`` (everyone else, at a clamped column) instead of
-    ``nonzero()`` + advanced indexing: same values bit for bit (``x + (-1) == x - 1`` and
+    A scatter of ``-value`` (holders) or ``-0.0`` (everyone else, at a clamped column) instead of
+    ``nonzero()`` + advanced indexing: same values bit for bit (``x + (-v) == x - v`` and
     ``x + (-0.0) == x`` for every float, signed zeros included), but no data-dependent shape, so
     no host synchronisation per vocabulary slice on an accelerator."""
     inside = (targets >= lo) & (targets < hi)
     columns = (targets - lo).clamp_(0, hi - lo - 1).long().unsqueeze(-1)
-    delta = torch.where(inside, -1.0, -0.0).to(probs.dtype).unsqueeze(-1)
+    delta = torch.where(inside, -value, -0.0).to(probs.dtype).unsqueeze(-1)
     probs.scatter_add_(1, columns, delta)
 
 
@@ -107,7 +125,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         tokens, vocab_local = hidden.shape[0], weight.shape[0]
         loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        norm = torch.empty(2, tokens, dtype=torch.float32, device=hidden.device)  # [max, sum(exp)]
         targets = _local_targets(labels, vocab_start, vocab_local)
         for lo in range(0, tokens, chunk):
             hi = min(tokens, lo + chunk)
@@ -121,30 +139,30 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             sums[1] = logits.exp_().sum(dim=-1)
             _all_reduce(sums, dist.ReduceOp.SUM, tp_group)
             target_logit, sum_exp = sums[0], sums[1]
-            log_sum_exp = torch.log(sum_exp)
-            loss[lo:hi] = log_sum_exp - target_logit
-            lse[lo:hi] = log_sum_exp + top
+            loss[lo:hi] = torch.log(sum_exp) - target_logit
+            norm[0, lo:hi], norm[1, lo:hi] = top, sum_exp
             del logits  # before the next chunk's matmul allocates: one chunk alive at a time
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, norm)
         ctx.chunk, ctx.accumulation_fusion = chunk, accumulation_fusion
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, norm = ctx.saved_tensors
         tokens, vocab_local = hidden.shape[0], weight.shape[0]
         width = vocab_columns(ctx.chunk, vocab_local, tokens)
         fusion = ctx.accumulation_fusion and hasattr(weight, "main_grad")
         # d hidden sums over the vocabulary slices: in fp32 (in place for fp32 models)
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = None if fusion else torch.empty_like(weight)
-        scale, log_norm = grad_loss.unsqueeze(-1), lse.unsqueeze(-1)
+        top, sum_exp = norm[0].unsqueeze(-1), norm[1]
+        scale = (grad_loss / sum_exp).unsqueeze(-1)  # megatron's division by sum_exp, folded in
         for lo in range(0, vocab_local, width):
             hi = min(vocab_local, lo + width)
             block = weight[lo:hi]
             probs = torch.matmul(hidden, block.t()).float()
-            probs.sub_(log_norm).exp_()
-            _subtract_onehot(probs, targets, lo, hi)
+            probs.sub_(top).clamp_(max=0.0).exp_()  # megatron's exp(logits - max), never above 1
+            _subtract_onehot(probs, targets, lo, hi, sum_exp)
             grad_logits = probs.mul_(scale).to(hidden.dtype)
             if hidden.dtype == torch.float32:
                 grad_hidden.addmm_(grad_logits, block)

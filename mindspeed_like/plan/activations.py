@@ -455,8 +455,8 @@ def head(run: Run, paths: Paths, dims: Dims, outputs: int = 1) -> list[Saved]:
             ),
             Saved(
                 "loss",
-                "per-token fp32 log-sum-exp + int32 target",
-                (FP32 + INT32) * t,
+                "per-token fp32 max and sum(exp) + int32 target",
+                (2 * FP32 + INT32) * t,
                 count=outputs,
                 feature="fused-linear-cross-entropy",
             ),

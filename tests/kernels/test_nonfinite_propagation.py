@@ -360,6 +360,68 @@ def test_linear_cross_entropy_nonfinite_placement_is_megatrons(adapter, dtype, c
             )
 
 
+def _tied_diverging(tokens: int, hidden: int, vocab: int, magnitude: float, dtype: torch.dtype):
+    """hidden ``[tokens, hidden]``, the output weight, labels and the incoming per-token gradient;
+    logits of ``|x| ~ magnitude``, the largest of every other token tied (vocab rows 0 and 1 equal,
+    those tokens leaning their way)."""
+    gen = torch.Generator().manual_seed(SEED)
+    w = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64)
+    w[1] = w[0]
+    h = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+    h[::2] += 2 * w[0]
+    h = h * magnitude / (4 * hidden)
+    return (
+        h.to(dtype),
+        w.to(dtype),
+        torch.randint(0, vocab, (tokens,), generator=gen),
+        torch.rand(tokens, generator=gen),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("chunk", [0, 16], ids=["one-chunk", "chunks-of-16"])
+@pytest.mark.parametrize("magnitude", [4e5, 4e7, 4e9])
+def test_linear_cross_entropy_gradient_is_megatrons_at_diverging_logits(adapter, dtype, chunk, magnitude):
+    """Finite logits of a diverging run (issue 37 item 3: ~1e7-1e9 just before the guard fires): the
+    gradients are megatron's ``softmax - onehot``, not a softmax that no longer sums to 1. The
+    kernel once saved ``max + log(sum_exp)`` in one fp32, where ``log(sum_exp)`` (<= log V) is
+    rounded away as ``|max|`` grows; at max ``|logit|`` 1.4e5 / 1.4e7 / 1.4e9 (the three cases) d
+    hidden was 0.09% / 10% / 36% off megatron's and d weight 0.14% / 26% / 97% (a tied maximum
+    got probability 1 at each tied logit instead of 1/2), and megatron's ``--lr 1e3`` bf16 run
+    stopped at iteration 7 (DP=2) instead of megatron's 3. Tolerance: fp32 summation order (d hidden sums
+    vocabulary slices); in bf16 also d hidden's rounding (megatron's bf16 matmul, our fp32 sum), so
+    the bf16 case at 1.4e5 (0.26% before) does not tell the two apart."""
+    from mindspeed_like.kernels.linear_cross_entropy import linear_cross_entropy
+
+    hidden, weight, labels, grad = _tied_diverging(64, 64, 128, magnitude, dtype)
+    ours = lambda h, w: linear_cross_entropy(h, w, labels, chunk_tokens=chunk)  # noqa: E731
+    got, expected = (_grads(fn, [hidden, weight], grad) for fn in (ours, _megatron_linear_cross_entropy(labels)))
+    tolerance = 1e-6 if dtype == torch.float32 else 5e-3
+    for name, a, b in zip(("loss", "d hidden", "d weight"), got, expected, strict=True):
+        error = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert error <= tolerance, f"{dtype} |logit| ~{magnitude:g}: {name} {error:.2e} off megatron's (relative norm)"
+
+
+def test_linear_cross_entropy_recomputed_logit_above_the_max_is_no_inf(adapter):
+    """Backward recomputes the logits with another matmul shape (``[tokens, slice]`` instead of
+    forward's ``[chunk, vocab]``); BLAS may round them differently (here: MKL's small-matrix kernel,
+    16 tokens, hidden 8, slices of 2 columns). At ``|logit|`` ~1e9 one fp32 ulp is 64, so a
+    recomputed maximum one ulp above forward's gave ``exp(64+)`` = inf in the gradient where
+    megatron's (its softmax saved from forward, never above 1) is finite: ``logits - max`` is
+    clamped at 0, megatron's bound (one more pass over each slice: within a CPU's timing noise)."""
+    from mindspeed_like.kernels.linear_cross_entropy import linear_cross_entropy
+
+    for seed in range(SEED, SEED + 8):  # unclamped, 4 of these 8 draws gave an inf
+        gen = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(16, 8, generator=gen) * 1e9
+        weight = torch.randn(11, 8, generator=gen)
+        labels, grad = torch.randint(0, 11, (16,), generator=gen), torch.rand(16, generator=gen)
+        ours = lambda h, w, labels=labels: linear_cross_entropy(h, w, labels, chunk_tokens=3)  # noqa: E731
+        expected = _grads(_megatron_linear_cross_entropy(labels), [hidden, weight], grad)
+        assert all(bool(t.isfinite().all()) for t in expected)
+        assert_same_placement(_grads(ours, [hidden, weight], grad), expected, f"fp32 |logit| ~1e9, seed {seed}")
+
+
 # ---------------------------------------------------------------- grouped GEMM (megatron: one matmul per expert)
 
 
