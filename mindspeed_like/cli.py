@@ -232,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     from mindspeed_like import runtime
 
+    own_process = argv is None  # the console script: this process runs the one command
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # everything after the script belongs to the script
         from mindspeed_like.run import main as run_main
@@ -241,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["plan"]:  # Megatron-LM's arguments (or compare's options): plan parses them itself
         from mindspeed_like.plan.cli import main as plan_main
 
-        return plan_main(argv[1:])
+        return plan_main(argv[1:], own_process=own_process)
     parser = build_parser()
     args = parser.parse_args(argv)
     flag_names = {flag.name for flag in runtime.flags()}

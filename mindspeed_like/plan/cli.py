@@ -97,9 +97,14 @@ def plan_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, own_process: bool | None = None) -> int:
+    """``own_process``: this process runs plan and nothing else (the console script and ``python -m``,
+    where ``argv`` is None), so Megatron-LM's parser may be imported the cheap way
+    (:func:`megatron_args.parse_with_megatron_lm`)."""
+    own_process = argv is None if own_process is None else own_process
     argv = list(sys.argv[1:] if argv is None else argv)
     own, rest = plan_parser().parse_known_args(argv)
+    own.own_process = own_process
     if own.help:
         plan_parser().print_help()
         print("\nMegatron-LM's model/layout options read (the rest are accepted):")
@@ -197,7 +202,9 @@ def read_run(rest: list[str], own: argparse.Namespace):
     notes: list[str] = []
     if own.parser in ("auto", "megatron-lm"):
         try:
-            ns, note = megatron_args.parse_with_megatron_lm(rest, own.world_size or _model_parallel(ns))
+            ns, note = megatron_args.parse_with_megatron_lm(
+                rest, own.world_size or _model_parallel(ns), parse_only_process=getattr(own, "own_process", False)
+            )
             source = "megatron-lm" if note is None else "megatron-lm parser, built-in derivations"
             if note:
                 notes.append(note)

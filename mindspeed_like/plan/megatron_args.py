@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import difflib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from mindspeed_like.plan.spec import Layout, Model, Precision, Recompute, Run, moe_pattern, pad_vocab
@@ -254,18 +255,43 @@ def classify_unknown(rest: Sequence[str], known_elsewhere: set[str]) -> list[str
     return not_modeled
 
 
-def parse_with_megatron_lm(argv: Sequence[str], world_size: int) -> tuple[argparse.Namespace, str | None]:
+@contextlib.contextmanager
+def _compile_left_for_later() -> Iterator[None]:
+    """``torch.compile`` hands its function back unchanged while this block imports megatron.
+
+    megatron-core decorates its fused ops at import time (``megatron/core/jit.py``: ``jit_fuser =
+    torch.compile``), which imports dynamo and inductor: ~2 of the ~5 s that importing
+    ``megatron.training.arguments`` takes on this 2-core host (3.2 s without). Only for a process that
+    parses and exits (plan's own): in any other the decorated functions would stay uncompiled."""
+    import torch
+
+    def undecorated(model=None, **options):
+        return model if model is not None else (lambda function: function)
+
+    compile_ = torch.compile
+    torch.compile = undecorated
+    try:
+        yield
+    finally:
+        torch.compile = compile_
+
+
+def parse_with_megatron_lm(
+    argv: Sequence[str], world_size: int, parse_only_process: bool = False
+) -> tuple[argparse.Namespace, str | None]:
     """Megatron-LM's own ``parse_args`` and ``validate_args`` on ``argv`` (unknown options, ours
     included, ignored by it), for a world of ``world_size`` ranks. Raises ImportError where
     megatron.training is not importable. Where ``validate_args`` needs the target device itself
     (it asks CUDA for the GPU's architecture at TP/CP > 1), the namespace is Megatron-LM's parsed
-    one with the built-in derivations, and the second value says so."""
-    import contextlib
+    one with the built-in derivations, and the second value says so. ``parse_only_process``: this
+    process only parses (plan's CLI), so megatron is imported without compiling its fused ops."""
     import io
     import os
     import sys
 
-    from megatron.training import arguments  # noqa: F401 (ImportError: not installed)
+    fresh = parse_only_process and "megatron.core" not in sys.modules
+    with _compile_left_for_later() if fresh else contextlib.nullcontext():
+        from megatron.training import arguments  # noqa: F401 (ImportError: not installed)
 
     saved_argv = sys.argv
     saved_env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "CUDA_DEVICE_MAX_CONNECTIONS")}

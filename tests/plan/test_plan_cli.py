@@ -173,3 +173,33 @@ def test_fit_prints_a_command_line_or_what_is_short(capsys) -> None:
     assert cli.main([*base, "--fit", "--device-memory", "1MiB"]) == 0
     out = capsys.readouterr().out
     assert "nothing fits" in out and "more than the device" in out
+
+
+def test_megatron_is_imported_without_compiling_only_in_plans_own_process(monkeypatch) -> None:
+    """plan's CLI imports Megatron-LM's parser with torch.compile handing functions back unchanged
+    (megatron-core compiles its fused ops at import: ~2 s of the import). Only in plan's own process:
+    an in-process call (argv given) must not leave megatron's fused ops uncompiled for the caller."""
+    import torch
+
+    from mindspeed_like.plan import megatron_args
+
+    compile_ = torch.compile
+    with megatron_args._compile_left_for_later():
+
+        def fused(x):
+            return x
+
+        assert torch.compile(fused) is fused and torch.compile(mode="max-autotune")(fused) is fused
+    assert torch.compile is compile_
+    seen = {}
+
+    def parse(argv, world_size, parse_only_process=False):
+        seen["parse_only_process"] = parse_only_process
+        raise ImportError("megatron.training")
+
+    monkeypatch.setattr(megatron_args, "parse_with_megatron_lm", parse)
+    tiny = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --vocab-size 128".split()
+    assert cli.main(tiny) == 0
+    assert seen == {"parse_only_process": False}
+    assert cli.main(tiny, own_process=True) == 0
+    assert seen == {"parse_only_process": True}
