@@ -72,13 +72,52 @@ def family(run: Run) -> str:
     return "moe" if run.model.is_moe else "dense"
 
 
+def launcher(run: Run) -> str:
+    """What runs the model on a CPU host: compare's workers (``--preset``) or Megatron-LM's
+    pretrain_gpt.py (a Megatron-LM command line). Their processes load different code, and build
+    the model differently."""
+    return "compare" if run.source == "compare" else "megatron-lm"
+
+
+_calibrating: list[bool] = []  # set while the Megatron-LM baseline's own tensors are predicted
+
+
 @functools.lru_cache(maxsize=16)
-def runtime_bytes(device: str, kind: str = "dense", arm: str = "megatron") -> int:
+def megatron_lm_runtime_bytes(arm: str) -> int:
+    """A Megatron-LM rank's memory before any model tensor on a CPU host: the smallest run's peak as
+    Megatron-LM printed it (results/plan-megatron-lm.json, plan/megatron_lm_check.py) less what the
+    plan says that run's tensors held; 0 before the record exists."""
+    from mindspeed_like.toolkit import records
+
+    path = records.results_dir() / "megatron-lm-memory.json"
+    if not path.exists():
+        return 0
+    baseline = records.read(path)["extra"]["baseline"]
+    from mindspeed_like.plan import megatron_lm_check
+
+    _calibrating.append(True)
+    try:
+        held = megatron_lm_check.held_by_tensors(baseline["arguments"], 1)
+    finally:
+        _calibrating.pop()
+    side = arm if arm in baseline["peak"] else "megatron"
+    return int(baseline["peak"][side] - held[side])
+
+
+def runtime_bytes(device: str, kind: str = "dense", arm: str = "megatron", launched_by: str = "compare") -> int:
     """The process's memory before any model tensor: on a CPU host the baseline record's measured
     peak of that arm (the features load more code than megatron's path) minus what that tiny
-    run's tensors held (predicted by this model); 0 for an accelerator's allocator."""
-    if device != "cpu":
-        return 0
+    run's tensors held (predicted by this model); 0 for an accelerator's allocator. A Megatron-LM
+    rank has its own baseline (:func:`megatron_lm_runtime_bytes`; one for every model family)."""
+    if device != "cpu" or _calibrating:
+        return 0  # (not cached: a calibration's zeros must not outlive it)
+    if launched_by == "megatron-lm":
+        return megatron_lm_runtime_bytes(arm)
+    return _compare_runtime_bytes(kind, arm)
+
+
+@functools.lru_cache(maxsize=16)
+def _compare_runtime_bytes(kind: str, arm: str) -> int:
     import argparse
 
     from mindspeed_like.plan.compare_args import run_from_compare
@@ -101,8 +140,8 @@ def build_bytes(run: Run, paths: Paths) -> int:
     to bf16 (Float16Module), the TE spec's model from a local-spec model of the same seed (4 + 4 + 2
     bytes a parameter), the local spec once (4 + 2); glibc keeps those pages for the rest of the
     run. An accelerator run counts only live bytes (0)."""
-    if run.device != "cpu" or run.precision.params == "fp32":
-        return 0
+    if run.device != "cpu" or run.precision.params == "fp32" or launcher(run) == "megatron-lm":
+        return 0  # Megatron-LM builds in the parameter dtype on the host: nothing left behind
     per = 10 if run.transformer_impl == "transformer_engine" else 6
     return per * _rank_params(run)
 
@@ -169,7 +208,7 @@ def estimate(
     state = sum(line.bytes for line in lines)
     largest = run.model.vocab_size // run.layout.tp * run.model.hidden_size
     return Peak(
-        runtime=runtime_bytes(run.device, family(run), arm),
+        runtime=runtime_bytes(run.device, family(run), arm, launcher(run)),
         build=build_bytes(run, paths),
         model_state=state,
         activations=held,

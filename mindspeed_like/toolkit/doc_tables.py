@@ -613,6 +613,21 @@ def _plan_fit(recs: Records) -> list[str]:
     )
 
 
+@table("plan_megatron_lm")
+def _plan_megatron_lm(recs: Records) -> list[str]:
+    """Megatron-LM's own runs on a CPU host: each rank's printed peak against the plan's."""
+    return columns_table(
+        recs.rows("plan-megatron-lm", table="plan_megatron_lm"),
+        [
+            Col("case", "case"),
+            Col("rank", "rank"),
+            Col("Megatron-LM's max allocated MiB", "measured_MiB", ",.0f"),
+            Col("plan's process peak MiB", "predicted_MiB", ",.0f"),
+            Col("plan's error", lambda row: _signed_pct(row["error_pct"])),
+        ],
+    )
+
+
 # -- rendering a document -----------------------------------------------------------------------
 
 # a marker quoted in backticks (docs/architecture.md describing them) is text, not a region
