@@ -79,29 +79,23 @@ def launcher(run: Run) -> str:
     return "compare" if run.source == "compare" else "megatron-lm"
 
 
-_calibrating: list[bool] = []  # set while the Megatron-LM baseline's own tensors are predicted
+calibrating: list[bool] = []  # set while the Megatron-LM baseline's own tensors are predicted
 
 
 @functools.lru_cache(maxsize=16)
 def megatron_lm_runtime_bytes(arm: str) -> int:
     """A Megatron-LM rank's memory before any model tensor on a CPU host: the smallest run's peak as
-    Megatron-LM printed it (results/plan-megatron-lm.json, plan/megatron_lm_check.py) less what the
-    plan says that run's tensors held; 0 before the record exists."""
+    Megatron-LM printed it less what the plan says that run's tensors held, both kept in
+    results/megatron-lm-memory.json (plan/megatron_lm_check.py measures the one and refreshes the
+    other); 0 before the record exists."""
     from mindspeed_like.toolkit import records
 
     path = records.results_dir() / "megatron-lm-memory.json"
     if not path.exists():
         return 0
     baseline = records.read(path)["extra"]["baseline"]
-    from mindspeed_like.plan import megatron_lm_check
-
-    _calibrating.append(True)
-    try:
-        held = megatron_lm_check.held_by_tensors(baseline["arguments"], 1)
-    finally:
-        _calibrating.pop()
     side = arm if arm in baseline["peak"] else "megatron"
-    return int(baseline["peak"][side] - held[side])
+    return int(baseline["peak"][side] - baseline["held"][side])
 
 
 def runtime_bytes(device: str, kind: str = "dense", arm: str = "megatron", launched_by: str = "compare") -> int:
@@ -109,7 +103,7 @@ def runtime_bytes(device: str, kind: str = "dense", arm: str = "megatron", launc
     peak of that arm (the features load more code than megatron's path) minus what that tiny
     run's tensors held (predicted by this model); 0 for an accelerator's allocator. A Megatron-LM
     rank has its own baseline (:func:`megatron_lm_runtime_bytes`; one for every model family)."""
-    if device != "cpu" or _calibrating:
+    if device != "cpu" or calibrating:
         return 0  # (not cached: a calibration's zeros must not outlive it)
     if launched_by == "megatron-lm":
         return megatron_lm_runtime_bytes(arm)

@@ -63,3 +63,14 @@ def test_the_known_misses_are_still_missed(rows: list[dict]) -> None:
     errors = {(row["case"], row["rank"]): abs(row["error_pct"]) / 100 for row in rows}
     stale = [key for key in KNOWN_MISSES if errors.get(key, 0) <= megatron_lm_check.TARGET]
     assert not stale, f"KNOWN_MISSES entries met now (drop them): {stale}"
+
+
+def test_the_runtime_calibration_is_the_plans_now() -> None:
+    """The runtime of a Megatron-LM rank is the baseline's measured peak less what the plan says its
+    tensors held; the record keeps the latter so that the model reads it without predicting itself."""
+    path = records.results_dir() / f"{megatron_lm_check.MEASURED}.json"
+    baseline = records.read(path)["extra"]["baseline"]
+    assert baseline["held"] == megatron_lm_check.held_by_tensors(baseline["arguments"], 1), (
+        "results/megatron-lm-memory.json's baseline is stale: "
+        "`python -m mindspeed_like.plan.megatron_lm_check --record`"
+    )
