@@ -100,9 +100,10 @@ PRIMARY_VERSION := 0.16.1
 TEST_VERSIONS ?= 0.13.1 0.19.2
 # The subset: the declared targets and the audit, every feature's parity tests on the real model,
 # the CPU adapter, the fixes, the specs and the integration tests (not the kernel-only tests,
-# which do not touch megatron-core), and the DistributedOptimizer resume in each version's formats.
+# which do not touch megatron-core), the DistributedOptimizer resume in each version's formats, and the
+# plan's byte counts against each version's real model, schedule functions and report_theoretical_memory.
 VERSION_TESTS ?= tests/features tests/adapters tests/fixes tests/integration tests/config tests/engine tests/te_backend tests/te_shim \
-	tests/reliability/test_distopt_checkpoint_resume.py
+	tests/reliability/test_distopt_checkpoint_resume.py tests/plan
 VERSION_PYTEST_ARGS ?= -q -p no:cacheprovider
 
 .venv-mc%/.installed: pyproject.toml setup.py

@@ -2,8 +2,8 @@
 
 Its own code (``megatron/training/theoretical_memory_usage.py``) is run, not a copy: the file is
 read from Megatron-LM's checkout (``MEGATRON_LM_PATH``, or wherever ``megatron.training`` is
-importable) and executed with its one import (``print_rank_0``) stubbed, so neither megatron.core
-nor torch is imported. ``None`` where no Megatron-LM is at hand.
+importable) and executed with its relative import from ``megatron.training.utils`` stood in for, so
+neither megatron.core nor torch is imported. ``None`` where no Megatron-LM is at hand.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import io
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,17 +37,37 @@ def source_path() -> Path | None:
     return None
 
 
+# what the file takes from megatron.training.utils (its one relative import), stood in for: printing
+# nothing, and no hybrid (Mamba) model (plan models GPT; 0.19's file asks which it is)
+_UTILS_STANDINS = {"print_rank_0": lambda *args, **kwargs: None, "is_hybrid_model": lambda *args, **kwargs: False}
+_RELATIVE_IMPORT = re.compile(r"^from \.utils import ([\w, ]+)$", re.M)
+
+
 def _module(path: Path) -> SimpleNamespace:
-    text = path.read_text().replace("from .utils import print_rank_0", "print_rank_0 = lambda *a, **k: None")
-    scope: dict[str, Any] = {"__name__": "megatron_lm_theoretical_memory_usage"}
-    exec(compile(text, str(path), "exec"), scope)  # Megatron-LM's own file, its one relative import stubbed
+    text = path.read_text()
+    names = [n.strip() for m in _RELATIVE_IMPORT.finditer(text) for n in m.group(1).split(",")]
+    unknown = sorted(set(names) - set(_UTILS_STANDINS))
+    if unknown:
+        raise ImportError(f"{path} takes {unknown} from megatron.training.utils: plan has no stand-in for them")
+    scope: dict[str, Any] = {"__name__": "megatron_lm_theoretical_memory_usage", **_UTILS_STANDINS}
+    exec(compile(_RELATIVE_IMPORT.sub("", text), str(path), "exec"), scope)  # Megatron-LM's own file
     return SimpleNamespace(**scope)
+
+
+class _Arguments(argparse.Namespace):
+    """Megatron-LM's argument namespace for the file: an option it reads that the plan does not set
+    is None, Megatron-LM's default for its optional features (0.19's file reads ``moe_latent_size``)."""
+
+    def __getattr__(self, name: str) -> None:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
 
 
 def megatron_args(run: Run) -> argparse.Namespace:
     """The Megatron-LM argument namespace ``report_theoretical_memory`` reads, for ``run``."""
     m, lay = run.model, run.layout
-    return argparse.Namespace(
+    return _Arguments(
         kv_channels=m.kv_channels,
         num_attention_heads=m.num_attention_heads,
         hidden_size=m.hidden_size,
@@ -79,6 +100,11 @@ def megatron_args(run: Run) -> argparse.Namespace:
         sequence_parallel=lay.sequence_parallel,
         recompute_granularity=run.recompute.granularity,
         is_hybrid_model=False,
+        expert_model_parallel_size=lay.ep,
+        expert_tensor_parallel_size=lay.expert_tp,
+        world_size=lay.world_size,
+        add_bias_linear=m.add_bias_linear,
+        moe_router_topk=m.moe_router_topk,
     )
 
 

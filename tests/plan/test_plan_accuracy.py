@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from mindspeed_like import megatron_version
 from mindspeed_like.plan import accuracy
 from mindspeed_like.toolkit import records
 
@@ -71,10 +72,13 @@ def test_the_rendered_record_is_what_the_plan_predicts_now(cases: list[accuracy.
     assert [(r["record"], r["arm"]) for r in rows] == [(r["record"], r["arm"]) for r in fresh], (
         "results/plan-accuracy.json is stale: `make docs`"
     )
+    # the theory column is Megatron-LM's file of the record's megatron version (core_v0.16.1's); another
+    # megatron-core's wheel ships its own file (0.19's counts the same model a little differently)
+    same_megatron = records.read(path)["versions"]["megatron_core"] == str(megatron_version.megatron_core_version())
     for old, new in zip(rows, fresh):
         for key, value in new.items():
-            if key.startswith("theory_") and value is None:
-                continue  # Megatron-LM not at hand here: the record keeps its figures
+            if key.startswith("theory_") and (value is None or not same_megatron):
+                continue  # Megatron-LM's file not at hand here, or another version's: the record keeps its figures
             expected = pytest.approx(value, rel=1e-9) if isinstance(value, float) else value
             assert old[key] == expected, (
                 f"{new['record']} {new['arm']} {key}: recorded {old[key]}, now {value}: `make docs`"

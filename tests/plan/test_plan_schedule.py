@@ -12,12 +12,26 @@ from mindspeed_like.plan import schedule
 
 
 def _megatron_warmup(pp: int, rank: int, chunks: int, microbatches: int) -> int:
+    """megatron's own count: from 0.14 it reads the pipeline group from a p2p communicator argument,
+    before that from parallel_state (its getters stood in for here)."""
+    import inspect
+    from unittest import mock
+
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
 
-    group = SimpleNamespace(size=lambda: pp, rank=lambda: rank)
-    p2p = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None)
-    _, _, warmup, _ = schedules.get_pp_rank_microbatches(microbatches, chunks, pp, p2p_communicator=p2p)
-    return warmup
+    function = schedules.get_pp_rank_microbatches
+    if "p2p_communicator" in inspect.signature(function).parameters:
+        group = SimpleNamespace(size=lambda: pp, rank=lambda: rank)
+        p2p = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None)
+        return function(microbatches, chunks, pp, p2p_communicator=p2p)[2]
+    virtual = chunks if chunks > 1 else None
+    with (
+        mock.patch.object(parallel_state, "get_pipeline_model_parallel_world_size", lambda *a, **k: pp),
+        mock.patch.object(parallel_state, "get_pipeline_model_parallel_rank", lambda *a, **k: rank),
+        mock.patch.object(parallel_state, "get_virtual_pipeline_model_parallel_world_size", lambda *a, **k: virtual),
+    ):
+        return function(microbatches, chunks, pp)[2]
 
 
 @pytest.mark.parametrize(
