@@ -102,7 +102,7 @@ def runtime_bytes(device: str, kind: str = "dense", arm: str = "megatron", launc
     """The process's memory before any model tensor: on a CPU host the baseline record's measured
     peak of that arm (the features load more code than megatron's path) minus what that tiny
     run's tensors held (predicted by this model); 0 for an accelerator's allocator. A Megatron-LM
-    rank has its own baseline (:func:`megatron_lm_runtime_bytes`; one for every model family)."""
+    rank has its own baseline (:func:`megatron_lm_runtime_bytes`: one dense run stands for every model family)."""
     if device != "cpu" or calibrating:
         return 0  # (not cached: a calibration's zeros must not outlive it)
     if launched_by == "megatron-lm":
