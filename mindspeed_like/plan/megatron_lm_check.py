@@ -29,10 +29,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from mindspeed_like.plan.peak import MEGATRON_LM_MEMORY_RECORD
 from mindspeed_like.toolkit import records
 
 RECORD = "plan-megatron-lm"  # the table: measured against predicted (make docs refreshes it)
-MEASURED = "megatron-lm-memory"  # what Megatron-LM printed (only --measure, with Megatron-LM, writes it)
+MEASURED = MEGATRON_LM_MEMORY_RECORD  # what Megatron-LM printed (only --measure, with Megatron-LM, writes it)
 TABLE = "plan_megatron_lm"
 TARGET = 0.10  # issue 38: the process peak within 10%
 ITERATIONS = 2
@@ -101,6 +102,14 @@ def predicted(case: tuple[str, int, str]) -> dict[int, int]:
     return {rank: arm.stages[rank // per_stage].peak.total for rank in range(case[1])}
 
 
+def reporting_ranks(case: tuple[str, int, str]) -> list[int]:
+    """The ranks whose memory Megatron-LM prints: those of data-parallel rank 0 (``report_memory``),
+    in megatron's default rank order (tp, cp, ep, dp, pp: tp fastest; EP shares the DP ranks)."""
+    lay = _plan(arguments(case), case[1]).run.layout
+    inner = lay.tp * lay.cp
+    return [rank for rank in range(case[1]) if (rank // inner) % lay.dp == 0]
+
+
 def held_by_tensors(args: Sequence[str], processes: int) -> dict[str, int]:
     """arm -> what the plan says rank 0's tensors held at the peak, runtime left out: the calibration
     of :func:`mindspeed_like.plan.peak.megatron_lm_runtime_bytes` (the features arm at level 2, as a
@@ -120,7 +129,7 @@ def calibrate(path) -> None:
     the runtime that :mod:`~mindspeed_like.plan.peak` reads from it follows the model."""
     from mindspeed_like.plan import peak
 
-    data = json.loads(path.read_text())
+    data = records.read(path)
     baseline = data["extra"]["baseline"]
     baseline["held"] = held_by_tensors(baseline["arguments"], 1)
     path.write_text(json.dumps(data, indent=1) + "\n")

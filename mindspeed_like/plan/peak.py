@@ -79,6 +79,8 @@ def launcher(run: Run) -> str:
     return "compare" if run.source == "compare" else "megatron-lm"
 
 
+# what Megatron-LM printed for its runs on a CPU host (plan/megatron_lm_check.py --measure writes it)
+MEGATRON_LM_MEMORY_RECORD = "megatron-lm-memory"
 calibrating: list[bool] = []  # set while the Megatron-LM baseline's own tensors are predicted
 
 
@@ -90,7 +92,7 @@ def megatron_lm_runtime_bytes(arm: str) -> int:
     other); 0 before the record exists."""
     from mindspeed_like.toolkit import records
 
-    path = records.results_dir() / "megatron-lm-memory.json"
+    path = records.results_dir() / f"{MEGATRON_LM_MEMORY_RECORD}.json"
     if not path.exists():
         return 0
     baseline = records.read(path)["extra"]["baseline"]

@@ -33,10 +33,9 @@ def rows() -> list[dict]:
 
 def test_every_case_was_measured_on_every_reporting_rank(rows: list[dict]) -> None:
     measured = {(row["case"], row["rank"]) for row in rows}
-    for name, processes, arguments in megatron_lm_check.CASES:
+    for case in megatron_lm_check.CASES:
         # Megatron-LM prints the memory of every rank of data-parallel rank 0
-        model_parallel = processes if "--use-distributed-optimizer" not in arguments else 1
-        assert {(name, rank) for rank in range(model_parallel)} <= measured, name
+        assert {(case[0], rank) for rank in megatron_lm_check.reporting_ranks(case)} <= measured, case[0]
 
 
 def test_the_record_is_what_the_plan_predicts_now(rows: list[dict]) -> None:
