@@ -36,6 +36,10 @@ Backends (``mindspeed_like.kernels.backend.backend_for``):
   With ``accumulate_into`` (megatron's gradient-accumulation-fusion semantics) the weight
   gradient is added per expert straight into the parameter's fp32 ``main_grad`` instead of
   materialising a separate ``[E, K, N]`` gradient.
+  bf16/fp16 on a CPU with bf16 units: each expert's row count is rounded up to a bounded set of
+  sizes with zero rows (:mod:`mindspeed_like.kernels.row_buckets`: oneDNN keeps state for every
+  GEMM shape it sees, and MoE's token counts are new every step); the results are bitwise the
+  unpadded GEMM's.
 - ``reference``: plain eager per-expert matmuls and a ``cat`` under autograd (the oracle).
 """
 
@@ -47,6 +51,7 @@ from collections.abc import Sequence
 import torch
 
 from mindspeed_like.kernels.backend import backend_for
+from mindspeed_like.kernels.row_buckets import row_buckets
 
 MAX_NPU_GROUPS = 1024
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16)
@@ -132,6 +137,8 @@ def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
 def _forward_portable(a, b, counts, trans_b, engine):
     if fp32_compute(a):
         return _forward_portable(a.float(), b.float(), counts, trans_b, engine).to(a.dtype)
+    if (buckets := row_buckets(a, counts)) is not None:
+        return buckets.unpad(_forward_portable(buckets.pad(a), b, buckets.padded, trans_b, engine))
     if engine == "grouped_mm":
         return torch._grouped_mm(a, b.transpose(1, 2) if trans_b else b, offs=_offsets(counts, a.device))
     n = b.shape[1] if trans_b else b.shape[2]
@@ -147,6 +154,8 @@ def _forward_portable(a, b, counts, trans_b, engine):
 def _grad_a_portable(grad, b, counts, trans_b, engine):
     if fp32_compute(grad):
         return _grad_a_portable(grad.float(), b.float(), counts, trans_b, engine).to(grad.dtype)
+    if (buckets := row_buckets(grad, counts)) is not None:
+        return buckets.unpad(_grad_a_portable(buckets.pad(grad), b, buckets.padded, trans_b, engine))
     if engine == "grouped_mm":
         return torch._grouped_mm(grad, b if trans_b else b.transpose(1, 2), offs=_offsets(counts, grad.device))
     k = b.shape[2] if trans_b else b.shape[1]
@@ -164,6 +173,8 @@ def _grad_b_portable(a, grad, counts, trans_b, engine):
     """dB_e = A_e^T dY_e ([K, N]), or its transpose dY_e^T A_e for a transposed b."""
     if fp32_compute(a):
         return _grad_b_portable(a.float(), grad.float(), counts, trans_b, engine).to(a.dtype)
+    if (buckets := row_buckets(a, counts)) is not None:  # zero rows add exact zeros to dB
+        return _grad_b_portable(buckets.pad(a), buckets.pad(grad), buckets.padded, trans_b, engine)
     if engine == "grouped_mm":
         offs = _offsets(counts, a.device)
         if trans_b:
@@ -191,6 +202,8 @@ def _accumulate_grad_b(main_grad, a, grad, counts, trans_b):
     accumulation inside; upcasting the inputs to run an fp32 GEMM measured 2-4x slower on CPU),
     then added to main_grad: the numbers megatron's unfused path gives (its DDP hook adds the
     bf16 weight gradient to main_grad), with a one-expert temporary instead of a fresh [E, K, N]."""
+    if (buckets := row_buckets(a, counts)) is not None and not fp32_compute(a):
+        a, grad, counts = buckets.pad(a), buckets.pad(grad), buckets.padded
     start = 0
     for e, count in enumerate(counts):
         rows = slice(start, start + count)

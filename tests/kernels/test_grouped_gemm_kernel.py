@@ -328,3 +328,60 @@ def test_cpu_bf16_gemm_probe_reads_cpuinfo(monkeypatch, tmp_path):
     assert gg.cpu_has_bf16_gemm() is True
     monkeypatch.undo()
     gg.cpu_has_bf16_gemm.cache_clear()
+
+
+def test_row_buckets_are_few_idempotent_and_tight():
+    """Counts up to 2,000 run at 57 sizes; a bucket is its own bucket; at most 12.5% extra rows
+    above the 16-row floor."""
+    from mindspeed_like.kernels.row_buckets import MIN_ROWS, bucket
+
+    sizes = {bucket(c) for c in range(1, 2001)}
+    assert len(sizes) == 57
+    for c in range(0, 5000):
+        b = bucket(c)
+        assert b >= c and bucket(b) == b
+        if c > MIN_ROWS:
+            assert b <= c * 1.125
+
+
+@pytest.mark.parametrize("engine", ["grouped_mm", "loop"])
+@pytest.mark.parametrize("fused", [False, True], ids=["dB", "main_grad"])
+def test_cpu_bf16_rows_padded_to_buckets_bitwise(monkeypatch, engine, fused):
+    """On a CPU with bf16 units the GEMMs run at bucketed row counts (oneDNN keeps state per
+    shape); forward, dA and dB (or the main_grad accumulation) are bitwise the unpadded GEMMs',
+    and every GEMM's row count is a bucket."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mindspeed_like.kernels.row_buckets import bucket
+
+    monkeypatch.setattr(gg, "cpu_has_bf16_gemm", lambda: True)
+    counts, k, n = [37, 0, 130, 5, 20], 32, 48  # 192 rows: 16-byte aligned for torch._grouped_mm
+    a, b, grad = _inputs(counts, k, n, torch.bfloat16, True, 5)
+    param = torch.nn.Parameter(b.detach().clone())
+    param.main_grad = torch.zeros(b.shape, dtype=torch.float32)
+
+    class Shapes(TorchDispatchMode):
+        rows: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten._grouped_mm.default):
+                Shapes.rows.append(args[0].shape[0] if func != torch.ops.aten._grouped_mm.default else 0)
+            return func(*args, **(kwargs or {}))
+
+    def run(pad: bool):
+        monkeypatch.setattr(gg, "row_buckets", gg.row_buckets if pad else (lambda t, c: None))
+        x, w = a.detach().clone().requires_grad_(), (param if fused else b.detach().clone().requires_grad_())
+        param.main_grad.zero_()
+        with Shapes():
+            out = gmm(x, w, counts, trans_b=True, engine=engine, accumulate_into=param if fused else None)
+            out.backward(grad)
+        return out, x.grad, (param.main_grad.clone() if fused else w.grad)
+
+    padded = run(True)
+    rows = [r for r in Shapes.rows if r]
+    Shapes.rows = []
+    plain = run(False)
+    for got, want in zip(padded, plain):
+        assert torch.equal(got, want)
+    # the per-expert loop's forward / dA GEMMs ran at bucketed row counts only
+    assert all(r == bucket(r) for r in rows), rows
