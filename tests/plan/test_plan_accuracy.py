@@ -13,15 +13,27 @@ from mindspeed_like.toolkit import records
 
 # Targets this lane misses, each with the error it measured and why; the bound keeps it from
 # getting worse unnoticed (record, arm, metric) -> (bound as a fraction, reason)
-_RSS = (
-    "CPU resident set above the modeled terms: glibc's heap grows over a run's steps (a DeepSeek run: 647, 714, "
-    "756 MiB after steps 1-3) and identical runs' peaks differed by up to 60 MiB; under-predicted"
+_FRAGMENTS = (
+    "megatron's arm runs glibc's default allocator: freed activations leave holes in the heap, so the resident "
+    "set tops the live bytes by 30-130 MiB, and identical runs differ by up to 50 MiB (TP2 SP: 764 and 717 MiB); "
+    "under-predicted"
+)
+_MOE = (
+    "MoE/MLA presets: oneDNN keeps a JIT kernel per GEMM shape and the experts' token counts give each run its "
+    "own set of (bucketed) shapes, more of them at these sizes than in the tiny baseline that calibrates the "
+    "runtime; under-predicted by 60-90 MiB in either arm"
 )
 KNOWN_MISSES: dict[tuple[str, str, str], tuple[float, str]] = {
-    ("compare-plan-deepseek-level1", "features", "process_peak_bytes"): (0.13, _RSS),
-    ("compare-plan-deepseek-level2", "features", "process_peak_bytes"): (0.14, _RSS),
-    ("compare-plan-llama-dp2-distopt-level2", "features", "process_peak_bytes"): (0.14, _RSS),
-    ("compare-plan-llama-tp2-sp-level1", "megatron", "process_peak_bytes"): (0.14, _RSS),
+    ("compare-plan-deepseek-level1", "megatron", "process_peak_bytes"): (0.13, _MOE),
+    ("compare-plan-deepseek-level2", "megatron", "process_peak_bytes"): (0.14, _MOE),
+    ("compare-plan-deepseek-level2", "features", "process_peak_bytes"): (0.14, _MOE),
+    ("compare-plan-qwen3-moe-level1", "megatron", "process_peak_bytes"): (0.20, _MOE),
+    ("compare-plan-qwen3-moe-level1", "features", "process_peak_bytes"): (0.13, _MOE),
+    ("compare-plan-qwen3-moe-level2", "megatron", "process_peak_bytes"): (0.13, _MOE),
+    ("compare-plan-qwen3-moe-level2", "features", "process_peak_bytes"): (0.15, _MOE),
+    ("compare-plan-moe-ep2-dp2-level2", "megatron", "process_peak_bytes"): (0.14, _MOE),
+    ("compare-plan-llama-tp2-sp-level1", "megatron", "process_peak_bytes"): (0.18, _FRAGMENTS),
+    ("compare-plan-llama-tp2-sp-level2", "megatron", "process_peak_bytes"): (0.13, _FRAGMENTS),
 }
 
 
