@@ -505,10 +505,14 @@ def command(args: argparse.Namespace, flag_values: dict[str, Any]) -> list[str]:
 
 def start_record(args: argparse.Namespace, flag_values: dict[str, Any]):
     """The run's record, created before any process starts (its load average is the host's then)."""
+    from mindspeed_like.kernels.grouped_gemm import cpu_has_bf16_gemm
     from mindspeed_like.toolkit.records import Record
 
     record = Record(record_name(args, flag_values), command=command(args, flag_values))
     record.options.update(_options(args), flags=dict(flag_values))
+    # whether this host's CPU runs bf16 GEMMs natively (oneDNN, a kernel kept per shape): the plan
+    # predicts a CPU record's peak for the host that measured it
+    record.host["cpu_bf16_gemm"] = cpu_has_bf16_gemm()
     return record
 
 

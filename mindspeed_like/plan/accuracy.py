@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mindspeed_like.plan import host_kernels
 from mindspeed_like.plan.peak import BASELINE_RECORDS
 from mindspeed_like.toolkit import records
 
@@ -94,6 +95,12 @@ def layout_text(options: dict[str, Any]) -> str:
     return " ".join(parts) or "1 rank"
 
 
+def measured_with_bf16_units(record: dict[str, Any]) -> bool:
+    """Whether the record's host ran bf16 GEMMs natively (compare writes it; the records before it
+    were all measured on one AVX512-BF16 host)."""
+    return bool(record["host"].get("cpu_bf16_gemm", True))
+
+
 def cases_of(path: Path) -> list[Case]:
     """Both arms of one compare record, predicted from the record's own options."""
     from mindspeed_like.plan import features, theory
@@ -106,7 +113,8 @@ def cases_of(path: Path) -> list[Case]:
     flags = options.get("flags") or {}
     switches = features.resolve(values=flags)
     run = run_from_compare(args, flags, rec["host"].get("device", "cpu"))
-    pred = predict(run, switches.paths(run), switches.enabled)
+    with host_kernels.measured_on(measured_with_bf16_units(rec)):
+        pred = predict(run, switches.paths(run), switches.enabled)
     rows = {row["metric"]: row for row in rec["rows"] if "metric" in row}
     theory_figures = theory.report(run) if run.layout.pp == 1 else None
     compiled = rec["host"].get("torchdynamo_disable") != "1"

@@ -85,4 +85,5 @@ def run_from_compare(args: argparse.Namespace, flags: dict[str, Any], device: st
         flags=dict(flags),
         command=tuple(command),
         source="compare",
+        steps=args.steps,
     )

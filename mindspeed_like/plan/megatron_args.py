@@ -485,6 +485,7 @@ def run_from_namespace(
         flags=dict(flags),
         command=tuple(command),
         source=source,
+        steps=get("train_iters"),
         not_modeled=tuple(not_modeled),
         notes=tuple(notes),
     )

@@ -22,6 +22,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mindspeed_like.plan import host_kernels
 from mindspeed_like.plan.activations import FP32, Dims, Saved
 from mindspeed_like.plan.paths import Paths
 from mindspeed_like.plan.spec import Run
@@ -41,6 +42,7 @@ class Peak:
     temporary_what: str
     optimizer_temporary: int
     features: tuple[str, ...] = ()  # features that changed a transient
+    kernels: int = 0  # the experts' GEMM kernels a CPU host keeps (plan/host_kernels.py)
 
     @property
     def phase(self) -> str:
@@ -52,6 +54,7 @@ class Peak:
         return (
             self.runtime
             + self.build
+            + self.kernels
             + self.model_state
             + max(self.activations + self.temporary, self.optimizer_temporary)
         )
@@ -109,11 +112,12 @@ def runtime_bytes(device: str, kind: str = "dense", arm: str = "megatron", launc
         return 0  # (not cached: a calibration's zeros must not outlive it)
     if launched_by == "megatron-lm":
         return megatron_lm_runtime_bytes(arm)
-    return _compare_runtime_bytes(kind, arm)
+    return _compare_runtime_bytes(kind, arm, host_kernels.host_has_bf16_units())
 
 
 @functools.lru_cache(maxsize=16)
-def _compare_runtime_bytes(kind: str, arm: str) -> int:
+def _compare_runtime_bytes(kind: str, arm: str, bf16_units: bool) -> int:
+    """(``bf16_units`` is in the cache key only: the baseline's own GEMM kernels depend on it.)"""
     import argparse
 
     from mindspeed_like.plan.compare_args import run_from_compare
@@ -128,7 +132,15 @@ def _compare_runtime_bytes(kind: str, arm: str) -> int:
     run = run_from_compare(argparse.Namespace(**record["options"]), {}, "cpu")
     side = arm if arm in ("megatron", "features") else "features"
     held = rows["model_state_bytes"][side] + rows["activations_bytes"][side] + build_bytes(run, megatron_paths())
+    held += host_kernels.kernel_bytes(run, 0, grouped=expert_gemm_is_grouped(run, megatron_paths()))
     return int(rows["process_peak_bytes"][side] - held)
+
+
+def expert_gemm_is_grouped(run: Run, paths: Paths) -> bool:
+    """Whether the experts run as one grouped GEMM (bucketed row counts): the TE spec's grouped
+    linears (the te-backend's, both arms) or the grouped-gemm feature; megatron's own SequentialMLP
+    (the local spec) runs one GEMM per expert at its exact count."""
+    return run.transformer_impl == "transformer_engine" or paths.grouped_gemm
 
 
 def build_bytes(run: Run, paths: Paths) -> int:
@@ -197,6 +209,7 @@ def estimate(
     chunk_rows: Sequence[dict[str, list[Saved]]],
     in_flight: dict[int, int],
     arm: str = "megatron",
+    stage_index: int = 0,
 ) -> Peak:
     held = sum(sum(r.total for rows in chunk_rows[c].values() for r in rows) * n for c, n in in_flight.items())
     last = any("head" in rows for rows in chunk_rows)
@@ -212,4 +225,5 @@ def estimate(
         temporary_what=what,
         optimizer_temporary=optimizer_temporary(run, lines, paths, largest),
         features=(feature,) if feature else (),
+        kernels=host_kernels.kernel_bytes(run, stage_index, grouped=expert_gemm_is_grouped(run, paths)),
     )

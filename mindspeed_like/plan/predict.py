@@ -96,7 +96,7 @@ def predict_arm(run: Run, name: str, paths: Paths) -> Arm:
             rows.append(apply_recompute(run, groups, layers))
         in_flight = schedule.in_flight_chunks(lay.pp, s, lay.chunks, lay.num_microbatches)
         measured = schedule.last_forward_chunk(lay.pp, lay.chunks, lay.num_microbatches)
-        stage_peak = peak.estimate(run, paths, lines, rows, in_flight, name)
+        stage_peak = peak.estimate(run, paths, lines, rows, in_flight, name, s)
         stages.append(
             Stage(
                 index=s,

@@ -172,6 +172,8 @@ def _stage_rows(meg: Stage, feat: Stage) -> list[tuple[str, int | None, int | No
                 feat.peak.runtime + feat.peak.build,
             )
         )
+    if meg.peak.kernels or feat.peak.kernels:
+        rows.append(("experts' GEMM kernels (CPU host, oneDNN)", meg.peak.kernels, feat.peak.kernels))
     rows.append(("process peak", meg.peak.total, feat.peak.total))
     return rows
 
@@ -282,6 +284,7 @@ def _arm_json(stage: Stage) -> dict[str, Any]:
         largest_temporary_bytes=stage.peak.temporary,
         largest_temporary=stage.peak.temporary_what,
         runtime_bytes=stage.peak.runtime + stage.peak.build,
+        host_kernel_bytes=stage.peak.kernels,
         peak_phase=stage.peak.phase,
         activations_per_group_bytes={
             group: sum(r.total for r in rows) for group, rows in stage.chunk_rows[stage.measured_chunk].items()

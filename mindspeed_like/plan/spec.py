@@ -148,6 +148,7 @@ class Run:
     flags: dict[str, Any] = field(default_factory=dict)
     command: tuple[str, ...] = ()  # the Megatron-LM arguments as given (for --fit's command line)
     source: str = "builtin"  # which parser read it: megatron-lm, builtin, compare
+    steps: int | None = None  # training steps (compare's --steps, --train-iters); None: a long run
     not_modeled: tuple[str, ...] = ()  # options given that the models do not read (said once)
     notes: tuple[str, ...] = ()  # what the parser could not do as asked, said in the output
 

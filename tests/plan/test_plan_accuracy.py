@@ -18,22 +18,18 @@ _FRAGMENTS = (
     "set tops the live bytes by 30-130 MiB, and identical runs differ by up to 50 MiB (TP2 SP: 764 and 717 MiB); "
     "under-predicted"
 )
-_MOE = (
-    "MoE/MLA presets: oneDNN keeps a JIT kernel per GEMM shape and the experts' token counts give each run its "
-    "own set of (bucketed) shapes, more of them at these sizes than in the tiny baseline that calibrates the "
-    "runtime; under-predicted by 60-90 MiB in either arm"
+_BUILD = (
+    "the moe preset at hidden 512 (36M parameters): the build term (10 bytes a parameter on the TE spec, 346 MiB "
+    "here: compare's fp32 local model, the TE model and the bf16 cast) is what the small presets' processes kept "
+    "after building; this model's peak is ~155 MiB under the plan in both arms (its training tensors reuse part of "
+    "the freed heap, not measured further); over-predicted"
 )
 KNOWN_MISSES: dict[tuple[str, str, str], tuple[float, str]] = {
-    ("compare-plan-deepseek-level1", "megatron", "process_peak_bytes"): (0.13, _MOE),
-    ("compare-plan-deepseek-level2", "megatron", "process_peak_bytes"): (0.14, _MOE),
-    ("compare-plan-deepseek-level2", "features", "process_peak_bytes"): (0.14, _MOE),
-    ("compare-plan-qwen3-moe-level1", "megatron", "process_peak_bytes"): (0.20, _MOE),
-    ("compare-plan-qwen3-moe-level1", "features", "process_peak_bytes"): (0.13, _MOE),
-    ("compare-plan-qwen3-moe-level2", "megatron", "process_peak_bytes"): (0.13, _MOE),
-    ("compare-plan-qwen3-moe-level2", "features", "process_peak_bytes"): (0.15, _MOE),
-    ("compare-plan-moe-ep2-dp2-level2", "megatron", "process_peak_bytes"): (0.14, _MOE),
     ("compare-plan-llama-tp2-sp-level1", "megatron", "process_peak_bytes"): (0.18, _FRAGMENTS),
     ("compare-plan-llama-tp2-sp-level2", "megatron", "process_peak_bytes"): (0.13, _FRAGMENTS),
+    ("compare-plan-qwen3-moe-level1", "megatron", "process_peak_bytes"): (0.13, _FRAGMENTS),
+    ("compare-plan-moe-level1", "megatron", "process_peak_bytes"): (0.14, _BUILD),
+    ("compare-plan-moe-level1", "features", "process_peak_bytes"): (0.13, _BUILD),
 }
 
 

@@ -203,3 +203,60 @@ def test_megatron_is_imported_without_compiling_only_in_plans_own_process(monkey
     assert seen == {"parse_only_process": False}
     assert cli.main(tiny, own_process=True) == 0
     assert seen == {"parse_only_process": True}
+
+
+def test_cpu_hosts_count_the_experts_gemm_kernels(monkeypatch) -> None:
+    """oneDNN keeps a kernel per bf16 GEMM shape on a CPU host: the plan counts the experts' shapes
+    (bucketed by the grouped GEMM, exact in megatron's own SequentialMLP), nothing for a dense model,
+    an accelerator, fp32, or a CPU without bf16 units; a long run meets every bucket in the range."""
+    import argparse
+
+    from mindspeed_like.kernels import grouped_gemm
+    from mindspeed_like.plan import host_kernels
+    from mindspeed_like.plan.compare_args import run_from_compare
+
+    monkeypatch.setattr(grouped_gemm, "cpu_has_bf16_gemm", lambda: True)
+
+    def run(preset: str, device: str = "cpu", **changes):
+        options = dict(
+            preset=preset,
+            steps=3,
+            num_layers=2,
+            hidden_size=256,
+            num_attention_heads=8,
+            seq_length=512,
+            micro_batch_size=2,
+            fp32=False,
+            tensor_model_parallel_size=1,
+            sequence_parallel=False,
+            pipeline_model_parallel_size=1,
+            num_layers_per_virtual_pipeline_stage=None,
+            context_parallel_size=1,
+            data_parallel_size=1,
+            expert_model_parallel_size=1,
+            use_distributed_optimizer=False,
+            transformer_impl="transformer_engine",
+        )
+        options.update(changes)
+        return run_from_compare(argparse.Namespace(**options), {}, device)
+
+    moe = run("qwen3-moe")
+    grouped = host_kernels.kernel_bytes(moe, 0, grouped=True)
+    # 2 MoE layers x 8 experts x 3 steps = 48 counts of mean 256: 22.8 expected buckets, 6 GEMMs each
+    assert grouped == int(host_kernels.KERNEL_BYTES * 6 * host_kernels.distinct_counts(256, 48, True))
+    assert 20 < host_kernels.distinct_counts(256, 48, True) < 26
+    assert host_kernels.kernel_bytes(moe, 0, grouped=False) > grouped  # every exact count its own kernel
+    assert host_kernels.kernel_bytes(run("llama"), 0, grouped=True) == 0
+    assert host_kernels.kernel_bytes(run("qwen3-moe", device="cuda"), 0, grouped=True) == 0
+    assert host_kernels.kernel_bytes(run("qwen3-moe", fp32=True), 0, grouped=True) == 0
+    assert host_kernels.distinct_counts(256, None, True) == len({min(896, b) for b in map(_bucket, range(1, 897))})
+    assert host_kernels.distinct_counts(256, 10**6, True) > 0.99 * host_kernels.distinct_counts(256, None, True)
+    assert host_kernels.distinct_counts(0, 48, True) == 0
+    monkeypatch.setattr(grouped_gemm, "cpu_has_bf16_gemm", lambda: False)
+    assert host_kernels.kernel_bytes(moe, 0, grouped=True) == 0
+
+
+def _bucket(count: int) -> int:
+    from mindspeed_like.kernels.row_buckets import bucket
+
+    return bucket(count)

@@ -16,9 +16,10 @@ _RATIOS = (
     "megatron's arm itself moved by 9% between the level-1 and level-2 runs"
 )
 KNOWN_TIME_MISSES: dict[str, str] = {
-    "moe 2L h512 s1024, 1 rank": "the plan puts level 1's peak 5.6% above measured (1,544 vs 1,463 MiB), over the "
-    "budget less the 5% headroom, so it takes level 2, which fits but ran 1.45x level 1's step time (ratios to "
-    "megatron's arm, medians of 3; the level-2 record is the older compare-moe-level2, torch.compile on)",
+    "moe 2L h512 s1024, 1 rank": "the plan puts level 1's peak 10.8% above measured (1,621 vs 1,463 MiB: the build "
+    "term, see test_plan_accuracy), over the budget less the 5% headroom, so it takes level 2, which fits but ran "
+    "1.45x level 1's step time (ratios to megatron's arm, medians of 3; the level-2 record is the older "
+    "compare-moe-level2, torch.compile on)",
     "llama 4L h256 s512, PP2": _RATIOS,
     "llama 4L h256 s512, PP2 VPP": "level 1 and level 2 measured the same peak (474.5 / 476.5 MiB); the plan puts "
     "level 1 0.7 MiB over the budget less the headroom (482.0 vs 481.3 MiB), so it takes level 2, which ran "
