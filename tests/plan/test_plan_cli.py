@@ -213,32 +213,13 @@ def test_cpu_hosts_count_the_experts_gemm_kernels(monkeypatch) -> None:
 
     from mindspeed_like.kernels import grouped_gemm
     from mindspeed_like.plan import host_kernels
-    from mindspeed_like.plan.compare_args import run_from_compare
+    from mindspeed_like.plan.cli import read_run
 
     monkeypatch.setattr(grouped_gemm, "cpu_has_bf16_gemm", lambda: True)
 
-    def run(preset: str, device: str = "cpu", **changes):
-        options = dict(
-            preset=preset,
-            steps=3,
-            num_layers=2,
-            hidden_size=256,
-            num_attention_heads=8,
-            seq_length=512,
-            micro_batch_size=2,
-            fp32=False,
-            tensor_model_parallel_size=1,
-            sequence_parallel=False,
-            pipeline_model_parallel_size=1,
-            num_layers_per_virtual_pipeline_stage=None,
-            context_parallel_size=1,
-            data_parallel_size=1,
-            expert_model_parallel_size=1,
-            use_distributed_optimizer=False,
-            transformer_impl="transformer_engine",
-        )
-        options.update(changes)
-        return run_from_compare(argparse.Namespace(**options), {}, device)
+    def run(preset: str, device: str = "cpu", *extra: str):
+        size = "--steps 3 --num-layers 2 --hidden-size 256 --seq-length 512 --micro-batch-size 2".split()
+        return read_run(["--preset", preset, *size, *extra], argparse.Namespace(target_device=device))[0]
 
     moe = run("qwen3-moe")
     grouped = host_kernels.kernel_bytes(moe, 0, grouped=True)
@@ -248,7 +229,7 @@ def test_cpu_hosts_count_the_experts_gemm_kernels(monkeypatch) -> None:
     assert host_kernels.kernel_bytes(moe, 0, grouped=False) > grouped  # every exact count its own kernel
     assert host_kernels.kernel_bytes(run("llama"), 0, grouped=True) == 0
     assert host_kernels.kernel_bytes(run("qwen3-moe", device="cuda"), 0, grouped=True) == 0
-    assert host_kernels.kernel_bytes(run("qwen3-moe", fp32=True), 0, grouped=True) == 0
+    assert host_kernels.kernel_bytes(run("qwen3-moe", "cpu", "--fp32"), 0, grouped=True) == 0
     assert host_kernels.distinct_counts(256, None, True) == len({min(896, b) for b in map(_bucket, range(1, 897))})
     assert host_kernels.distinct_counts(256, 10**6, True) > 0.99 * host_kernels.distinct_counts(256, None, True)
     assert host_kernels.distinct_counts(0, 48, True) == 0
