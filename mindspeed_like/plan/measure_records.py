@@ -4,6 +4,7 @@ results/ re-run by its own command (the calibration baselines first).
     python -m mindspeed_like.plan.measure_records            # all of them (~15 minutes on 2 cores)
     python -m mindspeed_like.plan.measure_records --only moe # the records whose name contains "moe"
     python -m mindspeed_like.plan.measure_records --list     # what would run
+    python -m mindspeed_like.plan.measure_records --repeats 3 # each run repeated (medians kept)
 
 Why one batch: a CPU process's resident set includes the runtime (Python, torch, megatron, this
 library), which moves with the code, and the plan's CPU runtime term is read from the baseline
@@ -38,14 +39,18 @@ def plan_records(folder: Path | None = None) -> list[Path]:
     return sorted(found, key=lambda p: (p.stem not in baselines, p.stem))
 
 
-def command_of(path: Path) -> list[str]:
-    """The record's own compare command, writing the record under its own name."""
+def command_of(path: Path, repeats: int | None = None) -> list[str]:
+    """The record's own compare command, writing the record under its own name (``repeats``: in
+    place of the record's own count; compare keeps the median of a rank's memory and step time)."""
     command = list(records.read(path)["command"])
     if command[:2] != ["mindspeed-like", "compare"]:
         raise ValueError(f"{path.name}: not a compare record (its command is {' '.join(command)!r})")
-    if "--record" in command:
-        at = command.index("--record")
-        del command[at : at + 2]
+    for option in ("--record", "--repeats"):
+        if option in command and (option != "--repeats" or repeats is not None):
+            at = command.index(option)
+            del command[at : at + 2]
+    if repeats is not None:
+        command += ["--repeats", str(repeats)]
     return [sys.executable, "-m", "mindspeed_like.cli", *command[1:], "--record", path.stem, "--quiet"]
 
 
@@ -57,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--only", default="", help="only the records whose name contains this")
     parser.add_argument("--list", action="store_true", help="print the commands, run nothing")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="run each record this many times (default: as recorded)"
+    )
     args = parser.parse_args(argv)
     paths = [p for p in plan_records() if args.only in p.stem]
     if not paths:
@@ -64,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = {**os.environ, **CONDITIONS}
     failed = []
     for path in paths:
-        command = command_of(path)
+        command = command_of(path, args.repeats)
         print(f"{path.stem}: {' '.join(command[2:])}", flush=True)
         if args.list:
             continue
