@@ -53,3 +53,7 @@ for step in range(STEPS):
     optimizer.step()
     losses.append(loss.item())
 print(json.dumps({"losses": losses, "mindspeed_like_loaded": "mindspeed_like.runtime" in sys.modules}))
+# Tear the gloo group down before the interpreter does: left to exit-time destruction, its threads
+# sometimes abort the process ("terminate called without an active exception", seen once in the
+# megatron-core 0.13.1 lane, in the plain run, after it had printed its losses).
+torch.distributed.destroy_process_group()
