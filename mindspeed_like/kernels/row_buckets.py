@@ -7,11 +7,11 @@ the growth, it does not stop it). An MoE step gives every expert a data-dependen
 each step brings new GEMM shapes and the process's heap grows with them. Measured on this host
 (torch 2.13.0+cpu, oneDNN 3.12, one thread): a bf16 ``[m, 256] x [256, 1408]`` GEMM for 1,000
 random ``m`` in 1..2,000 grew glibc's in-use bytes by 409 MiB (199 MiB with the primitive cache
-off); with ``m`` rounded up as below, by 28 MiB. A 2-layer DeepSeek-preset compare run grew about
+off); with ``m`` rounded up as below, by 41 MiB in the same time. A 2-layer DeepSeek-preset compare run grew about
 35 MiB a step in both arms (its experts' grouped GEMMs), with no plateau in 8 steps.
 
 Rounding each count up to one of 8 sizes per octave (at least 16 rows; at most 12.5% more rows,
-zeros) leaves 29 shapes for counts up to 2,000 and ~8 more per doubling. The zero rows change no
+zeros) leaves 57 shapes for counts up to 2,000 and 8 more per doubling. The zero rows change no
 real row of the product (rows are independent) and add exact zeros to the weight gradient's
 reduction: the results are bitwise those of the unpadded GEMM (tests/kernels check it). The cost
 is a copy of the rows into the padded layout and the extra rows' FLOPs; the saved tensors are the
