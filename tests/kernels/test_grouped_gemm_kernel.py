@@ -360,28 +360,39 @@ def test_cpu_bf16_rows_padded_to_buckets_bitwise(monkeypatch, engine, fused):
     param = torch.nn.Parameter(b.detach().clone())
     param.main_grad = torch.zeros(b.shape, dtype=torch.float32)
 
-    class Shapes(TorchDispatchMode):
-        rows: list[int] = []
+    class TokenRows(TorchDispatchMode):
+        """The token rows each GEMM runs at: torch._grouped_mm's group sizes (from its offsets), or
+        an mm's token dimension (its rows, or its contraction when the tokens are reduced over: a
+        transposed left operand, as dB takes it)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[int] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten._grouped_mm.default):
-                Shapes.rows.append(args[0].shape[0] if func != torch.ops.aten._grouped_mm.default else 0)
-            return func(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            if func == torch.ops.aten._grouped_mm.default:
+                offs = kwargs.get("offs", args[2] if len(args) > 2 else None).tolist()
+                self.rows += [end - start for start, end in zip([0, *offs], offs) if end > start]
+            elif func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out):
+                left = args[0]
+                self.rows.append(left.shape[0] if left.stride(-1) == 1 else left.shape[1])
+            return func(*args, **kwargs)
 
     def run(pad: bool):
-        monkeypatch.setattr(gg, "row_buckets", gg.row_buckets if pad else (lambda t, c: None))
+        monkeypatch.setattr(gg, "row_buckets", row_buckets if pad else (lambda t, c: None))
         x, w = a.detach().clone().requires_grad_(), (param if fused else b.detach().clone().requires_grad_())
         param.main_grad.zero_()
-        with Shapes():
+        with TokenRows() as seen:
             out = gmm(x, w, counts, trans_b=True, engine=engine, accumulate_into=param if fused else None)
             out.backward(grad)
-        return out, x.grad, (param.main_grad.clone() if fused else w.grad)
+        return (out, x.grad, (param.main_grad.clone() if fused else w.grad)), seen.rows
 
-    padded = run(True)
-    rows = [r for r in Shapes.rows if r]
-    Shapes.rows = []
-    plain = run(False)
+    row_buckets = gg.row_buckets
+    padded, padded_rows = run(True)
+    plain, plain_rows = run(False)
     for got, want in zip(padded, plain):
         assert torch.equal(got, want)
-    # the per-expert loop's forward / dA GEMMs ran at bucketed row counts only
-    assert all(r == bucket(r) for r in rows), rows
+    # every GEMM ran at a bucketed token count; unpadded, the experts' own counts (37, 130, 5, 20) show
+    assert padded_rows and all(r == bucket(r) for r in padded_rows), padded_rows
+    assert any(r != bucket(r) for r in plain_rows), plain_rows
