@@ -45,10 +45,10 @@ def command_of(path: Path, repeats: int | None = None) -> list[str]:
     command = list(records.read(path)["command"])
     if command[:2] != ["mindspeed-like", "compare"]:
         raise ValueError(f"{path.name}: not a compare record (its command is {' '.join(command)!r})")
-    for option in ("--record", "--repeats"):
-        if option in command and (option != "--repeats" or repeats is not None):
-            at = command.index(option)
-            del command[at : at + 2]
+    replaced = ("--record", "--repeats") if repeats is not None else ("--record",)
+    for option in (o for o in replaced if o in command):
+        at = command.index(option)
+        del command[at : at + 2]
     if repeats is not None:
         command += ["--repeats", str(repeats)]
     return [sys.executable, "-m", "mindspeed_like.cli", *command[1:], "--record", path.stem, "--quiet"]

@@ -131,8 +131,9 @@ def _compare_runtime_bytes(kind: str, arm: str, bf16_units: bool) -> int:
     rows = {row["metric"]: row for row in record["rows"] if "metric" in row}
     run = run_from_compare(argparse.Namespace(**record["options"]), {}, "cpu")
     side = arm if arm in ("megatron", "features") else "features"
-    held = rows["model_state_bytes"][side] + rows["activations_bytes"][side] + build_bytes(run, megatron_paths())
-    held += host_kernels.kernel_bytes(run, 0, grouped=expert_gemm_is_grouped(run, megatron_paths()))
+    paths = megatron_paths()
+    held = rows["model_state_bytes"][side] + rows["activations_bytes"][side] + build_bytes(run, paths)
+    held += host_kernels.kernel_bytes(run, 0, grouped=expert_gemm_is_grouped(run, paths))
     return int(rows["process_peak_bytes"][side] - held)
 
 
