@@ -235,6 +235,8 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     chunks = build_chunks(spec, grouped_gemm_on="grouped-gemm" in features_on)
+    if device == "cpu":
+        _release_build_pages()
     if device != "cpu":
         index = torch.cuda.current_device() if device == "cuda" else 0
         chunks = [chunk.to(torch.device(device, index)) for chunk in chunks]
@@ -324,6 +326,21 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_step": tokens_per_step,
         "memory": {**memory, "activations": probe.bytes, "process_peak": process_peak_bytes(device)},
     }
+
+
+def _release_build_pages() -> None:
+    """Give back what building the model freed before training starts. The workers initialise in
+    fp32 and cast, and for the TE spec or grouped-gemm build a second model to copy weights from
+    (``_build_model``): up to 8 bytes a parameter that a Megatron-LM run, which builds in its
+    parameter dtype, never holds. glibc keeps such freed blocks in its heap, where they would sit in
+    the process peak (RSS) beside the training step's own memory, an artifact of this harness; after
+    ``malloc_trim`` the peak is the build's or training's, whichever is larger (plan/peak.py)."""
+    import gc
+
+    from mindspeed_like.features.host_allocator import glibc
+
+    gc.collect()
+    glibc.release_free_pages()
 
 
 def _masters(optimizer) -> list[torch.Tensor]:

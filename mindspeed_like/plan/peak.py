@@ -1,12 +1,16 @@
-"""A rank's process peak: what it holds all run, plus the largest of its two busy phases.
+"""A rank's process peak: what it holds all run, plus the largest of its busy phases.
 
-    peak = runtime + model state + max(activations in flight + the largest transient of one
-                                       microbatch's forward/backward,
-                                       the optimizer step's temporaries)
+    peak = runtime + max(the model build's own peak,
+                         model state + max(activations in flight + the largest transient of one
+                                           microbatch's forward/backward,
+                                           the optimizer step's temporaries))
 
 - runtime: on a CPU host the process's resident set before any tensor (Python, torch, megatron,
   gloo), read from the smallest compare record (``compare-plan-baseline``: a 1-layer, hidden-64
   model); an accelerator's allocator peak has none (0).
+- the model build (CPU hosts, compare's workers): they initialise in fp32 and cast, and on the TE
+  spec or with grouped-gemm build a second model to copy its weights from, then hand the freed pages
+  back to the system (``malloc_trim``), so the build is a phase of its own, not a leftover.
 - transients (created and freed inside one op, never saved): megatron's attention materialises
   the s x s scores and their gradients (about 10 bytes per score element at bf16); the loss its
   fp32 logits' gradient (model dtype + 2 x fp32 per logit; fused-linear-cross-entropy one chunk);
@@ -35,7 +39,7 @@ LCE_CHUNK_BYTES = 64 * 2**20  # fused-linear-cross-entropy's default chunk: fp32
 @dataclass(frozen=True)
 class Peak:
     runtime: int
-    build: int  # what building the model leaves behind (CPU hosts)
+    build: int  # the model build's own peak, tensors only (compare's workers on a CPU host)
     model_state: int
     activations: int  # in flight at the peak
     temporary: int
@@ -45,19 +49,20 @@ class Peak:
     kernels: int = 0  # the experts' GEMM kernels a CPU host keeps (plan/host_kernels.py)
 
     @property
+    def training(self) -> int:
+        """What a training step's tensors hold at its peak."""
+        return self.model_state + max(self.activations + self.temporary, self.optimizer_temporary)
+
+    @property
     def phase(self) -> str:
+        if self.build > self.training:
+            return "model build"
         busy = self.activations + self.temporary
         return "forward/backward" if busy >= self.optimizer_temporary else "optimizer step"
 
     @property
     def total(self) -> int:
-        return (
-            self.runtime
-            + self.build
-            + self.kernels
-            + self.model_state
-            + max(self.activations + self.temporary, self.optimizer_temporary)
-        )
+        return self.runtime + self.kernels + max(self.build, self.training)
 
 
 BASELINE_RECORDS = {
@@ -132,7 +137,7 @@ def _compare_runtime_bytes(kind: str, arm: str, bf16_units: bool) -> int:
     run = run_from_compare(argparse.Namespace(**record["options"]), {}, "cpu")
     side = arm if arm in ("megatron", "features") else "features"
     paths = megatron_paths()
-    held = rows["model_state_bytes"][side] + rows["activations_bytes"][side] + build_bytes(run, paths)
+    held = max(rows["model_state_bytes"][side] + rows["activations_bytes"][side], build_bytes(run, paths))
     held += host_kernels.kernel_bytes(run, 0, grouped=expert_gemm_is_grouped(run, paths))
     return int(rows["process_peak_bytes"][side] - held)
 
@@ -145,14 +150,17 @@ def expert_gemm_is_grouped(run: Run, paths: Paths) -> bool:
 
 
 def build_bytes(run: Run, paths: Paths) -> int:
-    """What building the model leaves in a CPU process: compare's workers build in fp32 and cast
-    to bf16 (Float16Module), the TE spec's model from a local-spec model of the same seed (4 + 4 + 2
-    bytes a parameter), the local spec once (4 + 2); glibc keeps those pages for the rest of the
-    run. An accelerator run counts only live bytes (0)."""
-    if run.device != "cpu" or run.precision.params == "fp32" or launcher(run) == "megatron-lm":
-        return 0  # Megatron-LM builds in the parameter dtype on the host: nothing left behind
-    per = 10 if run.transformer_impl == "transformer_engine" else 6
-    return per * _rank_params(run)
+    """The model build's peak in a CPU process of compare's workers (tensors only): they initialise
+    in fp32, and where the arm runs a different module than the local spec's (the TE spec, the
+    grouped-gemm feature's GroupedMLP) they first build the local-spec model of the same seed and
+    copy its weights, so two fp32 models are alive at once (8 bytes a parameter, else 4); the cast
+    to the parameter dtype then converts one tensor at a time. The worker hands the freed pages back
+    (compare/worker.py), so this is a phase of its own. Megatron-LM builds in the parameter dtype
+    (``--bf16``: 2 bytes, below any training step's), an accelerator run on the device (0)."""
+    if run.device != "cpu" or launcher(run) == "megatron-lm":
+        return 0
+    twice = run.transformer_impl == "transformer_engine" or (run.model.is_moe and paths.grouped_gemm)
+    return (8 if twice else 4) * _rank_params(run)
 
 
 def _rank_params(run: Run) -> int:

@@ -95,8 +95,18 @@ def tune() -> None:
     _set(TUNED)
 
 
+def release_free_pages() -> bool:
+    """Hand the heap's free pages back to the system (``malloc_trim(0)``: the free top, and the whole
+    pages inside free chunks), whatever the settings; False where the C library is not glibc."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
 def restore() -> None:
     """glibc's settled adaptive settings (see the module doc), and the retained free memory
     returned to the system."""
     _set(ADAPTED)
-    _libc().malloc_trim(0)
+    release_free_pages()
