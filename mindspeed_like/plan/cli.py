@@ -121,6 +121,14 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool | None = None) 
     return 0
 
 
+HOST_ALLOCATOR_NOTE = (
+    "host-allocator (features arm, CPU host): glibc keeps every freed block in its heap, and the holes between "
+    "live blocks stay in the resident set, which this plan does not count; in Megatron-LM's loop they put the "
+    "features arms' peaks well above this prediction (docs/plan.md, \"Megatron-LM's own runs\"): add "
+    "--no-tune-host-allocator where host memory, not time, is the limit"
+)
+
+
 def plan(rest: list[str], own: argparse.Namespace) -> Any:
     """Read the run, predict, and render (text, or the JSON object with ``own.json``)."""
     from mindspeed_like.plan import report
@@ -133,6 +141,8 @@ def plan(rest: list[str], own: argparse.Namespace) -> Any:
             "expert parallel: each rank's routed rows are taken as balanced (the router decides them at run time; "
             "a rank can hold more)"
         )
+    if run.device == "cpu" and "host-allocator" in switches.enabled:
+        notes.append(HOST_ALLOCATOR_NOTE)
     pred = predict(run, switches.paths(run), switches.enabled, (*run.notes, *notes))
     line = switches_line(switches)
     fit_result = None

@@ -241,3 +241,39 @@ def _bucket(count: int) -> int:
     from mindspeed_like.kernels.row_buckets import bucket
 
     return bucket(count)
+
+
+def test_the_model_build_is_a_phase_of_its_own_on_cpu_hosts() -> None:
+    """compare's workers initialise in fp32 (two models at once where weights are copied across
+    specs: the TE spec, grouped-gemm's experts) and hand the freed pages back before training
+    (compare/worker.py), so the peak is the build's or training's, whichever is larger, never both;
+    Megatron-LM (built in the parameter dtype) and an accelerator have no build phase."""
+    import argparse
+
+    from mindspeed_like.plan import peak
+    from mindspeed_like.plan.cli import read_run
+    from mindspeed_like.plan.params import stage
+    from mindspeed_like.plan.paths import megatron_paths
+
+    def run(*extra: str, device: str = "cpu"):
+        size = "--num-layers 2 --hidden-size 128 --seq-length 64 --micro-batch-size 1".split()
+        return read_run([*size, *extra], argparse.Namespace(target_device=device, parser="builtin", world_size=None))[0]
+
+    def params_of(r) -> int:
+        return sum(p.numel for chunk in stage(r, 0) for p in chunk)
+
+    paths = megatron_paths()
+    te = run("--preset", "llama", "--transformer-impl", "transformer_engine")
+    local = run("--preset", "llama", "--transformer-impl", "local")
+    assert peak.build_bytes(te, paths) == 8 * params_of(te)
+    assert peak.build_bytes(local, paths) == 4 * params_of(local)
+    assert peak.build_bytes(run("--preset", "llama", device="cuda"), paths) == 0
+    mlm = run("--vocab-size", "128", "--num-attention-heads", "4", "--bf16")
+    assert mlm.source != "compare" and peak.build_bytes(mlm, paths) == 0
+
+    def at(build: int) -> peak.Peak:
+        return peak.Peak(runtime=7, build=build, model_state=100, activations=30, temporary=5,
+                         temporary_what="x", optimizer_temporary=20, kernels=3)  # fmt: skip
+
+    assert at(50).total == 7 + 3 + 100 + 35 and at(50).phase == "forward/backward"
+    assert at(500).total == 7 + 3 + 500 and at(500).phase == "model build"

@@ -80,6 +80,36 @@ def test_freed_blocks_are_reused_without_new_page_faults():
     assert faults["restored"] > 0.9 * 8 * 4 * PAGES, f"switched off: mmap is back for large blocks: {faults}"
 
 
+RELEASE = """
+import json, os
+import torch
+from mindspeed_like.features.host_allocator import glibc
+
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+blocks = [torch.ones(12 * 1024) for _ in range(4096)]  # 48 KiB each, in the heap (below the mmap threshold)
+kept = blocks[7::8]  # every 8th stays live: the freed ones are holes, not the heap's top
+del blocks
+before = resident()
+released = glibc.release_free_pages()
+print("RELEASE " + json.dumps({"released": released, "before": before, "after": resident()}))
+"""
+
+
+def test_release_free_pages_gives_back_the_heaps_holes():
+    """compare's workers call it after building the model (the fp32 build's freed blocks): whole
+    free pages inside the heap go back to the system, not only its top. A fresh process: its heap is
+    the scenario's own."""
+    done = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, cwd=REPO, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RELEASE ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    out = json.loads(lines[0][8:])
+    freed = 4096 * 7 // 8 * 48 * 1024  # 168 MiB in holes between live blocks
+    assert out["released"] and out["before"] - out["after"] > 0.8 * freed, out
+
+
 def test_tune_and_restore_set_what_the_docs_say(monkeypatch):
     calls = []
 
