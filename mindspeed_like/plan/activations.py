@@ -104,6 +104,47 @@ def linear_input(n: int, width: int, dims: Dims, where: str, component: str) -> 
     return Saved(component, f"{where}: linear input", dims.p * n * width)
 
 
+def dropout_mask(run: Run, elements: int, dtype_bytes: int) -> int:
+    """What one dropout keeps for backward. On a CPU host torch's dropout multiplies by a noise
+    tensor in the input's dtype and keeps it (``_dropout_impl``: the fused ``native_dropout`` is
+    taken on accelerators only); on an accelerator ``native_dropout`` keeps a bool mask (assumed
+    from torch's contract: no GPU or NPU run measured it)."""
+    return (dtype_bytes if run.device == "cpu" else BOOL) * elements
+
+
+def hidden_dropouts(run: Run, dims: Dims, where: str, count: int) -> list[Saved]:
+    """megatron's hidden dropout on the residual stream (``tsp x h``): after the embedding and in
+    each bias-dropout-add (after attention, after the MLP). ``--hidden-dropout 0`` keeps nothing."""
+    if run.model.hidden_dropout <= 0:
+        return []
+    return [Saved("residual", f"{where}: hidden dropout's mask", dropout_mask(run, dims.tsp * dims.h, dims.p), count)]
+
+
+def attention_dropout_on_host_math(run: Run, paths: Paths) -> bool:
+    """Whether the flash-attention feature's portable kernel runs SDPA's math kernel: on a CPU host
+    with attention dropout (torch's CPU flash kernel takes no dropout), which keeps the s x s
+    matrices flash attention exists to avoid."""
+    return paths.flash_attention and run.device == "cpu" and run.model.attention_dropout > 0
+
+
+def sdpa_math_on_host(dims: Dims, qk: int, v: int, v_out: int) -> list[Saved]:
+    """SDPA's math kernel with dropout on a CPU host, as read off torch 2.13 (one layer): q, k and v
+    upcast to fp32 (a bf16 / fp16 model) and expanded to every query head (the q k^T and value
+    matmuls keep them), the fp32 softmax output, the dropout's fp32 noise and the dropped
+    probabilities (the value matmul's input); the output is cast back, so linear_proj keeps its
+    own input. ``qk``, ``v``: head dims into the kernel; ``v_out``: the output's."""
+    b, a, s = dims.b, dims.a, dims.s
+    return [
+        Saved("core_attn", "SDPA math: q, k in fp32, every query head", FP32 * b * a * s * qk, count=2,
+              feature="flash-attention"),
+        Saved("core_attn", "SDPA math: v in fp32, every query head", FP32 * b * a * s * v, feature="flash-attention"),
+        Saved("core_attn", "SDPA math: fp32 softmax output, dropout noise, dropped probabilities (s x s)",
+              FP32 * b * a * s * s, count=3, feature="flash-attention"),
+        Saved("attention", "attention output (linear_proj input)", dims.p * dims.t * a * v_out,
+              feature="flash-attention"),
+    ]  # fmt: skip
+
+
 def rope(model: Model, paths: Paths, dims: Dims, width: int, calls: int = 2) -> list[Saved]:
     """Rotary embedding: megatron's unfused apply keeps cos and sin per call; the fused kernel one
     freqs tensor per layer (per call under MLA, which rotates q and k apart)."""
@@ -164,6 +205,8 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
     out += rope(m, paths, dims, d)
     if lay.cp > 1:
         out += _context_parallel_core(run, dims, qkv, rope_on or m.qk_layernorm)
+    elif attention_dropout_on_host_math(run, paths):
+        out += sdpa_math_on_host(dims, d, d, d)
     elif paths.flash_attention:
         new_q = rope_on or m.qk_layernorm
         rows = [Saved("core_attn", "q (rotated)", p * t * a * d, feature="flash-attention")] if new_q else []
@@ -207,9 +250,19 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
             Saved("core_attn", "causal mask (bool s x s)", BOOL * dims.s**2),
             Saved("attention", "attention output (linear_proj input)", p * t * a * d),
         ]
+        out += _attention_dropout(run, dims)
     if qkv_viewed:
         out.append(Saved("attention", "qkv projection output (v viewed from it)", qkv))
     return [r for r in out if r is not None]
+
+
+def _attention_dropout(run: Run, dims: Dims) -> list[Saved]:
+    """megatron's attention dropout on its model-dtype probabilities: the value matmul then keeps
+    the dropped probabilities in their place, and the dropout its mask."""
+    if run.model.attention_dropout <= 0:
+        return []
+    elements = dims.b * dims.a * dims.s**2
+    return [Saved("core_attn", "attention dropout's mask (s x s)", dropout_mask(run, elements, dims.p))]
 
 
 def _context_parallel_core(run: Run, dims: Dims, qkv: int, rotated: bool) -> list[Saved]:
@@ -254,6 +307,11 @@ def mla(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
         out += norm(tsp, kvl, m, paths, dims, "kv LoRA norm (fused into linear_kv_up_proj)", "attention")
     out.append(linear_input(tsp, kvl, dims, "linear_kv_up_proj", "attention"))
     out += rope(m, paths, dims, m.qk_pos_emb_head_dim)
+    if attention_dropout_on_host_math(run, paths):
+        # the portable kernel pads v to the q/k head dim for the fused kernel (--mla-fa-without-pad: not)
+        padded = not run.flags.get("mla_fa_without_pad", False)
+        rows = sdpa_math_on_host(dims, qk, qk if padded else dv, dv)
+        return out + rows
     if paths.flash_attention:
         out += [
             Saved(
@@ -272,6 +330,7 @@ def mla(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
             Saved("core_attn", "softmax probabilities (model dtype)", p * dims.b * a * dims.s**2),
             Saved("core_attn", "fp32 softmax output", FP32 * dims.b * a * dims.s**2),
             Saved("core_attn", "causal mask (bool s x s)", BOOL * dims.s**2),
+            *_attention_dropout(run, dims),
         ]
     out.append(Saved("attention", "linear_proj input", p * t * a * dv))
     return out
@@ -436,7 +495,7 @@ def embedding(run: Run, dims: Dims) -> list[Saved]:
     rows = [Saved("embedding", "token ids (int64)", INT64 * dims.b * dims.s)]
     if run.model.position_embedding_type == "learned_absolute":
         rows.append(Saved("embedding", "position ids (int64)", INT64 * dims.s))
-    return rows
+    return rows + hidden_dropouts(run, dims, "embedding", 1)
 
 
 def head(run: Run, paths: Paths, dims: Dims, outputs: int = 1) -> list[Saved]:
@@ -478,6 +537,7 @@ def mtp_layer(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
     m = run.model
     tsp = dims.tsp
     out = [Saved("mtp", "shifted token ids (int64)", INT64 * dims.b * dims.s)]
+    out += hidden_dropouts(run, dims, "mtp embedding", 1)
     out += [
         Saved(r.component, "mtp " + r.what, r.bytes, r.count, r.feature)
         for r in norm(tsp, dims.h, m, paths, dims, "enorm")
@@ -504,7 +564,7 @@ def layer(run: Run, paths: Paths, dims: Dims, index: int, layer_in_chunk: int) -
         rows += moe_layer(run, paths, dims, layer_in_chunk)
     else:
         rows += dense_mlp(run, paths, dims, layer_in_chunk, dims.f)
-    return rows
+    return rows + hidden_dropouts(run, dims, "bias-dropout-add after attention and after the MLP", 2)
 
 
 def chunk(run: Run, paths: Paths, layers: tuple[int, ...], first: bool, last: bool) -> dict[str, list[Saved]]:

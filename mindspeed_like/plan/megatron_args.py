@@ -97,6 +97,8 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-layer-freq", type=_freq, default=1)
     g.add_argument("--moe-grouped-gemm", action="store_true")
@@ -160,8 +162,6 @@ NO_MEMORY_EFFECT_PREFIXES = (
     "--weight-decay",
     "--adam-",
     "--init-method",
-    "--hidden-dropout",
-    "--attention-dropout",
     "--exit-",
     "--timing",
     "--use-mcore-models",
@@ -423,6 +423,8 @@ def run_from_namespace(
         position_embedding_type=ns.position_embedding_type,
         tied_embeddings=not ns.untie_embeddings_and_output_weights,
         qk_layernorm=bool(get("qk_layernorm")),
+        hidden_dropout=float(get("hidden_dropout", 0.1)),
+        attention_dropout=float(get("attention_dropout", 0.1)),
         num_experts=experts,
         moe_ffn_hidden_size=get("moe_ffn_hidden_size") or 0,
         moe_router_topk=get("moe_router_topk", 2),

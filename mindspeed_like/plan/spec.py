@@ -36,6 +36,9 @@ class Model:
     position_embedding_type: str = "rope"
     tied_embeddings: bool = False
     qk_layernorm: bool = False
+    # megatron's dropout probabilities (Megatron-LM's defaults are 0.1; compare's presets run none)
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
     # MoE
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0

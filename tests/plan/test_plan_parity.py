@@ -96,8 +96,36 @@ def _bound(preset: str, impl: str, level: int) -> float:
     return VERSION_GAPS.get((minor, preset, impl, level), (0.01, ""))[0]
 
 
+# megatron's default dropout (0.1, hidden and attention), as Megatron-LM runs it: the masks, and on a
+# CPU host the flash-attention feature's SDPA math kernel (its flash kernel takes no dropout)
+DROPOUT_CASES = [
+    ("llama", "local", 0),
+    ("llama", "transformer_engine", 1),
+    ("llama", "transformer_engine", 2),
+    pytest.param("gpt", "transformer_engine", 1, marks=pytest.mark.slow),
+    pytest.param("moe", "transformer_engine", 2, marks=pytest.mark.slow),
+    pytest.param("deepseek", "transformer_engine", 0, marks=pytest.mark.slow),
+    pytest.param("deepseek", "transformer_engine", 2, marks=pytest.mark.slow),
+]
+
+
 @pytest.mark.parametrize(("preset", "impl", "level"), CASES)
 def test_parameters_and_saved_bytes_match_the_real_model(preset: str, impl: str, level: int) -> None:
+    _check(preset, impl, level)
+
+
+@pytest.mark.parametrize(("preset", "impl", "level"), DROPOUT_CASES)
+def test_saved_bytes_with_megatrons_default_dropout(preset: str, impl: str, level: int, monkeypatch) -> None:
+    from mindspeed_like.testing import models
+
+    monkeypatch.setitem(models.DEFAULTS, "hidden_dropout", 0.1)
+    monkeypatch.setitem(models.DEFAULTS, "attention_dropout", 0.1)
+    _check(preset, impl, level, dropout=0.1)
+
+
+def _check(preset: str, impl: str, level: int, dropout: float = 0.0) -> None:
+    import dataclasses
+
     from mindspeed_like.plan import features, params
     from mindspeed_like.plan.compare_args import run_from_compare
     from mindspeed_like.plan.paths import megatron_paths
@@ -105,6 +133,8 @@ def test_parameters_and_saved_bytes_match_the_real_model(preset: str, impl: str,
 
     args = _options(preset, impl, level)
     run = run_from_compare(args, {"optimization_level": level}, "cpu")
+    model = dataclasses.replace(run.model, hidden_dropout=dropout, attention_dropout=dropout)
+    run = dataclasses.replace(run, model=model)
     paths = megatron_paths() if level == 0 else features.resolve(values={"optimization_level": level}).paths(run)
     predicted_params = sum(p.numel for chunk in params.stage(run, 0) for p in chunk)
     predicted_saved = predict_arm(run, "arm", paths).stages[0].activations_one_microbatch
