@@ -20,9 +20,15 @@ Semantics are SDPA's (the caller, ``kernels/flash_attention.py``, prepares them 
 ``keep`` is a boolean mask broadcastable to ``[b, nq, sq, sk]`` with True = attend; ``causal`` is
 SDPA's top-left causal; GQA query heads ``h`` use key/value head ``h // (nq / nk)`` (megatron's
 ``repeat_interleave``), through a broadcast view (k/v are not copied). Scores and softmax in fp32
-for every input dtype, the output in the input dtype. No dropout (the caller keeps SDPA's math
-kernel for that). Rows with no key kept must not be passed (the caller substitutes megatron's
-uniform average for them, as it does for SDPA).
+for every input dtype, the output in the input dtype. Rows with no key kept must not be passed (the
+caller substitutes megatron's uniform average for them, as it does for SDPA).
+
+Dropout (``dropout_p``; torch's fused CPU kernel takes none, and its math kernel keeps three fp32
+``s x s`` tensors): each block's probabilities are multiplied by a Bernoulli(1 - p) mask scaled by
+``1 / (1 - p)``, as ``torch.nn.functional.dropout`` does. The masks are drawn from generators seeded
+per block from one seed the forward draws from the current CPU generator (inside megatron's RNG
+tracker fork, the tracker's state; under activation recompute the restored state draws the same
+seed), and the backward draws them again from the same seeds: nothing quadratic is kept.
 """
 
 from __future__ import annotations
@@ -43,14 +49,21 @@ def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.view(b, groups, n // groups, s, d)
 
 
+def _keys(rows: slice, causal: bool, sk: int) -> int:
+    """Keys a block of query rows can see: under (top-left) causal attention none past its last row,
+    so the block's matmuls skip the masked-out rest (half the work of a causal call)."""
+    return min(sk, rows.stop) if causal else sk
+
+
 def _keep_rows(keep: torch.Tensor | None, rows: slice, groups: int, causal: bool, sk: int, device) -> torch.Tensor:
-    """This block's keep-mask, broadcastable to ``[b, groups, r, rows, sk]`` (None: keep all)."""
+    """This block's keep-mask over its first ``sk`` keys, broadcastable to ``[b, groups, r, rows, sk]``
+    (None: keep all)."""
     block = None
     if keep is not None:
         k4 = keep
         while k4.dim() < 4:
             k4 = k4.unsqueeze(0)
-        k4 = k4[..., rows, :]
+        k4 = k4[..., rows, :sk]
         heads = k4.shape[1]
         block = k4.unsqueeze(2) if heads == 1 else k4.reshape(k4.shape[0], groups, heads // groups, *k4.shape[2:])
     if causal:
@@ -70,25 +83,51 @@ def _probs(qb: torch.Tensor, k5: torch.Tensor, keep: torch.Tensor | None) -> tor
     return torch.softmax(scores, dim=-1)
 
 
+SEED_SPAN = 2**31  # torch's CPU generator (mt19937) seeds from the low 32 bits
+
+
+class BlockDropout:
+    """One call's dropout: the seed it drew, and the mask of block ``index`` (Bernoulli(1 - p) scaled
+    by 1 / (1 - p), as ``torch.nn.functional.dropout``), the same whenever it is asked again."""
+
+    def __init__(self, p: float, seed: int) -> None:
+        self.p, self.seed = p, seed
+
+    @classmethod
+    def draw(cls, p: float) -> BlockDropout:
+        """A seed from the current CPU generator (the caller's RNG context decides which)."""
+        return cls(p, int(torch.randint(0, SEED_SPAN, (1,)).item()))
+
+    def mask(self, index: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        generator = torch.Generator(device=device)
+        generator.manual_seed((self.seed + index * 1_000_003) % SEED_SPAN)
+        noise = torch.empty(shape, dtype=torch.float32, device=device).bernoulli_(1.0 - self.p, generator=generator)
+        return noise.div_(1.0 - self.p)
+
+
 class _BlockedAttention(torch.autograd.Function):
     """Saves only ``q, k, v`` (and the mask): backward recomputes each block's probabilities with
     the very ops of the forward (bitwise the forward's, no log-sum-exp to keep), and its softmax
-    gradient is torch's fused ``_softmax_backward_data`` (``P * (dP - rowsum(dP * P))``)."""
+    gradient is torch's fused ``_softmax_backward_data`` (``P * (dP - rowsum(dP * P))``). With
+    dropout the block's mask is drawn again from its seed (:class:`BlockDropout`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, causal: bool, scale: float):
+    def forward(ctx, q, k, v, keep, causal: bool, scale: float, dropout: BlockDropout | None):
         b, nq, sq, _ = q.shape
         groups, sk = k.shape[1], k.shape[2]
         q5, k5, v5 = _grouped(q, groups), k.unsqueeze(2).float(), v.unsqueeze(2).float()
         out = torch.empty(*q5.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         step = block_rows(b, nq, sq, sk)
-        for start in range(0, sq, step):
+        for index, start in enumerate(range(0, sq, step)):
             rows = slice(start, min(sq, start + step))
+            keys = _keys(rows, causal, sk)
             qb = q5[..., rows, :].float() * scale
-            probs = _probs(qb, k5, _keep_rows(keep, rows, groups, causal, sk, q.device))
-            out[..., rows, :] = torch.matmul(probs, v5).to(q.dtype)
+            probs = _probs(qb, k5[..., :keys, :], _keep_rows(keep, rows, groups, causal, keys, q.device))
+            if dropout is not None:
+                probs.mul_(dropout.mask(index, probs.shape, q.device))
+            out[..., rows, :] = torch.matmul(probs, v5[..., :keys, :]).to(q.dtype)
         ctx.save_for_backward(q, k, v, keep)
-        ctx.causal, ctx.scale = causal, scale
+        ctx.causal, ctx.scale, ctx.dropout = causal, scale, dropout
         return out.view(b, nq, sq, v.shape[-1])
 
     @staticmethod
@@ -102,16 +141,23 @@ class _BlockedAttention(torch.autograd.Function):
         dk = torch.zeros(k5.shape[:2] + k5.shape[3:], dtype=torch.float32, device=q.device)
         dv = torch.zeros(v5.shape[:2] + v5.shape[3:], dtype=torch.float32, device=q.device)
         step = block_rows(b, nq, sq, sk)
-        for start in range(0, sq, step):
+        for index, start in enumerate(range(0, sq, step)):
             rows = slice(start, min(sq, start + step))
+            keys = _keys(rows, ctx.causal, sk)
+            kb, vb = k5[..., :keys, :], v5[..., :keys, :]
             qb, dob = q5[..., rows, :].float() * ctx.scale, do5[..., rows, :].float()
-            probs = _probs(qb, k5, _keep_rows(keep, rows, groups, ctx.causal, sk, q.device))  # [b, g, r, rows, sk]
-            dv += torch.matmul(probs.transpose(-1, -2), dob).sum(2)
-            dprobs = torch.matmul(dob, v5.transpose(-1, -2))
+            probs = _probs(qb, kb, _keep_rows(keep, rows, groups, ctx.causal, keys, q.device))  # [b, g, r, rows, keys]
+            dprobs = torch.matmul(dob, vb.transpose(-1, -2))
+            if ctx.dropout is None:
+                dv[..., :keys, :] += torch.matmul(probs.transpose(-1, -2), dob).sum(2)
+            else:  # out = (P * M) V: dV = (P * M)^T dO, dP = (dO V^T) * M
+                mask = ctx.dropout.mask(index, probs.shape, q.device)
+                dv[..., :keys, :] += torch.matmul((probs * mask).transpose(-1, -2), dob).sum(2)
+                dprobs.mul_(mask)
             dscores = torch.ops.aten._softmax_backward_data(dprobs, probs, -1, torch.float32)
-            dq[..., rows, :] = torch.matmul(dscores, k5) * ctx.scale
-            dk += torch.matmul(dscores.transpose(-1, -2), qb).sum(2)
-        return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+            dq[..., rows, :] = torch.matmul(dscores, kb) * ctx.scale
+            dk[..., :keys, :] += torch.matmul(dscores.transpose(-1, -2), qb).sum(2)
+        return dq.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def blocked_attention(
@@ -122,9 +168,11 @@ def blocked_attention(
     scale: float,
     keep: torch.Tensor | None = None,
     causal: bool = False,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """``q [b, nq, sq, d]``, ``k [b, nk, sk, d]``, ``v [b, nk, sk, dv]`` -> ``[b, nq, sq, dv]``
-    (SDPA's layout and mask semantics, see the module docstring)."""
+    (SDPA's layout and mask semantics, see the module docstring). ``dropout_p``: on the
+    probabilities, drawn from the current CPU generator (pass 0 outside training)."""
     if q.shape[-1] != k.shape[-1] or k.shape[:-1] != v.shape[:-1] or q.shape[1] % k.shape[1]:
         raise ValueError(
             f"blocked_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [b, nq, sq, d], "
@@ -132,4 +180,7 @@ def blocked_attention(
         )
     if keep is not None and keep.dtype != torch.bool:
         raise ValueError(f"blocked_attention: keep must be a bool mask (True = attend), got {keep.dtype}")
-    return _BlockedAttention.apply(q, k, v, keep, causal, float(scale))
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"blocked_attention: dropout_p must be in [0, 1), got {dropout_p}")
+    dropout = BlockDropout.draw(float(dropout_p)) if dropout_p > 0 else None
+    return _BlockedAttention.apply(q, k, v, keep, causal, float(scale), dropout)

@@ -14,8 +14,9 @@ flash-style kernel:
   kernels never hold the s x s matrix. Causal masks go in as ``is_causal`` (never materialized);
   a boolean mask (SDPA: ``True`` = keep, the opposite of megatron's) only when the caller gives
   one or asks for a band SDPA cannot express. GQA with ``enable_gqa`` (k/v are expanded as
-  views, not copied). Dropout > 0 makes PyTorch's CPU dispatcher pick its math kernel, which
-  materializes the probabilities: the memory saving then is lost on CPU (not on CUDA). A value
+  views, not copied). Dropout > 0 on CPU, which PyTorch's CPU flash kernel does not take (its math
+  kernel would keep three fp32 s x s tensors and an fp32 copy of q, k, v per head), runs
+  ``kernels/blocked_attention.py`` instead: flash-style, its masks drawn again in backward. A value
   head dim different from q/k's (multi-latent attention) is refused by the CPU flash kernel: on
   CPU the smaller operand is zero-padded for it (``_one_head_dim``: 1.2-3x faster than the
   unpadded alternative), or with ``pad_value_head=False`` (``--mla-fa-without-pad``) the calls
@@ -199,10 +200,13 @@ def _portable_bnsd(
     if empty is not None:
         keep = keep | empty  # give the kernel a valid row; its output is replaced below
     refused = _cpu_flash_refuses(q, v)
-    if refused and not pad_value_head and dropout_p == 0.0:
-        out = blocked_attention(q, k, v, scale=scale, keep=keep, causal=is_causal)
+    host_dropout = q.device.type == "cpu" and dropout_p > 0.0
+    if host_dropout or (refused and not pad_value_head):
+        # torch's CPU flash kernel takes no dropout (SDPA would run its math kernel, keeping three
+        # fp32 s x s tensors): the blocked kernel draws the masks per block; it also takes MLA's
+        # two head dims unpadded
+        out = blocked_attention(q, k, v, scale=scale, keep=keep, causal=is_causal, dropout_p=dropout_p)
     else:
-        # without padding and with dropout (the blocked kernel has none) SDPA's math kernel takes the two dims
         dv = v.shape[-1]
         qp, kp, vp = _one_head_dim(q, k, v) if refused and pad_value_head else (q, k, v)
         out = F.scaled_dot_product_attention(

@@ -120,29 +120,12 @@ def hidden_dropouts(run: Run, dims: Dims, where: str, count: int) -> list[Saved]
     return [Saved("residual", f"{where}: hidden dropout's mask", dropout_mask(run, dims.tsp * dims.h, dims.p), count)]
 
 
-def attention_dropout_on_host_math(run: Run, paths: Paths) -> bool:
-    """Whether the flash-attention feature's portable kernel runs SDPA's math kernel: on a CPU host
-    with attention dropout (torch's CPU flash kernel takes no dropout), which keeps the s x s
-    matrices flash attention exists to avoid."""
+def blocked_on_host(run: Run, paths: Paths) -> bool:
+    """Whether the flash-attention feature's portable kernel runs the blocked kernel
+    (``kernels/blocked_attention.py``): on a CPU host with attention dropout, which torch's CPU
+    flash kernel does not take. It keeps q, k and v only (no output, no log-sum-exp): its backward
+    recomputes each block and draws the block's dropout mask again."""
     return paths.flash_attention and run.device == "cpu" and run.model.attention_dropout > 0
-
-
-def sdpa_math_on_host(dims: Dims, qk: int, v: int, v_out: int) -> list[Saved]:
-    """SDPA's math kernel with dropout on a CPU host, as read off torch 2.13 (one layer): q, k and v
-    upcast to fp32 (a bf16 / fp16 model) and expanded to every query head (the q k^T and value
-    matmuls keep them), the fp32 softmax output, the dropout's fp32 noise and the dropped
-    probabilities (the value matmul's input); the output is cast back, so linear_proj keeps its
-    own input. ``qk``, ``v``: head dims into the kernel; ``v_out``: the output's."""
-    b, a, s = dims.b, dims.a, dims.s
-    return [
-        Saved("core_attn", "SDPA math: q, k in fp32, every query head", FP32 * b * a * s * qk, count=2,
-              feature="flash-attention"),
-        Saved("core_attn", "SDPA math: v in fp32, every query head", FP32 * b * a * s * v, feature="flash-attention"),
-        Saved("core_attn", "SDPA math: fp32 softmax output, dropout noise, dropped probabilities (s x s)",
-              FP32 * b * a * s * s, count=3, feature="flash-attention"),
-        Saved("attention", "attention output (linear_proj input)", dims.p * dims.t * a * v_out,
-              feature="flash-attention"),
-    ]  # fmt: skip
 
 
 def rope(model: Model, paths: Paths, dims: Dims, width: int, calls: int = 2) -> list[Saved]:
@@ -205,22 +188,18 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
     out += rope(m, paths, dims, d)
     if lay.cp > 1:
         out += _context_parallel_core(run, dims, qkv, rope_on or m.qk_layernorm)
-    elif attention_dropout_on_host_math(run, paths):
-        out += sdpa_math_on_host(dims, d, d, d)
     elif paths.flash_attention:
         new_q = rope_on or m.qk_layernorm
         rows = [Saved("core_attn", "q (rotated)", p * t * a * d, feature="flash-attention")] if new_q else []
         rows.append(Saved("core_attn", "k (rotated)", p * t * g * d, feature="flash-attention") if new_q else None)
         rows = [r for r in rows if r is not None]
         qkv_viewed = True  # v (and q, k without RoPE) are views of the projection's output
-        rows.append(
-            Saved(
-                "core_attn",
-                "attention output (the kernel's, for its backward)",
-                p * t * a * d,
-                feature="flash-attention",
-            )
-        )
+        if blocked_on_host(run, paths):
+            # the blocked kernel keeps no output: it is a new tensor that only linear_proj keeps
+            what, component = "attention output (linear_proj input)", "attention"
+        else:
+            what, component = "attention output (the kernel's, for its backward)", "core_attn"
+        rows.append(Saved(component, what, p * t * a * d, feature="flash-attention"))
         # the output plus megatron's NaN rows (kernels/flash_attention._nan_query_rows) is a new tensor
         # on an accelerator; on a host the repair runs only when q holds a NaN
         if run.device != "cpu":
@@ -232,7 +211,8 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
                     feature="flash-attention",
                 )
             )
-        rows.append(Saved("core_attn", "fp32 log-sum-exp", FP32 * dims.b * a * dims.s, feature="flash-attention"))
+        if not blocked_on_host(run, paths):
+            rows.append(Saved("core_attn", "fp32 log-sum-exp", FP32 * dims.b * a * dims.s, feature="flash-attention"))
         out += rows
     else:
         new_q = rope_on or m.qk_layernorm
@@ -307,12 +287,15 @@ def mla(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
         out += norm(tsp, kvl, m, paths, dims, "kv LoRA norm (fused into linear_kv_up_proj)", "attention")
     out.append(linear_input(tsp, kvl, dims, "linear_kv_up_proj", "attention"))
     out += rope(m, paths, dims, m.qk_pos_emb_head_dim)
-    if attention_dropout_on_host_math(run, paths):
-        # the portable kernel pads v to the q/k head dim for the fused kernel (--mla-fa-without-pad: not)
-        padded = not run.flags.get("mla_fa_without_pad", False)
-        rows = sdpa_math_on_host(dims, qk, qk if padded else dv, dv)
-        return out + rows
-    if paths.flash_attention:
+    unpadded = run.device == "cpu" and bool(run.flags.get("mla_fa_without_pad"))
+    if paths.flash_attention and (blocked_on_host(run, paths) or unpadded):
+        # the blocked kernel (dropout on a host, or --mla-fa-without-pad): q, k and the unpadded v
+        out += [
+            Saved("core_attn", "q, k (rope part concatenated; blocked kernel)", p * t * a * qk, count=2,
+                  feature="flash-attention"),
+            Saved("core_attn", "v (unpadded)", p * t * a * dv, feature="flash-attention"),
+        ]  # fmt: skip
+    elif paths.flash_attention:
         out += [
             Saved(
                 "core_attn",
