@@ -252,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             rec.add_row(**row)
         rec.extra["targets_pct"] = {k: 100 * v for k, v in TARGETS.items()}
         rec.extra["records"] = sorted({case.record for case in cases})
+        peak = "process_peak_bytes"
+        held_peak = [case for case in cases if held(case, peak)]
+        rec.extra["peak_held"] = len(held_peak)
+        rec.extra["peak_misses"] = sum(abs(case.error(peak)) > TARGETS[peak] for case in held_peak)
         print("wrote", rec.write())
     return 0
 

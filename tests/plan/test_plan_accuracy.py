@@ -13,24 +13,25 @@ from mindspeed_like.toolkit import records
 
 # Targets this lane misses, each with the error it measured and why; the bound keeps it from
 # getting worse unnoticed (record, arm, metric) -> (bound as a fraction, reason)
-_FRAGMENTS = (
-    "megatron's arm runs glibc's default allocator: freed activations leave holes in the heap, so the resident "
-    "set tops the live bytes (sampled: 30-130 MiB); TP2 SP's megatron arm measured 731.2 and 730.6 MiB "
-    "(medians of 3) against 643.0 predicted; under-predicted"
-)
-_BUILD = (
-    "the moe preset at hidden 512 (36M parameters) peaks 160-220 MiB under the plan in both arms: the build term "
-    "(10 bytes a parameter on the TE spec, 346 MiB here) was fitted on the small presets' peaks, but sampled right "
-    "after the build llama 4L h512 held ~0 and h1024 2-4 bytes a parameter beyond its model state, so the term "
-    "stands for heap holes later in the step, which do not grow with the parameter count; over-predicted"
+_HEAP = (
+    "glibc's heap holds freed blocks between live ones at the peak, which the plan does not simulate (the order "
+    "in which blocks of every size are allocated and freed decides it); sampled with mallinfo2 in compare's "
+    "workers: llama local spec h512 level 1, features arm, 91 MiB free in the heap at the peak against a 77-82 "
+    "MiB gap (the baseline's heap: 7 MiB free); DP2 distopt, megatron's arm, 210-215 MiB free after its third "
+    "step's gradient reduce-scatter, the heap growing each step; under-predicted"
 )
 KNOWN_MISSES: dict[tuple[str, str, str], tuple[float, str]] = {
-    ("compare-plan-llama-tp2-sp-level1", "megatron", "process_peak_bytes"): (0.14, _FRAGMENTS),
-    ("compare-plan-llama-tp2-sp-level2", "megatron", "process_peak_bytes"): (0.14, _FRAGMENTS),
-    ("compare-plan-moe-level1", "megatron", "process_peak_bytes"): (0.15, _BUILD),
-    ("compare-plan-moe-level1", "features", "process_peak_bytes"): (0.15, _BUILD),
-    ("compare-plan-moe-level2", "megatron", "process_peak_bytes"): (0.16, _BUILD),
-    ("compare-plan-moe-level2", "features", "process_peak_bytes"): (0.15, _BUILD),
+    ("compare-plan-llama-dp2-distopt-level1", "megatron", "process_peak_bytes"): (0.19, _HEAP),
+    ("compare-plan-llama-dp2-distopt-level1", "features", "process_peak_bytes"): (0.20, _HEAP),
+    ("compare-plan-llama-dp2-distopt-level2", "megatron", "process_peak_bytes"): (0.20, _HEAP),
+    ("compare-plan-llama-dp2-distopt-level2", "features", "process_peak_bytes"): (0.26, _HEAP),
+    ("compare-plan-llama-local-level1", "megatron", "process_peak_bytes"): (0.13, _HEAP),
+    ("compare-plan-llama-local-level1", "features", "process_peak_bytes"): (0.13, _HEAP),
+    ("compare-plan-llama-local-level2", "features", "process_peak_bytes"): (0.13, _HEAP),
+    ("compare-plan-llama-tp2-sp-level1", "megatron", "process_peak_bytes"): (0.18, _HEAP),
+    ("compare-plan-llama-tp2-sp-level2", "megatron", "process_peak_bytes"): (0.17, _HEAP),
+    ("compare-plan-moe-ep2-dp2-level2", "features", "process_peak_bytes"): (0.14, _HEAP),
+    ("compare-plan-moe-level2", "features", "process_peak_bytes"): (0.14, _HEAP),
 }
 
 
