@@ -24,16 +24,19 @@ for every input dtype, the output in the input dtype. Rows with no key kept must
 caller substitutes megatron's uniform average for them, as it does for SDPA).
 
 Dropout (``dropout_p``; torch's fused CPU kernel takes none, and its math kernel keeps three fp32
-``s x s`` tensors): each block's probabilities are multiplied by a Bernoulli(1 - p) mask scaled by
-``1 / (1 - p)``, as ``torch.nn.functional.dropout`` does. The masks are drawn from generators seeded
-per block from one seed the forward draws from the current CPU generator (inside megatron's RNG
-tracker fork, the tracker's state; under activation recompute the restored state draws the same
-seed), and the backward draws them again from the same seeds: nothing quadratic is kept.
+``s x s`` tensors): each block's probabilities are multiplied by its keep-mask and ``1 / (1 - p)``,
+as ``torch.nn.functional.dropout`` does. The masks come from the context-parallel kernels' stream
+(:class:`~mindspeed_like.kernels.attention_dropout.AttentionDropout`): one seed the forward draws
+from the current generator (inside megatron's RNG tracker fork, the tracker's state; under
+activation recompute the restored state draws the same seed), the blocks' masks drawn in the same
+order forward and backward: nothing quadratic is kept.
 """
 
 from __future__ import annotations
 
 import torch
+
+from mindspeed_like.kernels.attention_dropout import AttentionDropout
 
 BLOCK_BYTES = 16 * 2**20  # one block's fp32 scores: small enough to stay in cache-friendly chunks
 
@@ -83,48 +86,27 @@ def _probs(qb: torch.Tensor, k5: torch.Tensor, keep: torch.Tensor | None) -> tor
     return torch.softmax(scores, dim=-1)
 
 
-SEED_SPAN = 2**31  # torch's CPU generator (mt19937) seeds from the low 32 bits
-
-
-class BlockDropout:
-    """One call's dropout: the seed it drew, and the mask of block ``index`` (Bernoulli(1 - p) scaled
-    by 1 / (1 - p), as ``torch.nn.functional.dropout``), the same whenever it is asked again."""
-
-    def __init__(self, p: float, seed: int) -> None:
-        self.p, self.seed = p, seed
-
-    @classmethod
-    def draw(cls, p: float) -> BlockDropout:
-        """A seed from the current CPU generator (the caller's RNG context decides which)."""
-        return cls(p, int(torch.randint(0, SEED_SPAN, (1,)).item()))
-
-    def mask(self, index: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        generator = torch.Generator(device=device)
-        generator.manual_seed((self.seed + index * 1_000_003) % SEED_SPAN)
-        noise = torch.empty(shape, dtype=torch.float32, device=device).bernoulli_(1.0 - self.p, generator=generator)
-        return noise.div_(1.0 - self.p)
-
-
 class _BlockedAttention(torch.autograd.Function):
     """Saves only ``q, k, v`` (and the mask): backward recomputes each block's probabilities with
     the very ops of the forward (bitwise the forward's, no log-sum-exp to keep), and its softmax
     gradient is torch's fused ``_softmax_backward_data`` (``P * (dP - rowsum(dP * P))``). With
-    dropout the block's mask is drawn again from its seed (:class:`BlockDropout`)."""
+    dropout the block's mask is drawn again, in the forward's order, from the forward's seed."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, causal: bool, scale: float, dropout: BlockDropout | None):
+    def forward(ctx, q, k, v, keep, causal: bool, scale: float, dropout: AttentionDropout | None):
         b, nq, sq, _ = q.shape
         groups, sk = k.shape[1], k.shape[2]
         q5, k5, v5 = _grouped(q, groups), k.unsqueeze(2).float(), v.unsqueeze(2).float()
         out = torch.empty(*q5.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
         step = block_rows(b, nq, sq, sk)
-        for index, start in enumerate(range(0, sq, step)):
+        masks = dropout.masks(q.device) if dropout is not None else None
+        for start in range(0, sq, step):
             rows = slice(start, min(sq, start + step))
             keys = _keys(rows, causal, sk)
             qb = q5[..., rows, :].float() * scale
             probs = _probs(qb, k5[..., :keys, :], _keep_rows(keep, rows, groups, causal, keys, q.device))
-            if dropout is not None:
-                probs.mul_(dropout.mask(index, probs.shape, q.device))
+            if masks is not None:
+                probs.mul_(masks.next(probs.shape)).div_(dropout.keep)
             out[..., rows, :] = torch.matmul(probs, v5[..., :keys, :]).to(q.dtype)
         ctx.save_for_backward(q, k, v, keep)
         ctx.causal, ctx.scale, ctx.dropout = causal, scale, dropout
@@ -141,19 +123,20 @@ class _BlockedAttention(torch.autograd.Function):
         dk = torch.zeros(k5.shape[:2] + k5.shape[3:], dtype=torch.float32, device=q.device)
         dv = torch.zeros(v5.shape[:2] + v5.shape[3:], dtype=torch.float32, device=q.device)
         step = block_rows(b, nq, sq, sk)
-        for index, start in enumerate(range(0, sq, step)):
+        masks = ctx.dropout.masks(q.device) if ctx.dropout is not None else None
+        for start in range(0, sq, step):
             rows = slice(start, min(sq, start + step))
             keys = _keys(rows, ctx.causal, sk)
             kb, vb = k5[..., :keys, :], v5[..., :keys, :]
             qb, dob = q5[..., rows, :].float() * ctx.scale, do5[..., rows, :].float()
             probs = _probs(qb, kb, _keep_rows(keep, rows, groups, ctx.causal, keys, q.device))  # [b, g, r, rows, keys]
             dprobs = torch.matmul(dob, vb.transpose(-1, -2))
-            if ctx.dropout is None:
+            if masks is None:
                 dv[..., :keys, :] += torch.matmul(probs.transpose(-1, -2), dob).sum(2)
-            else:  # out = (P * M) V: dV = (P * M)^T dO, dP = (dO V^T) * M
-                mask = ctx.dropout.mask(index, probs.shape, q.device)
-                dv[..., :keys, :] += torch.matmul((probs * mask).transpose(-1, -2), dob).sum(2)
-                dprobs.mul_(mask)
+            else:  # out = (P * M / keep) V: dV = (P * M / keep)^T dO, dP = (dO V^T) * M / keep
+                mask = masks.next(probs.shape)
+                dv[..., :keys, :] += torch.matmul((probs * mask).div_(ctx.dropout.keep).transpose(-1, -2), dob).sum(2)
+                dprobs.mul_(mask).div_(ctx.dropout.keep)
             dscores = torch.ops.aten._softmax_backward_data(dprobs, probs, -1, torch.float32)
             dq[..., rows, :] = torch.matmul(dscores, kb) * ctx.scale
             dk[..., :keys, :] += torch.matmul(dscores.transpose(-1, -2), qb).sum(2)
@@ -182,5 +165,5 @@ def blocked_attention(
         raise ValueError(f"blocked_attention: keep must be a bool mask (True = attend), got {keep.dtype}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"blocked_attention: dropout_p must be in [0, 1), got {dropout_p}")
-    dropout = BlockDropout.draw(float(dropout_p)) if dropout_p > 0 else None
+    dropout = AttentionDropout.draw(float(dropout_p), q.device) if dropout_p > 0 else None
     return _BlockedAttention.apply(q, k, v, keep, causal, float(scale), dropout)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mindspeed_like.kernels import blocked_attention as blocked
-from mindspeed_like.kernels.blocked_attention import BlockDropout, blocked_attention
+from mindspeed_like.kernels.attention_dropout import AttentionDropout
+from mindspeed_like.kernels.blocked_attention import blocked_attention
 from mindspeed_like.kernels.flash_attention import CAUSAL, flash_attention
 from mindspeed_like.testing.memory import SavedBytesMeter
 
@@ -25,7 +26,7 @@ def _inputs(dtype: torch.dtype, seed: int = 0):
     return [t.to(dtype).requires_grad_() for t in (q, k, v)]
 
 
-def _reference(q, k, v, scale, keep, causal, dropout: BlockDropout, step: int):
+def _reference(q, k, v, scale, keep, causal, dropout: AttentionDropout, step: int):
     """float64 softmax attention with the kernel's own masks, block by block as it drew them."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     rep = NQ // NK
@@ -36,14 +37,13 @@ def _reference(q, k, v, scale, keep, causal, dropout: BlockDropout, step: int):
     if keep is not None:
         allowed = allowed & keep
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-    masks = []
-    for index, start in enumerate(range(0, S, step)):
+    masks, stream = [], dropout.masks(torch.device("cpu"))
+    for start in range(0, S, step):
         stop = min(S, start + step)
         keys = stop if causal else S  # a causal block draws over the keys it can see
-        shape = torch.Size([B, NK, rep, stop - start, keys])
-        mask = dropout.mask(index, shape, torch.device("cpu")).reshape(B, NQ, stop - start, keys)
+        mask = stream.next((B, NK, rep, stop - start, keys)).reshape(B, NQ, stop - start, keys)
         masks.append(torch.nn.functional.pad(mask, (0, S - keys)))  # probabilities there are 0
-    dropped = probs * torch.cat(masks, dim=2).double()
+    dropped = probs * torch.cat(masks, dim=2).double() / dropout.keep
     out = torch.einsum("bnij,bnjd->bnid", dropped, v.repeat_interleave(rep, 1))
     return out, (q, k, v)
 
@@ -62,7 +62,7 @@ def test_forward_and_gradients_equal_float64_with_the_same_masks(monkeypatch, dt
     torch.manual_seed(11)
     out = blocked_attention(q, k, v, scale=0.3, keep=keep, causal=causal, dropout_p=0.25)
     torch.manual_seed(11)
-    dropout = BlockDropout.draw(0.25)  # the seed the kernel drew
+    dropout = AttentionDropout.draw(0.25, torch.device("cpu"))  # the seed the kernel drew
     ref, leaves = _reference(q, k, v, 0.3, keep, causal, dropout, step)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     out.backward(grad.to(dtype))
@@ -72,7 +72,7 @@ def test_forward_and_gradients_equal_float64_with_the_same_masks(monkeypatch, dt
     for name, mine, theirs in zip("qkv", (q, k, v), leaves):
         torch.testing.assert_close(mine.grad.double(), theirs.grad, **tol, msg=lambda m, n=name: f"d{n}: {m}")
     # dropout did act: some probabilities dropped, and the output differs from no dropout
-    assert (dropout.mask(0, torch.Size([B, NK, 2, step, S]), torch.device("cpu")) == 0).any()
+    assert not dropout.masks(torch.device("cpu")).next((B, NK, 2, step, S)).all()
     plain = blocked_attention(*(t.detach() for t in (q, k, v)), scale=0.3, keep=keep, causal=causal)
     assert not torch.allclose(plain, out.detach())
 

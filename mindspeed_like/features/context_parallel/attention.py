@@ -147,8 +147,6 @@ def _dropout(module, q) -> AttentionDropout | None:
     recompute's RNG replay govern it; the masks themselves differ from megatron's bit for bit."""
     import contextlib
 
-    import torch
-
     p = float(module.attention_dropout.p) if module.attention_dropout.training else 0.0
     if p <= 0.0:
         return None
@@ -158,8 +156,7 @@ def _dropout(module, q) -> AttentionDropout | None:
 
         fork = tensor_parallel.get_cuda_rng_tracker().fork()
     with fork:
-        seed = int(torch.randint(0, 2**62, (1,), device=q.device).item())
-    return AttentionDropout(p, seed)
+        return AttentionDropout.draw(p, q.device)
 
 
 NAME = "context-parallel"
