@@ -122,10 +122,9 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool | None = None) 
 
 
 HOST_ALLOCATOR_NOTE = (
-    "host-allocator (features arm, CPU host): glibc keeps every freed block in its heap, and the holes between "
-    "live blocks stay in the resident set, which this plan does not count; in Megatron-LM's loop they put the "
-    "features arms' peaks well above this prediction (docs/plan.md, \"Megatron-LM's own runs\"): add "
-    "--no-tune-host-allocator where host memory, not time, is the limit"
+    "host-allocator (features arm, CPU host): glibc keeps every freed block in its heap, holes between live "
+    'blocks included; the plan does not model that heap on its own (docs/plan.md, "Megatron-LM\'s own runs", '
+    "measures level 1 with and without it): --no-tune-host-allocator trades that memory for time"
 )
 
 

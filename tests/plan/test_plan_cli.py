@@ -277,3 +277,15 @@ def test_the_model_build_is_a_phase_of_its_own_on_cpu_hosts() -> None:
 
     assert at(50).total == 7 + 3 + 100 + 35 and at(50).phase == "forward/backward"
     assert at(500).total == 7 + 3 + 500 and at(500).phase == "model build"
+
+
+def test_host_allocator_on_a_cpu_host_is_said_to_be_outside_the_figures(capsys) -> None:
+    """glibc's retained heap is not a tensor row: with host-allocator on a CPU host the plan says so
+    (and how to trade it back); on a device, where the feature stands aside, nothing is said."""
+    tiny = "--preset llama --num-layers 2 --hidden-size 128 --seq-length 64 --optimization-level 1".split()
+    assert cli.main([*tiny, "--target-device", "cpu"]) == 0
+    assert cli.HOST_ALLOCATOR_NOTE in capsys.readouterr().out
+    assert cli.main([*tiny, "--target-device", "cpu", "--no-tune-host-allocator"]) == 0
+    assert cli.HOST_ALLOCATOR_NOTE not in capsys.readouterr().out
+    assert cli.main([*tiny, "--target-device", "cuda"]) == 0
+    assert cli.HOST_ALLOCATOR_NOTE not in capsys.readouterr().out
