@@ -2,8 +2,8 @@
 runs"): ``pretrain_gpt.py`` through ``torchrun -m mindspeed_like.run`` for a few command lines, each
 rank's peak as Megatron-LM itself prints it, against ``mindspeed-like plan`` on the same arguments.
 
-    MEGATRON_LM_PATH=/path/to/Megatron-LM python -m mindspeed_like.plan.megatron_lm_check --measure
-        # runs them: results/megatron-lm-memory.json
+    MEGATRON_LM_PATH=/path/to/Megatron-LM python -m mindspeed_like.plan.megatron_lm_check --measure --repeats 3
+        # runs them (each 3 times, the median kept): results/megatron-lm-memory.json
     python -m mindspeed_like.plan.megatron_lm_check --record
         # the plan against that record now: results/plan-megatron-lm.json (make docs; docs/plan.md)
 
@@ -168,13 +168,34 @@ def rows(measured: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
     return out
 
 
-def measure_all() -> None:
-    """Run every case and the baseline (both arms) with Megatron-LM: results/MEASURED.json."""
-    measured = {name: {str(r): b for r, b in measure((name, n, a)).items()} for name, n, a in CASES}
+def measure_all(repeats: int = 1) -> None:
+    """Run every case and the baseline (both arms) with Megatron-LM, each ``repeats`` times in turn
+    (a case's runs spread over the batch): the median peak of each rank, and every run's, in
+    results/MEASURED.json. A CPU rank's peak moves between identical runs (glibc's heap: with
+    host-allocator on, by up to a fifth), so one run is a sample, not the figure."""
+    import statistics
+
     baseline_level2 = (BASELINE[0], BASELINE[1], BASELINE[2] + " --optimization-level 2")
-    peaks = {"megatron": measure(BASELINE)[0], "features": measure(baseline_level2)[0]}
-    record = records.Record(MEASURED, command=["python", "-m", "mindspeed_like.plan.megatron_lm_check", "--measure"])
-    record.extra.update(baseline={"arguments": arguments(BASELINE), "peak": peaks}, measured=measured)
+    runs = [*CASES, BASELINE, baseline_level2]
+    samples: dict[int, dict[int, list[int]]] = {i: {} for i in range(len(runs))}
+    for _ in range(repeats):
+        for i, case in enumerate(runs):
+            for rank, peak in measure(case).items():
+                samples[i].setdefault(rank, []).append(peak)
+
+    def medians(i: int) -> dict[str, int]:
+        return {str(r): int(statistics.median(v)) for r, v in samples[i].items()}
+
+    measured = {case[0]: medians(i) for i, case in enumerate(CASES)}
+    peaks = {"megatron": medians(len(CASES))["0"], "features": medians(len(CASES) + 1)["0"]}
+    command = ["python", "-m", "mindspeed_like.plan.megatron_lm_check", "--measure", "--repeats", str(repeats)]
+    record = records.Record(MEASURED, command=command)
+    record.extra.update(
+        baseline={"arguments": arguments(BASELINE), "peak": peaks},
+        measured=measured,
+        repeats=repeats,
+        samples={case[0]: {str(r): v for r, v in samples[i].items()} for i, case in enumerate(CASES)},
+    )
     print(f"wrote {record.write()}")
 
 
@@ -182,14 +203,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mindspeed_like.plan.megatron_lm_check", description=__doc__)
     parser.add_argument("--measure", action="store_true", help=f"run Megatron-LM (MEGATRON_LM_PATH): {MEASURED}.json")
     parser.add_argument("--record", action="store_true", help=f"write results/{RECORD}.json (docs/plan.md)")
+    parser.add_argument("--repeats", type=int, default=1, help="with --measure: runs of each case (the median kept)")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be 1 or more, got {args.repeats}")
     if args.measure:
         from mindspeed_like.testing import megatron_lm
 
         if not megatron_lm.available():
             print(megatron_lm.SKIP_REASON, file=sys.stderr)
             return 2
-        measure_all()
+        measure_all(args.repeats)
     path = records.results_dir() / f"{MEASURED}.json"
     if not path.exists():
         print(f"no {path}: run with --measure and MEGATRON_LM_PATH set first", file=sys.stderr)
