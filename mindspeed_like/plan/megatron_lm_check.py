@@ -148,9 +148,14 @@ def calibrate(path) -> None:
     peak.megatron_lm_runtime_bytes.cache_clear()
 
 
-def rows(measured: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
-    """The table: every measured rank of every case against the plan's prediction now."""
+Samples = dict[str, dict[str, list[int]]]  # case -> rank -> each run's peak bytes
+
+
+def rows(measured: dict[str, dict[str, int]], samples: Samples | None = None) -> list[dict[str, Any]]:
+    """The table: every measured rank of every case (the median of its runs, each run listed)
+    against the plan's prediction now."""
     out = []
+    samples = samples or {}
     for case in CASES:
         plan = predicted(case)
         for rank, bytes_ in sorted((int(r), b) for r, b in measured[case[0]].items()):
@@ -162,6 +167,7 @@ def rows(measured: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
                     "measured_MiB": bytes_ / 2**20,
                     "predicted_MiB": plan[rank] / 2**20,
                     "error_pct": (plan[rank] / bytes_ - 1) * 100,
+                    "runs_MiB": " / ".join(f"{b / 2**20:,.0f}" for b in samples.get(case[0], {}).get(str(rank), [])),
                     "command": " ".join(arguments(case)),
                 }
             )
@@ -220,7 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     calibrate(path)
     record = records.Record(RECORD, command=["python", "-m", "mindspeed_like.plan.megatron_lm_check", "--record"])
-    for row in rows(records.read(path)["extra"]["measured"]):
+    extra = records.read(path)["extra"]
+    for row in rows(extra["measured"], extra.get("samples")):
         record.add_row(**row)
     within = [row for row in record.rows if abs(row["error_pct"]) <= 100 * TARGET]
     record.extra.update(ranks=len(record.rows), within=len(within))

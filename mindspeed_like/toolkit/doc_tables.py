@@ -621,7 +621,8 @@ def _plan_megatron_lm(recs: Records) -> list[str]:
         [
             Col("case", "case"),
             Col("rank", "rank"),
-            Col("Megatron-LM's max allocated MiB", "measured_MiB", ",.0f"),
+            Col("Megatron-LM's max allocated MiB (median)", "measured_MiB", ",.0f"),
+            Col("each run's MiB", lambda row: row.get("runs_MiB") or "-"),
             Col("plan's process peak MiB", "predicted_MiB", ",.0f"),
             Col("plan's error", lambda row: _signed_pct(row["error_pct"])),
         ],
