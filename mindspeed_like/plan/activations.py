@@ -194,7 +194,8 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
         rows.append(Saved("core_attn", "k (rotated)", p * t * g * d, feature="flash-attention") if new_q else None)
         rows = [r for r in rows if r is not None]
         qkv_viewed = True  # v (and q, k without RoPE) are views of the projection's output
-        if blocked_on_host(run, paths):
+        blocked = blocked_on_host(run, paths)
+        if blocked:
             # the blocked kernel keeps no output: it is a new tensor that only linear_proj keeps
             what, component = "attention output (linear_proj input)", "attention"
         else:
@@ -211,7 +212,7 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
                     feature="flash-attention",
                 )
             )
-        if not blocked_on_host(run, paths):
+        if not blocked:
             rows.append(Saved("core_attn", "fp32 log-sum-exp", FP32 * dims.b * a * dims.s, feature="flash-attention"))
         out += rows
     else:

@@ -16,7 +16,7 @@ as flash-attention), causal for ``AttnMaskType.causal`` (a given mask of a causa
 as the causal mask), GQA groups unexpanded on the wire. Refused with the reason (megatron has no
 CP path without TransformerEngine to hand back to): packed sequences (thd), an explicit padding or
 arbitrary mask, attention bias, a sliding window, and softmax types other than vanilla. Attention
-dropout while training is applied inside the blocks (kernels/context_parallel/dropout.py), its
+dropout while training is applied inside the blocks (kernels/attention_dropout.py), its
 seed drawn from megatron's RNG tracker.
 """
 

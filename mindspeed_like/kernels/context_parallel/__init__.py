@@ -10,11 +10,11 @@ the algorithms compute exact attention over the whole sequence:
 * ``hybrid`` (``hybrid_cp_algo``): Ulysses inside groups of consecutive CP ranks, ring across.
 
 Layout everywhere: ``[b, heads, s_local, d]``, the two local chunks concatenated. Attention dropout:
-``dropout=AttentionDropout(p, seed)`` (``dropout.py``).
+``dropout=AttentionDropout(p, seed)`` (``kernels/attention_dropout.py``, shared with the blocked kernel).
 """
 
+from mindspeed_like.kernels.attention_dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.allgather_kv import allgather_kv_attention
-from mindspeed_like.kernels.context_parallel.dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.groups import CPGroup
 from mindspeed_like.kernels.context_parallel.hybrid import hybrid_attention
 from mindspeed_like.kernels.context_parallel.ring import ring_attention

@@ -130,7 +130,7 @@ class Accumulator:
 
 
 def _npu(q: torch.Tensor, masks) -> bool:
-    """The npu ops, unless dropout: then the plain formulas with our masks (see dropout.py)."""
+    """The npu ops, unless dropout: then the plain formulas with our masks (see kernels/attention_dropout.py)."""
     return backend_for(q) == "npu" and masks is None
 
 

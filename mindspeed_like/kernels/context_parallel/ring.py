@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from mindspeed_like.kernels.attention_dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.blocks import KVLayout, accumulator, attend, block_grads
-from mindspeed_like.kernels.context_parallel.dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.groups import CPGroup, wait
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mindspeed_like.kernels.attention_dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.blocks import full_attention
-from mindspeed_like.kernels.context_parallel.dropout import AttentionDropout
 from mindspeed_like.kernels.context_parallel.groups import CPGroup
 from mindspeed_like.kernels.context_parallel.zigzag import gathered_to_natural, inverse, reorder_chunks
 
