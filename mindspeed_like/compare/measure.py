@@ -81,6 +81,7 @@ class ActivationProbe:
         with SavedBytesMeter() as meter:
             yield
         self.bytes = meter.current_bytes(exclude=self.exclude)
+        meter.release()  # else the step's backward frees no activation until it ends
 
 
 def process_peak_bytes(device: str) -> int:

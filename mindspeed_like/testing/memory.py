@@ -86,9 +86,22 @@ class SavedBytesMeter:
         ``exclude``: tensors whose storages are not counted, e.g. the model's parameters
         (held for the whole run anyway, so not activation memory).
         """
+        if getattr(self, "_released", False):
+            raise RuntimeError("SavedBytesMeter.current_bytes() after release(): read it before releasing")
         skip = {_storage(t).data_ptr() for t in exclude if t is not None}
         held = sum(s.nbytes() for ptr, s in self._storages.items() if ptr not in skip)
         return held + sum(s.nbytes() for _, s in self._retired)
+
+    def release(self) -> None:
+        """Drop the meter's references to the saved storages (``bytes`` and ``count`` keep their
+        values; ``current_bytes`` is then an error). Until then the meter holds every storage it
+        saw, and autograd holds the meter (its pack hook) for as long as the graph lives, so a
+        backward run before this frees no saved activation until it ends: its peak is the
+        backward's temporaries on top of all the activations, which no user's run sees (measured on
+        compare's probed step: every layer's activations alive at the last layer's backward)."""
+        self._retired = [(size, None) for size, _ in self._retired]  # type: ignore[misc]
+        self._storages = {}
+        self._released = True
 
     def storage_sizes(self) -> dict[int, int]:
         """data_ptr -> bytes at save time."""
