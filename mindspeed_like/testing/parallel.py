@@ -78,10 +78,22 @@ def destroy_parallel(process_group: bool = False) -> None:
         initialize_rng_tracker(force_reset=True)
     except (ImportError, TypeError):  # pragma: no cover - older signatures
         pass
+    clear_moe_loss_log()
     if dist.is_initialized():
         _destroy_subgroups()
     if process_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def clear_moe_loss_log() -> None:
+    """Empty megatron's per-layer MoE loss log (a process global): it is sized by the first MoE
+    model that logs into it, and a later, deeper model then indexes past its end (IndexError in
+    ``save_to_aux_losses_tracker``, seen when the CUDA lane built a 3-layer model after 2-layer ones)."""
+    try:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    except ImportError:  # pragma: no cover - megatron without MoE utilities
+        return
+    get_moe_layer_wise_logging_tracker().clear()
 
 
 def _destroy_subgroups() -> None:

@@ -1,21 +1,17 @@
 """The plan's byte counts against the real megatron-core GPT, built as `mindspeed-like compare`'s
 workers build it (one rank, CPU, bf16): the parameters megatron creates, and the bytes one forward
 saves for backward (``SavedBytesMeter``, parameters excluded), for megatron's own path (level 0)
-and the features (levels 1 and 2), per preset. Multi-rank layouts are checked against compare's
-records (test_accuracy.py)."""
+and the features (levels 1 and 2), per preset. The measuring is testing/plan_parity.py's, which the
+CUDA lane runs on a GPU too. Multi-rank layouts are checked against compare's records
+(test_accuracy.py)."""
 
 from __future__ import annotations
-
-import argparse
 
 import pytest
 import torch
 
-import mindspeed_like
-from mindspeed_like.testing import destroy_parallel
+from mindspeed_like.testing import plan_parity
 
-# sizes where no row is negligible: hidden 128, 4 heads (head dim 32), seq 96, two sequences
-SIZE = dict(num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=96, micro_batch_size=2)
 CASES = [
     ("llama", "transformer_engine", 0),
     ("llama", "transformer_engine", 2),
@@ -31,49 +27,6 @@ CASES = [
     pytest.param("deepseek", "transformer_engine", 0, marks=pytest.mark.slow),
     pytest.param("deepseek", "transformer_engine", 2, marks=pytest.mark.slow),
 ]
-
-
-def _options(preset: str, impl: str, level: int) -> argparse.Namespace:
-    from mindspeed_like.compare import add_compare_arguments
-
-    parser = argparse.ArgumentParser()
-    add_compare_arguments(parser)
-    args = parser.parse_args(["--preset", preset, "--transformer-impl", impl])
-    for key, value in SIZE.items():
-        setattr(args, key, value)
-    return args
-
-
-def _measure(args: argparse.Namespace, level: int) -> tuple[int, int]:
-    """Parameters megatron built, and bytes one training forward saved (a model of ``args``)."""
-    from mindspeed_like.compare import _spec_layout
-    from mindspeed_like.compare.worker import _configure, build_chunks
-    from mindspeed_like.testing.memory import SavedBytesMeter
-    from mindspeed_like.testing.training import make_batches
-
-    spec = dict(
-        _spec_layout(args),
-        seed=1234,
-        transformer_impl=args.transformer_impl,
-        device="cpu",
-        arm="megatron" if level == 0 else "features",
-        flags={"optimization_level": level},
-    )
-    on = _configure(spec)
-    try:
-        model = build_chunks(spec, grouped_gemm_on="grouped-gemm" in on)[0]
-        params = sum(p.numel() for p in model.parameters())
-        data = make_batches(1, args.micro_batch_size, args.seq_length, 256, 7)[0]
-        tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
-        positions = torch.arange(args.seq_length).unsqueeze(0).expand_as(tokens)
-        model.train()
-        with SavedBytesMeter() as meter:
-            model(tokens, positions, None, labels=labels)
-        saved = meter.current_bytes(exclude=list(model.parameters()))
-    finally:
-        destroy_parallel()
-        mindspeed_like.reset()
-    return params, saved
 
 
 # megatron-core versions whose model saves other bytes than the plan's rows (read from 0.16), with the
@@ -129,21 +82,9 @@ def test_saved_bytes_with_megatrons_default_dropout(preset: str, impl: str, leve
 
 
 def _check(preset: str, impl: str, level: int, dropout: float = 0.0) -> None:
-    import dataclasses
-
-    from mindspeed_like.plan import features, params
-    from mindspeed_like.plan.compare_args import run_from_compare
-    from mindspeed_like.plan.paths import megatron_paths
-    from mindspeed_like.plan.predict import predict_arm
-
-    args = _options(preset, impl, level)
-    run = run_from_compare(args, {"optimization_level": level}, "cpu")
-    model = dataclasses.replace(run.model, hidden_dropout=dropout, attention_dropout=dropout)
-    run = dataclasses.replace(run, model=model)
-    paths = megatron_paths() if level == 0 else features.resolve(values={"optimization_level": level}).paths(run)
-    predicted_params = sum(p.numel for chunk in params.stage(run, 0) for p in chunk)
-    predicted_saved = predict_arm(run, "arm", paths).stages[0].activations_one_microbatch
-    built, saved = _measure(args, level)
+    args = plan_parity.compare_options(preset, impl)
+    predicted_params, predicted_saved = plan_parity.predicted(args, level, dropout, "cpu")
+    built, saved = plan_parity.measured(args, level, torch.device("cpu"))
     assert predicted_params == built, f"{preset}/{impl}: plan {predicted_params} parameters, megatron built {built}"
     # every storage is one row of the model; the router's split of rows is the only data-dependent
     # part (balanced in the plan, exact at EP = 1 since every row lands on this rank)
