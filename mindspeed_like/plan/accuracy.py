@@ -117,7 +117,8 @@ def cases_of(path: Path) -> list[Case]:
         pred = predict(run, switches.paths(run), switches.enabled)
     rows = {row["metric"]: row for row in rec["rows"] if "metric" in row}
     theory_figures = theory.report(run) if run.layout.pp == 1 else None
-    compiled = rec["host"].get("torchdynamo_disable") != "1"
+    # a CPU peak carries the process runtime, calibrated by eager baselines; an accelerator's is its allocator's
+    compiled = rec["host"].get("torchdynamo_disable") != "1" and run.device == "cpu"
     size = (
         f"{options['num_layers']}L h{options['hidden_size']} s{options['seq_length']} mbs{options['micro_batch_size']}"
     )

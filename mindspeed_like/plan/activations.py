@@ -19,6 +19,7 @@ in this model, and ``plan`` says which of the switched-on ones those are.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from mindspeed_like.plan.paths import Paths
@@ -57,6 +58,7 @@ class Dims:
     f: int
     v: int
     p: int  # bytes of the model's dtype
+    torch_fused_rmsnorm: bool = False  # megatron's own RMSNorm runs torch's fused kernel (torch_fuses_rmsnorm)
 
     @classmethod
     def of(cls, run: Run) -> Dims:
@@ -76,7 +78,30 @@ class Dims:
             f=m.ffn_hidden_size // tp,
             v=m.vocab_size // tp,
             p=BYTES[run.precision.params],
+            torch_fused_rmsnorm=torch_fuses_rmsnorm(run.device),
         )
+
+
+@functools.cache
+def _torch_version() -> tuple[int, int]:
+    """The installed torch's major.minor, read from its metadata (plan imports no torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = version("torch").split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    except (PackageNotFoundError, ValueError):
+        return (0, 0)
+
+
+def torch_fuses_rmsnorm(device: str) -> bool:
+    """Whether megatron's own RMSNorm (the local spec's ``torch.nn.RMSNorm``, the te-backend's norm:
+    ``F.rms_norm``) runs torch's fused kernel (``aten._fused_rms_norm``, CUDA from torch 2.9), which
+    keeps the input and an fp32 rstd like the fused-rmsnorm feature; torch's composite elsewhere
+    keeps fp32 copies of the input and the normalized output. Measured: an H200 with torch 2.11
+    (tests/cuda/test_lane_plan.py) against this CPU host. The target's torch is taken to be the
+    installed one."""
+    return device == "cuda" and _torch_version() >= (2, 9)
 
 
 def norm(
@@ -85,6 +110,8 @@ def norm(
     """A norm over ``n`` tokens of ``width``; its output is saved by the op that reads it (a linear)."""
     if model.normalization == "LayerNorm":
         return [Saved(component, f"{where}: LayerNorm input, mean, rstd", dims.p * n * width + 2 * dims.p * n)]
+    if dims.torch_fused_rmsnorm:
+        return [Saved(component, f"{where}: input + fp32 rstd (torch's fused RMSNorm)", dims.p * n * width + FP32 * n)]
     if paths.fused_rmsnorm:
         return [
             Saved(
@@ -161,7 +188,9 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
     rope_on = m.position_embedding_type == "rope"
     qkv_viewed = False
     if m.qk_layernorm:
-        if paths.fused_rmsnorm and m.normalization == "RMSNorm":
+        fused = paths.fused_rmsnorm or dims.torch_fused_rmsnorm
+        feature = None if dims.torch_fused_rmsnorm else "fused-rmsnorm"
+        if fused and m.normalization == "RMSNorm":
             out.append(
                 Saved(
                     "attention",
@@ -169,14 +198,11 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
                     # heads copies it unless there is one group on the rank
                     "q_layernorm: q (a copy unless one query group) + fp32 rstd",
                     (p * t * a * d if g > 1 else 0) + FP32 * t * a,
-                    feature="fused-rmsnorm",
+                    feature=feature,
                 )
             )
-            out.append(
-                Saved(
-                    "attention", "k_layernorm: fp32 rstd (input: a view of qkv)", FP32 * t * g, feature="fused-rmsnorm"
-                )
-            )
+            k_norm = "k_layernorm: fp32 rstd (input: a view of qkv)"
+            out.append(Saved("attention", k_norm, FP32 * t * g, feature=feature))
             qkv_viewed = True
         else:
             out.append(
@@ -225,16 +251,38 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
             out.append(Saved("core_attn", "k (rotated)", p * t * a * d) if new_q else None)
         if not new_q or not expanded:
             qkv_viewed = True
-        out += [
-            Saved("core_attn", "softmax probabilities (model dtype, for the value matmul)", p * dims.b * a * dims.s**2),
-            Saved("core_attn", "fp32 softmax output", FP32 * dims.b * a * dims.s**2),
-            Saved("core_attn", "causal mask (bool s x s)", BOOL * dims.s**2),
-            Saved("attention", "attention output (linear_proj input)", p * t * a * d),
-        ]
-        out += _attention_dropout(run, dims)
+        out += softmax(run, dims)
+        out.append(Saved("attention", "attention output (linear_proj input)", p * t * a * d))
     if qkv_viewed:
         out.append(Saved("attention", "qkv projection output (v viewed from it)", qkv))
     return [r for r in out if r is not None]
+
+
+def softmax_upcast(run: Run, dims: Dims) -> bool:
+    """megatron's unfused softmax computes fp16/bf16 scores in fp32 when attention_softmax_in_fp32
+    (``FusedScaleMaskSoftmax.forward_torch_softmax``), then casts the probabilities back."""
+    return dims.p < FP32 and run.model.attention_softmax_in_fp32
+
+
+def softmax(run: Run, dims: Dims) -> list[Saved]:
+    """megatron's unfused attention softmax, its causal mask, attention dropout and the value
+    matmul's input. Upcast: the fp32 softmax output, and the probabilities cast back (or their
+    dropped copy) for the value matmul. In the model's dtype (Megatron-LM's default, and fp32
+    models): the softmax output, which the value matmul also reads unless dropout makes a copy.
+    Measured through Megatron-LM on an H200 (megatron_lm_device_check's allocator trace: 5 bytes
+    an element at dropout 0.1 in bf16) and on this CPU host (the parity tests)."""
+    elements = dims.b * dims.a * dims.s**2
+    if softmax_upcast(run, dims):
+        rows = [
+            Saved("core_attn", "fp32 softmax output", FP32 * elements),
+            Saved("core_attn", "softmax probabilities (model dtype, for the value matmul)", dims.p * elements),
+        ]
+    else:
+        rows = [Saved("core_attn", "softmax output (model dtype)", dims.p * elements)]
+        if run.model.attention_dropout > 0:
+            rows.append(Saved("core_attn", "dropped probabilities (the value matmul's input)", dims.p * elements))
+    rows.append(Saved("core_attn", "causal mask (bool s x s)", BOOL * dims.s**2))
+    return rows + _attention_dropout(run, dims)
 
 
 def _attention_dropout(run: Run, dims: Dims) -> list[Saved]:
@@ -274,16 +322,17 @@ def mla(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
         out += norm(tsp, m.q_lora_rank, m, paths, dims, "q LoRA norm (fused into linear_q_up_proj)", "attention")
         out.append(linear_input(tsp, m.q_lora_rank, dims, "linear_q_up_proj", "attention"))
     kvl = m.kv_lora_rank
-    if paths.fused_rmsnorm:
+    if paths.fused_rmsnorm or dims.torch_fused_rmsnorm:
+        feature = None if dims.torch_fused_rmsnorm else "fused-rmsnorm"
         out.append(
             Saved(
                 "attention",
                 "kv down output (the kv norm's input is a view)",
                 p * tsp * (kvl + m.qk_pos_emb_head_dim),
-                feature="fused-rmsnorm",
+                feature=feature,
             )
         )
-        out.append(Saved("attention", "kv LoRA norm: fp32 rstd", FP32 * tsp, feature="fused-rmsnorm"))
+        out.append(Saved("attention", "kv LoRA norm: fp32 rstd", FP32 * tsp, feature=feature))
     else:
         out += norm(tsp, kvl, m, paths, dims, "kv LoRA norm (fused into linear_kv_up_proj)", "attention")
     out.append(linear_input(tsp, kvl, dims, "linear_kv_up_proj", "attention"))
@@ -296,7 +345,7 @@ def mla(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
                   feature="flash-attention"),
             Saved("core_attn", "v (unpadded)", p * t * a * dv, feature="flash-attention"),
         ]  # fmt: skip
-    elif paths.flash_attention:
+    elif paths.flash_attention and run.device == "cpu":
         out += [
             Saved(
                 "core_attn",
@@ -307,14 +356,19 @@ def mla(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
             ),
             Saved("core_attn", "fp32 log-sum-exp", FP32 * dims.b * a * dims.s, feature="flash-attention"),
         ]
+    elif paths.flash_attention:
+        # an accelerator's kernel takes the two head dims as they are (kernels/flash_attention.py pads
+        # on a CPU host only); measured on an H200 (the CUDA lane's plan cases)
+        out += [
+            Saved("core_attn", "q, k (rope part concatenated)", p * t * a * qk, count=2, feature="flash-attention"),
+            Saved("core_attn", "v, output (the value head dim)", p * t * a * dv, count=2, feature="flash-attention"),
+            Saved("core_attn", "fp32 log-sum-exp", FP32 * dims.b * a * dims.s, feature="flash-attention"),
+        ]
     else:
         out += [
             Saved("core_attn", "q, k (rope part concatenated)", p * t * a * qk, count=2),
             Saved("core_attn", "v", p * t * a * dv),
-            Saved("core_attn", "softmax probabilities (model dtype)", p * dims.b * a * dims.s**2),
-            Saved("core_attn", "fp32 softmax output", FP32 * dims.b * a * dims.s**2),
-            Saved("core_attn", "causal mask (bool s x s)", BOOL * dims.s**2),
-            *_attention_dropout(run, dims),
+            *softmax(run, dims),
         ]
     out.append(Saved("attention", "linear_proj input", p * t * a * dv))
     return out

@@ -99,6 +99,8 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--qk-layernorm", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-layer-freq", type=_freq, default=1)
     g.add_argument("--moe-grouped-gemm", action="store_true")
@@ -181,7 +183,6 @@ NO_MEMORY_EFFECT_PREFIXES = (
     "--finetune",
     "--num-workers",
     "--mock-data",
-    "--attention-softmax-in-fp32",
     "--use-flash-attn",
     "--no-async-tensor-model-parallel-allreduce",
     "--moe-router-bias-update-rate",
@@ -425,6 +426,8 @@ def run_from_namespace(
         qk_layernorm=bool(get("qk_layernorm")),
         hidden_dropout=float(get("hidden_dropout", 0.1)),
         attention_dropout=float(get("attention_dropout", 0.1)),
+        # validate_args: --apply-query-key-layer-scaling also sets attention_softmax_in_fp32
+        attention_softmax_in_fp32=bool(get("attention_softmax_in_fp32") or get("apply_query_key_layer_scaling")),
         num_experts=experts,
         moe_ffn_hidden_size=get("moe_ffn_hidden_size") or 0,
         moe_router_topk=get("moe_router_topk", 2),

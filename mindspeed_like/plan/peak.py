@@ -1,9 +1,9 @@
 """A rank's process peak: what it holds all run, plus the largest of its busy phases.
 
     peak = runtime + max(the model build's own peak,
-                         model state + max(activations in flight + the largest transient of one
-                                           microbatch's forward/backward,
-                                           the optimizer step's temporaries))
+                         buffers + model state + max(activations in flight + the largest transient
+                                                     of one microbatch's forward/backward,
+                                                     the optimizer step's temporaries))
 
 - runtime: on a CPU host the process's resident set before any tensor (Python, torch, megatron,
   gloo), read from the smallest compare record (``compare-plan-baseline``: a 1-layer, hidden-64
@@ -12,9 +12,11 @@
   spec or with grouped-gemm build a second model to copy its weights from, then hand the freed pages
   back to the system (``malloc_trim``), so the build is a phase of its own, not a leftover.
 - transients (created and freed inside one op, never saved): megatron's attention materialises
-  the s x s scores and their gradients (about 10 bytes per score element at bf16); the loss its
-  fp32 logits' gradient (model dtype + 2 x fp32 per logit; fused-linear-cross-entropy one chunk);
-  an MLP's fc1 output gradient. The largest one is taken.
+  the s x s scores' gradients (8-12 bytes per score element at bf16); the loss the model-dtype
+  logits or their gradient beside the fp32 softmax it saves (fused-linear-cross-entropy: one
+  chunk); an MLP's fc1 output gradient. Each is net of what backward has freed when it runs
+  (:func:`_freed`); the largest is taken.
+- buffers (:func:`buffer_bytes`): megatron's attention-score buffer, and on CUDA the cuBLAS workspaces.
 - the optimizer step: torch's Adam on a CPU runs per tensor (its temporary is ~2 fp32 copies of the
   largest parameter); on an accelerator ``foreach`` (one fp32 temporary of every parameter it
   steps). reuse-fp32-param's chunked step needs one chunk.
@@ -27,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mindspeed_like.plan import host_kernels
-from mindspeed_like.plan.activations import FP32, Dims, Saved
+from mindspeed_like.plan.activations import FP32, Dims, Saved, softmax_upcast
 from mindspeed_like.plan.paths import Paths
 from mindspeed_like.plan.spec import Run
 from mindspeed_like.plan.state import Line
@@ -47,11 +49,12 @@ class Peak:
     optimizer_temporary: int
     features: tuple[str, ...] = ()  # features that changed a transient
     kernels: int = 0  # the experts' GEMM kernels a CPU host keeps (plan/host_kernels.py)
+    buffers: int = 0  # held from the first step on beside the model state (buffer_bytes)
 
     @property
     def training(self) -> int:
         """What a training step's tensors hold at its peak."""
-        return self.model_state + max(self.activations + self.temporary, self.optimizer_temporary)
+        return self.buffers + self.model_state + max(self.activations + self.temporary, self.optimizer_temporary)
 
     @property
     def phase(self) -> str:
@@ -163,14 +166,38 @@ def build_bytes(run: Run, paths: Paths) -> int:
     return (8 if twice else 4) * _rank_params(run)
 
 
+CUBLAS_WORKSPACE = 32 * 2**20
+"""torch's default cuBLAS workspace on Hopper (sm90; ``CUBLAS_WORKSPACE_CONFIG`` changes it), taken
+from the device's allocator once per thread that runs GEMMs: the training loop's and autograd's
+backward thread. Read off an H200's allocator trace: two 32 MiB blocks, at the first forward and the
+first backward GEMM, held to the end, in both arms."""
+
+
+def buffer_bytes(run: Run, paths: Paths) -> int:
+    """What a rank holds from its first step on beside the model state: megatron's global memory
+    buffer for the attention scores (``DotProductAttention`` computes every layer's ``baddbmm``
+    into one b x heads x s x s tensor in the model dtype, kept for the run) where megatron's own
+    attention runs, and on CUDA the cuBLAS workspaces (:data:`CUBLAS_WORKSPACE`). Both read off the
+    H200's allocator trace of compare's and Megatron-LM's runs (utils.py ``get_tensor`` 64 / 512
+    MiB; two 32 MiB blocks)."""
+    dims = Dims.of(run)
+    held = 0
+    if not paths.flash_attention and run.layout.cp == 1:
+        held += dims.p * dims.b * dims.a * dims.s**2
+    if run.device == "cuda":
+        held += 2 * CUBLAS_WORKSPACE
+    return held
+
+
 def _rank_params(run: Run) -> int:
     from mindspeed_like.plan.params import stage
 
     return max(sum(p.numel for chunk in stage(run, s) for p in chunk) for s in range(run.layout.pp))
 
 
-def transients(run: Run, paths: Paths, last_stage: bool) -> list[tuple[int, str, str | None]]:
-    """(bytes, what, feature) of the largest op-local temporaries of one microbatch."""
+def transients(run: Run, paths: Paths, last_stage: bool) -> list[tuple[int, str, str | None, str]]:
+    """(bytes, what, feature, phase) of the largest op-local temporaries of one microbatch; the
+    phase (``attention``, ``mlp``, ``loss``) says what backward has freed by then (:func:`_freed`)."""
     dims = Dims.of(run)
     p, b, a, s, t = dims.p, dims.b, dims.a, dims.s, dims.t
     out: list[tuple[int, str, str | None]] = []
@@ -180,13 +207,28 @@ def transients(run: Run, paths: Paths, last_stage: bool) -> list[tuple[int, str,
                 2 * p * t * a * dims.d,
                 "attention backward: dq, dk, dv",
                 "flash-attention" if paths.flash_attention else None,
+                "attention",
             )
         )
     else:
-        out.append(((2 * p + 2 * FP32) * b * a * s * s, "attention: the s x s scores' gradients", None))
+        # what megatron's core-attention backward adds at its peak beyond its own saved tensors,
+        # net of those it frees on the way (measured per s x s element on this CPU host: every
+        # storage's life counted by a dispatch mode over DotProductAttention's forward and
+        # backward, bf16): 3 x the model dtype without attention dropout (the value matmul saved
+        # the softmax output itself); with dropout 2x upcast, 1x in the model dtype
+        # On CUDA (an H200's allocator trace of compare's megatron arm, upcast, no dropout): three
+        # gradients in the softmax's dtype at once, less the probabilities freed: 3 x 4 - 2 bytes.
+        upcast = softmax_upcast(run, dims)
+        if run.device != "cpu":
+            per_element = 3 * (FP32 if upcast else p) - p
+        elif run.model.attention_dropout > 0:
+            per_element = 2 * p if upcast else p
+        else:
+            per_element = 3 * p
+        out.append((per_element * b * a * s * s, "attention: the s x s scores' gradients", None, "attention"))
     width = run.model.moe_ffn_hidden_size if run.model.is_moe else run.model.ffn_hidden_size
     rows = t * (run.model.moe_router_topk if run.model.is_moe else 1)
-    out.append((2 * p * rows * 2 * width // run.layout.tp, "MLP backward: fc1 output gradient", None))
+    out.append((2 * p * rows * 2 * width // run.layout.tp, "MLP backward: fc1 output gradient", None, "mlp"))
     if last_stage:
         logits = t * dims.v * (run.model.mtp_num_layers + 1)
         if paths.fused_linear_cross_entropy:
@@ -195,11 +237,29 @@ def transients(run: Run, paths: Paths, last_stage: bool) -> list[tuple[int, str,
                     min(LCE_CHUNK_BYTES, FP32 * logits) * 2,
                     "fused linear cross entropy: one chunk's logits",
                     "fused-linear-cross-entropy",
+                    "loss",
                 )
             )
         else:
-            out.append(((p + 2 * FP32) * logits, "loss: logits and their fp32 gradient", None))
+            # megatron's cross entropy upcasts the logits into the fp32 softmax it saves (a head
+            # row) and turns that into the gradient in place: beyond it only the model-dtype logits
+            # (forward) or their gradient (backward). An H200 trace of Megatron-LM's run peaked there.
+            out.append((p * logits, "loss: the model-dtype logits or their gradient", None, "loss"))
     return out
+
+
+def _freed(chunk_rows: Sequence[dict[str, list[Saved]]]) -> dict[str, int]:
+    """What one microbatch's backward has freed when each transient's op runs in the chunk whose
+    backward comes first (the stage's last): nothing at the loss; the head's saved tensors by the
+    last layer's MLP backward; those and that layer's MLP saves by its attention backward. Seen on
+    an H200's allocator trace of Megatron-LM's own run (megatron's path, s 4096): the peak was the
+    loss in the forward, the attention backward's s x s gradients came after the head was freed."""
+    rows = chunk_rows[-1]
+    head = sum(r.total for r in rows.get("head", []))
+    # the first layer backward meets: a multi-token-prediction layer's (after the decoder), else the last
+    layers = [group for group in rows if group.startswith("mtp ")] or [g for g in rows if g.startswith("layer ")]
+    mlp = sum(r.total for r in rows[layers[-1]] if r.component in ("mlp", "moe")) if layers else 0
+    return {"loss": 0, "mlp": head, "attention": head + mlp}
 
 
 def optimizer_temporary(run: Run, lines: Sequence[Line], paths: Paths, largest_param: int) -> int:
@@ -219,10 +279,19 @@ def estimate(
     in_flight: dict[int, int],
     arm: str = "megatron",
     stage_index: int = 0,
+    reforward: int = 0,
 ) -> Peak:
+    """``reforward``: what megatron's recomputation re-creates at once in backward
+    (:func:`mindspeed_like.plan.recompute.reforward_bytes`), alive during that unit's backward ops."""
     held = sum(sum(r.total for rows in chunk_rows[c].values() for r in rows) * n for c, n in in_flight.items())
     last = any("head" in rows for rows in chunk_rows)
-    temp, what, feature = max(transients(run, paths, last), key=lambda x: x[0])
+    freed = _freed(chunk_rows)
+    net = [
+        (size - freed[phase] + (reforward if phase != "loss" else 0), what, feature)
+        for size, what, feature, phase in transients(run, paths, last)
+    ]
+    temp, what, feature = max(net, key=lambda x: x[0])
+    temp = max(temp, 0)
     state = sum(line.bytes for line in lines)
     largest = run.model.vocab_size // run.layout.tp * run.model.hidden_size
     return Peak(
@@ -235,4 +304,5 @@ def estimate(
         optimizer_temporary=optimizer_temporary(run, lines, paths, largest),
         features=(feature,) if feature else (),
         kernels=host_kernels.kernel_bytes(run, stage_index, grouped=expert_gemm_is_grouped(run, paths)),
+        buffers=buffer_bytes(run, paths),
     )

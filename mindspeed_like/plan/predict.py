@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from mindspeed_like.plan import activations, params, peak, schedule, state
 from mindspeed_like.plan.activations import Saved
 from mindspeed_like.plan.paths import FEATURES, MEGATRON, Paths
-from mindspeed_like.plan.recompute import apply_recompute
+from mindspeed_like.plan.recompute import apply_recompute, reforward_bytes
 from mindspeed_like.plan.spec import Run, stage_layers
 
 
@@ -89,14 +89,16 @@ def predict_arm(run: Run, name: str, paths: Paths) -> Arm:
         chunk_params = params.stage(run, s)
         lines = state.model_state(run, chunk_params, paths)
         rows = []
+        reforward = 0
         for c, layers in enumerate(split[s]):
             first = s == 0 and c == 0
             last = s == lay.pp - 1 and c == lay.chunks - 1
             groups = activations.chunk(run, paths, layers, first, last)
             rows.append(apply_recompute(run, groups, layers))
+            reforward = max(reforward, reforward_bytes(groups, rows[-1], layers))
         in_flight = schedule.in_flight_chunks(lay.pp, s, lay.chunks, lay.num_microbatches)
         measured = schedule.last_forward_chunk(lay.pp, lay.chunks, lay.num_microbatches)
-        stage_peak = peak.estimate(run, paths, lines, rows, in_flight, name, s)
+        stage_peak = peak.estimate(run, paths, lines, rows, in_flight, name, s, reforward)
         stages.append(
             Stage(
                 index=s,

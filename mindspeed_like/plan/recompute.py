@@ -68,3 +68,22 @@ def _selective(run: Run, dims: Dims, rows: list[Saved]) -> list[Saved]:
             if not (r.component == "norm" and "rstd" in r.what)
         ]
     return out
+
+
+def reforward_bytes(before: dict[str, list[Saved]], after: dict[str, list[Saved]], layers: tuple[int, ...]) -> int:
+    """What megatron's recomputation re-creates at once in backward, beyond what the chunk keeps:
+    the largest recomputed unit's saved rows less its kept ones (full: a group of layers, re-run
+    together; selective: one layer's recomputed modules). They live while that unit's backward
+    runs, on top of the activations still held."""
+    keys = [f"layer {i}" for i in layers]
+
+    def total(rows: list[Saved]) -> int:
+        return sum(r.total for r in rows)
+
+    units: list[list[str]] = []
+    for key in keys:  # full recompute keeps a group's input on its first layer and nothing on the rest
+        if units and not after[key] and total(before[key]):
+            units[-1].append(key)
+        else:
+            units.append([key])
+    return max((sum(total(before[k]) - total(after[k]) for k in unit) for unit in units), default=0)

@@ -168,6 +168,8 @@ def _stage_rows(meg: Stage, feat: Stage) -> list[tuple[str, int | None, int | No
         rows.append(("process runtime (CPU host)", meg.peak.runtime, feat.peak.runtime))
     if meg.peak.build or feat.peak.build:
         rows.append(("model build's own peak (CPU host; not added: a phase)", meg.peak.build, feat.peak.build))
+    if meg.peak.buffers or feat.peak.buffers:
+        rows.append(("buffers (attention scores, cuBLAS workspaces)", meg.peak.buffers, feat.peak.buffers))
     if meg.peak.kernels or feat.peak.kernels:
         rows.append(("experts' GEMM kernels (CPU host, oneDNN)", meg.peak.kernels, feat.peak.kernels))
     rows.append(("process peak", meg.peak.total, feat.peak.total))
@@ -282,6 +284,7 @@ def _arm_json(stage: Stage) -> dict[str, Any]:
         runtime_bytes=stage.peak.runtime,
         build_peak_bytes=stage.peak.build,
         host_kernel_bytes=stage.peak.kernels,
+        buffer_bytes=stage.peak.buffers,
         peak_phase=stage.peak.phase,
         activations_per_group_bytes={
             group: sum(r.total for r in rows) for group, rows in stage.chunk_rows[stage.measured_chunk].items()

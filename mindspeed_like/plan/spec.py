@@ -39,6 +39,9 @@ class Model:
     # megatron's dropout probabilities (Megatron-LM's defaults are 0.1; compare's presets run none)
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # megatron's unfused attention softmax upcasts fp16/bf16 scores to fp32 (TransformerConfig's
+    # default, compare's models); Megatron-LM's --attention-softmax-in-fp32 is off by default
+    attention_softmax_in_fp32: bool = True
     # MoE
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0

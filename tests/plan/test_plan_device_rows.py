@@ -1,0 +1,76 @@
+"""Rows of the plan that depend on the device or on a Megatron-LM default, found on a GPU
+(2026-11-27, an H200; the measured side is tests/plan/test_plan_on_a_gpu.py): megatron's own RMSNorm
+is torch's fused kernel on CUDA, Megatron-LM's attention softmax stays in the model dtype unless
+asked, and a rank holds buffers beside its model state."""
+
+from __future__ import annotations
+
+import pytest
+
+from mindspeed_like.plan import cli, peak
+from mindspeed_like.plan.activations import torch_fuses_rmsnorm
+from mindspeed_like.plan.predict import predict
+
+ARGS = (
+    "--num-layers 2 --hidden-size 1024 --num-attention-heads 8 --seq-length 2048 --max-position-embeddings 2048 "
+    "--micro-batch-size 1 --global-batch-size 1 --vocab-size 32000 --normalization RMSNorm --swiglu "
+    "--position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear --bf16 "
+    "--transformer-impl local --parser builtin --world-size 1"
+).split()
+
+
+def _megatron_arm(*extra: str, device: str = "cuda"):
+    own, rest = cli.plan_parser().parse_known_args([*ARGS, *extra, "--target-device", device])
+    run, switches = cli.read_run(rest, own)
+    return run, predict(run, switches.paths(run), switches.enabled).megatron.stages[0]
+
+
+def _rows(stage, component: str) -> list:
+    return [r for rows in stage.chunk_rows[0].values() for r in rows if r.component == component]
+
+
+def test_megatron_lms_softmax_is_in_the_model_dtype_unless_asked() -> None:
+    run, stage = _megatron_arm()
+    assert not run.model.attention_softmax_in_fp32
+    whats = [r.what for r in _rows(stage, "core_attn")]
+    assert not any("fp32 softmax" in w for w in whats)
+    for flag in ("--attention-softmax-in-fp32", "--apply-query-key-layer-scaling"):
+        run, stage = _megatron_arm(flag)
+        assert run.model.attention_softmax_in_fp32, flag
+        assert any("fp32 softmax" in r.what for r in _rows(stage, "core_attn")), flag
+
+
+def test_attention_dropout_keeps_a_dropped_copy_beside_the_softmax_output() -> None:
+    _, with_dropout = _megatron_arm()  # Megatron-LM's default: 0.1
+    _, without = _megatron_arm("--attention-dropout", "0")
+    s2 = 8 * 2048 * 2048  # heads x s x s, one microbatch
+    extra = sum(r.total for r in _rows(with_dropout, "core_attn")) - sum(r.total for r in _rows(without, "core_attn"))
+    per_layer = extra // 2
+    assert per_layer == 2 * s2 + 1 * s2  # the dropped probabilities (bf16) and the device's bool mask
+
+
+def test_megatrons_rmsnorm_on_cuda_keeps_the_input_and_rstd() -> None:
+    assert torch_fuses_rmsnorm("cuda") and not torch_fuses_rmsnorm("cpu")
+    _, cuda = _megatron_arm()
+    _, cpu = _megatron_arm(device="cpu")
+    assert all("fp32 copies" not in r.what for r in _rows(cuda, "norm"))
+    assert any("fp32 copies" in r.what for r in _rows(cpu, "norm"))
+    tokens, hidden = 2048, 1024
+    cuda_norms = sum(r.total for r in _rows(cuda, "norm"))
+    assert cuda_norms == 5 * (2 * tokens * hidden + 4 * tokens)  # 2 a layer and the final norm
+
+
+@pytest.mark.parametrize(("device", "flash", "expected"), [
+    ("cuda", False, 8 * 2048 * 2048 * 2 + 2 * peak.CUBLAS_WORKSPACE),
+    ("cuda", True, 2 * peak.CUBLAS_WORKSPACE),
+    ("cpu", False, 8 * 2048 * 2048 * 2),
+    ("cpu", True, 0),
+])  # fmt: skip
+def test_buffers_beside_the_model_state(device: str, flash: bool, expected: int) -> None:
+    level = ["--optimization-level", "1"] if flash else []
+    own, rest = cli.plan_parser().parse_known_args([*ARGS, *level, "--target-device", device])
+    run, switches = cli.read_run(rest, own)
+    arm = predict(run, switches.paths(run), switches.enabled)
+    stage = (arm.features if flash else arm.megatron).stages[0]
+    assert stage.peak.buffers == expected
+    assert stage.peak.training >= stage.peak.buffers + stage.peak.model_state
