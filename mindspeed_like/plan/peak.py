@@ -200,7 +200,7 @@ def transients(run: Run, paths: Paths, last_stage: bool) -> list[tuple[int, str,
     phase (``attention``, ``mlp``, ``loss``) says what backward has freed by then (:func:`_freed`)."""
     dims = Dims.of(run)
     p, b, a, s, t = dims.p, dims.b, dims.a, dims.s, dims.t
-    out: list[tuple[int, str, str | None]] = []
+    out: list[tuple[int, str, str | None, str]] = []
     if paths.flash_attention or run.layout.cp > 1:
         out.append(
             (
@@ -211,20 +211,17 @@ def transients(run: Run, paths: Paths, last_stage: bool) -> list[tuple[int, str,
             )
         )
     else:
-        # what megatron's core-attention backward adds at its peak beyond its own saved tensors,
-        # net of those it frees on the way (measured per s x s element on this CPU host: every
-        # storage's life counted by a dispatch mode over DotProductAttention's forward and
-        # backward, bf16): 3 x the model dtype without attention dropout (the value matmul saved
-        # the softmax output itself); with dropout 2x upcast, 1x in the model dtype
-        # On CUDA (an H200's allocator trace of compare's megatron arm, upcast, no dropout): three
-        # gradients in the softmax's dtype at once, less the probabilities freed: 3 x 4 - 2 bytes.
+        # what megatron's core-attention backward allocates at its peak. On CUDA (an H200's
+        # allocator trace of compare's megatron arm, upcast, no dropout) three gradients in the
+        # softmax's dtype at once, less the probabilities it freed: 3 x 4 - 2 bytes an element. On a
+        # CPU host the new bytes alone (a dispatch mode counting live storages over
+        # DotProductAttention's backward): two gradients in the model dtype and two in fp32 when
+        # upcast, else four; the saved tensors it frees stay in glibc's heap, not given back.
         upcast = softmax_upcast(run, dims)
         if run.device != "cpu":
             per_element = 3 * (FP32 if upcast else p) - p
-        elif run.model.attention_dropout > 0:
-            per_element = 2 * p if upcast else p
         else:
-            per_element = 3 * p
+            per_element = 2 * p + 2 * FP32 if upcast else 4 * p
         out.append((per_element * b * a * s * s, "attention: the s x s scores' gradients", None, "attention"))
     width = run.model.moe_ffn_hidden_size if run.model.is_moe else run.model.ffn_hidden_size
     rows = t * (run.model.moe_router_topk if run.model.is_moe else 1)
@@ -244,7 +241,10 @@ def transients(run: Run, paths: Paths, last_stage: bool) -> list[tuple[int, str,
             # megatron's cross entropy upcasts the logits into the fp32 softmax it saves (a head
             # row) and turns that into the gradient in place: beyond it only the model-dtype logits
             # (forward) or their gradient (backward). An H200 trace of Megatron-LM's run peaked there.
-            out.append((p * logits, "loss: the model-dtype logits or their gradient", None, "loss"))
+            # On a CPU host the resident set measured more: the fp32 copy and its gradient whole
+            # (compare's and Megatron-LM's CPU records were fitted with model dtype + 2 x fp32).
+            per_logit = p if run.device != "cpu" else p + 2 * FP32
+            out.append((per_logit * logits, "loss: the logits and their gradient", None, "loss"))
     return out
 
 
@@ -285,7 +285,10 @@ def estimate(
     (:func:`mindspeed_like.plan.recompute.reforward_bytes`), alive during that unit's backward ops."""
     held = sum(sum(r.total for rows in chunk_rows[c].values() for r in rows) * n for c, n in in_flight.items())
     last = any("head" in rows for rows in chunk_rows)
-    freed = _freed(chunk_rows)
+    # an allocator's peak counts live bytes: backward's frees make room; a CPU host's resident set
+    # keeps the freed pages in glibc's heap (compare's CPU records: with the frees counted, 14 of 42
+    # arm peaks missed, without them 9)
+    freed = _freed(chunk_rows) if run.device != "cpu" else dict.fromkeys(("loss", "mlp", "attention"), 0)
     net = [
         (size - freed[phase] + (reforward if phase != "loss" else 0), what, feature)
         for size, what, feature, phase in transients(run, paths, last)
