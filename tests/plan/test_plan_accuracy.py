@@ -21,17 +21,15 @@ _HEAP = (
     "step's gradient reduce-scatter, the heap growing each step; under-predicted"
 )
 KNOWN_MISSES: dict[tuple[str, str, str], tuple[float, str]] = {
-    ("compare-plan-llama-dp2-distopt-level1", "megatron", "process_peak_bytes"): (0.19, _HEAP),
-    ("compare-plan-llama-dp2-distopt-level1", "features", "process_peak_bytes"): (0.20, _HEAP),
-    ("compare-plan-llama-dp2-distopt-level2", "megatron", "process_peak_bytes"): (0.20, _HEAP),
-    ("compare-plan-llama-dp2-distopt-level2", "features", "process_peak_bytes"): (0.26, _HEAP),
-    ("compare-plan-llama-local-level1", "megatron", "process_peak_bytes"): (0.13, _HEAP),
-    ("compare-plan-llama-local-level1", "features", "process_peak_bytes"): (0.13, _HEAP),
+    ("compare-plan-llama-dp2-distopt-level1", "megatron", "process_peak_bytes"): (0.17, _HEAP),
+    ("compare-plan-llama-dp2-distopt-level1", "features", "process_peak_bytes"): (0.21, _HEAP),
+    ("compare-plan-llama-dp2-distopt-level2", "megatron", "process_peak_bytes"): (0.18, _HEAP),
+    ("compare-plan-llama-dp2-distopt-level2", "features", "process_peak_bytes"): (0.22, _HEAP),
     ("compare-plan-llama-local-level2", "features", "process_peak_bytes"): (0.13, _HEAP),
-    ("compare-plan-llama-tp2-sp-level1", "megatron", "process_peak_bytes"): (0.18, _HEAP),
-    ("compare-plan-llama-tp2-sp-level2", "megatron", "process_peak_bytes"): (0.17, _HEAP),
-    ("compare-plan-moe-ep2-dp2-level2", "features", "process_peak_bytes"): (0.14, _HEAP),
-    ("compare-plan-moe-level2", "features", "process_peak_bytes"): (0.14, _HEAP),
+    ("compare-plan-llama-tp2-sp-level1", "megatron", "process_peak_bytes"): (0.14, _HEAP),
+    ("compare-plan-llama-tp2-sp-level2", "megatron", "process_peak_bytes"): (0.13, _HEAP),
+    ("compare-plan-moe-ep2-dp2-level2", "features", "process_peak_bytes"): (0.13, _HEAP),
+    ("compare-plan-moe-level2", "features", "process_peak_bytes"): (0.16, _HEAP),
 }
 
 
