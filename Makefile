@@ -82,6 +82,8 @@ docs: $(STAMP)
 	$(PY) -m mindspeed_like.plan.accuracy --record > /dev/null
 	$(PY) -m mindspeed_like.plan.fit_check --record > /dev/null
 	$(PY) -m mindspeed_like.plan.megatron_lm_check --record > /dev/null
+	$(PY) -m mindspeed_like.plan.accuracy --device cuda --record > /dev/null
+	$(PY) -m mindspeed_like.plan.megatron_lm_device_check --record > /dev/null
 	$(PY) -m mindspeed_like.toolkit.doc_tables
 
 lint: $(STAMP)

@@ -574,6 +574,16 @@ def _theory_errors(row: dict[str, Any]) -> str:
 @table("plan_accuracy")
 def _plan_accuracy(recs: Records) -> list[str]:
     """Per compare record and arm: measured per rank, the plan's error, report_theoretical_memory's."""
+    return _plan_accuracy_of(recs, "plan-accuracy")
+
+
+@table("plan_accuracy_cuda")
+def _plan_accuracy_cuda(recs: Records) -> list[str]:
+    """The same for the compare records of a GPU (their peak: ``torch.cuda.max_memory_allocated``)."""
+    return _plan_accuracy_of(recs, "plan-accuracy-cuda")
+
+
+def _plan_accuracy_of(recs: Records, record: str) -> list[str]:
 
     def measured_and_error(short: str) -> Col:
         def cell(row: dict[str, Any]) -> str:
@@ -582,7 +592,7 @@ def _plan_accuracy(recs: Records) -> list[str]:
         return Col(f"{short.replace('_', ' ')} MiB (plan's error)", cell)
 
     return columns_table(
-        recs.rows("plan-accuracy", table="plan_accuracy"),
+        recs.rows(record, table="plan_accuracy"),
         [
             Col("case", "case"),
             Col("arm", "arm"),
@@ -625,6 +635,34 @@ def _plan_megatron_lm(recs: Records) -> list[str]:
             Col("each run's MiB", lambda row: row.get("runs_MiB") or "-"),
             Col("plan's process peak MiB", "predicted_MiB", ",.0f"),
             Col("plan's error", lambda row: _signed_pct(row["error_pct"])),
+        ],
+    )
+
+
+def _state_and_activations(row: dict[str, Any]) -> str:
+    return f"{row['plan_state_MiB']:,.0f} / {row['plan_activations_MiB']:,.0f}"
+
+
+@table("plan_megatron_lm_cuda")
+def _plan_megatron_lm_cuda(recs: Records) -> list[str]:
+    """Megatron-LM's own runs on one GPU: the printed max allocated against the plan's peak, with
+    Megatron-LM's own report_theoretical_memory beside them."""
+    return columns_table(
+        recs.rows("plan-megatron-lm-cuda", table="plan_megatron_lm_cuda"),
+        [
+            Col("case", "case"),
+            Col("Megatron-LM's max allocated MiB", "measured_MiB", ",.0f"),
+            Col("plan's peak MiB", "predicted_MiB", ",.0f"),
+            Col("plan's error", lambda row: _signed_pct(row["error_pct"])),
+            Col("plan: state / activations MiB", _state_and_activations),
+            Col(
+                "report_theoretical_memory MiB",
+                lambda r: (
+                    f"{r['megatron_theory_MiB']:,.0f} ({r['megatron_theory_is']})"
+                    if r.get("megatron_theory_MiB") is not None
+                    else "-"
+                ),
+            ),
         ],
     )
 
