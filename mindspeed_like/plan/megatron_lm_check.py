@@ -227,14 +227,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     calibrate(path)
     record = records.Record(RECORD, command=["python", "-m", "mindspeed_like.plan.megatron_lm_check", "--record"])
     extra = records.read(path)["extra"]
-    for row in rows(extra["measured"], extra.get("samples")):
+    table_out(record, rows(extra["measured"], extra.get("samples")), "CPU", "ranks", write=args.record)
+    return 0
+
+
+def table_out(record: records.Record, table: Sequence[dict[str, Any]], where: str, counted: str, write: bool) -> None:
+    """The rows into ``record``, how many are within :data:`TARGET` (``extra.within`` of
+    ``extra.<counted>``), printed; written with ``write``."""
+    for row in table:
         record.add_row(**row)
     within = [row for row in record.rows if abs(row["error_pct"]) <= 100 * TARGET]
-    record.extra.update(ranks=len(record.rows), within=len(within))
-    print(*records.format_table("plan against Megatron-LM's own runs (CPU)", record.rows), sep="\n")
-    if args.record:
+    record.extra.update({counted: len(record.rows), "within": len(within)})
+    print(*records.format_table(f"plan against Megatron-LM's own runs ({where})", record.rows), sep="\n")
+    if write:
         print(f"wrote {record.write()}")
-    return 0
 
 
 if __name__ == "__main__":

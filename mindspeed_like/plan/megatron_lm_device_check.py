@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mindspeed_like.plan.megatron_lm_check import MEMORY_LINE, TARGET
+from mindspeed_like.plan.megatron_lm_check import MEMORY_LINE, TARGET, table_out  # noqa: F401 (TARGET: the tests read it here)
 from mindspeed_like.toolkit import records
 
 DEVICE = "cuda"
@@ -217,13 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     measured_record = records.read(path)
     record = records.Record(RECORD, command=["python", "-m", __spec__.name, "--record"])
     record.host.update(measured_on=measured_record["host"], measured_at=measured_record["started_at"])
-    for row in rows(measured_record["extra"]["measured"]):
-        record.add_row(**row)
-    within = [row for row in record.rows if abs(row["error_pct"]) <= 100 * TARGET]
-    record.extra.update(cases=len(record.rows), within=len(within))
-    print(*records.format_table("plan against Megatron-LM's own runs (one GPU)", record.rows), sep="\n")
-    if args.record:
-        print(f"wrote {record.write()}")
+    table_out(record, rows(measured_record["extra"]["measured"]), "one GPU", "cases", write=args.record)
     return 0
 
 
