@@ -29,43 +29,6 @@ CASES = [
 ]
 
 
-# megatron-core versions whose model saves other bytes than the plan's rows (read from 0.16), with the
-# measured gap as the bound (kept from getting worse, and visible): (major.minor, preset, impl, level)
-VERSION_GAPS: dict[tuple[str, str, str, int], tuple[float, str]] = {
-    ("0.13", "llama", "transformer_engine", 0): (
-        0.08,
-        "0.13.1's TE-spec model saves 792 bytes a token a layer less "
-        "than the plan's rows (+7.70%); which tensor, not found yet",
-    ),
-    ("0.13", "moe", "transformer_engine", 2): (0.012, "0.13.1 saves 12,288 bytes more (-1.09%); not found yet"),
-    ("0.13", "llama", "local", 0): (
-        0.08,
-        "the same 792 bytes a token a layer on the local spec (+6.77% at dropout 0.1, whose masks 0.13.1 "
-        "saves as 0.16 does)",
-    ),
-}
-
-
-# gaps on every version, with the measured gap as the bound: (preset, impl, level)
-GAPS: dict[tuple[str, str, int], tuple[float, str]] = {
-    ("qwen3-moe", "transformer_engine", 2): (
-        0.09,
-        "on this CPU host the model saves 101,376 bytes more than the plan's rows (-8.17%, 2 layers), about one "
-        "tokens x hidden model-dtype tensor a layer; the H200 measured 1,238,184 bytes for the same case and the "
-        "plan's device rows match it (tests/plan/test_plan_on_a_gpu.py), so a CPU-only save; not found yet",
-    ),
-}
-
-
-def _bound(preset: str, impl: str, level: int) -> float:
-    from mindspeed_like.megatron_version import megatron_core_version
-
-    version = megatron_core_version()
-    minor = f"{version.major}.{version.minor}" if version is not None else ""
-    default = GAPS.get((preset, impl, level), (0.01, ""))
-    return VERSION_GAPS.get((minor, preset, impl, level), default)[0]
-
-
 # megatron's default dropout (0.1, hidden and attention), as Megatron-LM runs it: the masks, and on a
 # CPU host the flash-attention feature's SDPA math kernel (its flash kernel takes no dropout)
 DROPOUT_CASES = [
@@ -100,7 +63,7 @@ def _check(preset: str, impl: str, level: int, dropout: float = 0.0) -> None:
     assert predicted_params == built, f"{preset}/{impl}: plan {predicted_params} parameters, megatron built {built}"
     # every storage is one row of the model; the router's split of rows is the only data-dependent
     # part (balanced in the plan, exact at EP = 1 since every row lands on this rank)
-    assert abs(predicted_saved / saved - 1) <= _bound(preset, impl, level), (
+    assert abs(predicted_saved / saved - 1) <= plan_parity.bound(preset, impl, level, "cpu"), (
         f"{preset}/{impl}/level {level}: plan {predicted_saved} bytes saved for backward, measured {saved} "
         f"({100 * (predicted_saved / saved - 1):+.2f}%)"
     )
