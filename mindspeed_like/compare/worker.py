@@ -223,6 +223,7 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
     from mindspeed_like.run_arguments import quiet_expected_warnings
     from mindspeed_like.runtime import ENGINE
     from mindspeed_like.testing import destroy_parallel, train_steps
+    from mindspeed_like.toolkit import allocator_history
     from mindspeed_like.toolkit.fallback import fell_back, served
 
     quiet_expected_warnings()
@@ -237,6 +238,7 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
     chunks = build_chunks(spec, grouped_gemm_on="grouped-gemm" in features_on)
     if device == "cpu":
         _release_build_pages()
+    recording = allocator_history.start(device)  # $MINDSPEED_LIKE_MEMORY_HISTORY: from the model's move on
     if device != "cpu":
         index = torch.cuda.current_device() if device == "cuda" else 0
         chunks = [chunk.to(torch.device(device, index)) for chunk in chunks]
@@ -311,6 +313,8 @@ def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         destroy_parallel()
     times = [b - a for a, b in zip(stamps, stamps[1:])]
+    if recording:
+        allocator_history.dump(label, rank)
     return {
         "arm": spec["arm"],
         "rank": rank,
