@@ -13,9 +13,11 @@
   back to the system (``malloc_trim``), so the build is a phase of its own, not a leftover.
 - transients (created and freed inside one op, never saved): megatron's attention materialises
   the s x s scores' gradients (8-12 bytes per score element at bf16); the loss the model-dtype
-  logits or their gradient beside the fp32 softmax it saves (fused-linear-cross-entropy: one
-  chunk); an MLP's fc1 output gradient. Each is net of what backward has freed when it runs
-  (:func:`_freed`); the largest is taken.
+  logits or their gradient beside the fp32 softmax it saves (on a CPU host also two fp32 copies;
+  fused-linear-cross-entropy: one chunk); an MLP's fc1 output gradient; recomputation's
+  re-created activations on top. On an accelerator each is net of what backward has freed when it
+  runs (:func:`_freed`); a CPU host's resident set keeps freed pages, so there they count whole.
+  The largest is taken.
 - buffers (:func:`buffer_bytes`): megatron's attention-score buffer, and on CUDA the cuBLAS workspaces.
 - the optimizer step: torch's Adam on a CPU runs per tensor (its temporary is ~2 fp32 copies of the
   largest parameter); on an accelerator ``foreach`` (one fp32 temporary of every parameter it
