@@ -169,10 +169,32 @@ def build_bytes(run: Run, paths: Paths) -> int:
 
 
 CUBLAS_WORKSPACE = 32 * 2**20
-"""torch's default cuBLAS workspace on Hopper (sm90; ``CUBLAS_WORKSPACE_CONFIG`` changes it), taken
-from the device's allocator once per thread that runs GEMMs: the training loop's and autograd's
-backward thread. Read off an H200's allocator trace: two 32 MiB blocks, at the first forward and the
-first backward GEMM, held to the end, in both arms."""
+"""torch's default cuBLAS workspace on Hopper (sm90), taken from the device's allocator once per
+thread that runs GEMMs: the training loop's and autograd's backward thread. Read off an H200's
+allocator trace: two 32 MiB blocks, at the first forward and the first backward GEMM, held to the
+end, in both arms. ``CUBLAS_WORKSPACE_CONFIG`` set where plan runs replaces it
+(:func:`cublas_workspace_bytes`)."""
+
+
+def cublas_workspace_bytes(config: str | None = None) -> int:
+    """One cuBLAS workspace: ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KiB:COUNT`` pairs, summed as cuBLAS
+    and torch read it, e.g. ``:4096:8`` = 32 MiB, ``:4096:2:16:8`` = 8.125 MiB) when given or set,
+    else :data:`CUBLAS_WORKSPACE` (Hopper's default; other GPUs default to 8.125 MiB)."""
+    import os
+
+    config = config if config is not None else os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+    numbers = [part for part in config.split(":") if part]
+    if not numbers:
+        return CUBLAS_WORKSPACE
+    if len(numbers) % 2 or not all(part.isdigit() for part in numbers):
+        from mindspeed_like.toolkit.errors import ConfigError
+
+        raise ConfigError(
+            f"CUBLAS_WORKSPACE_CONFIG={config!r}: expected ':SIZE_KiB:COUNT' pairs such as ':4096:8' "
+            "(cuBLAS's format), or unset it for Hopper's default"
+        )
+    pairs = zip(numbers[::2], numbers[1::2])
+    return sum(int(size) * int(count) for size, count in pairs) * 1024
 
 
 def buffer_bytes(run: Run, paths: Paths) -> int:
@@ -187,7 +209,7 @@ def buffer_bytes(run: Run, paths: Paths) -> int:
     if not paths.flash_attention and run.layout.cp == 1:
         held += dims.p * dims.b * dims.a * dims.s**2
     if run.device == "cuda":
-        held += 2 * CUBLAS_WORKSPACE
+        held += 2 * cublas_workspace_bytes()
     return held
 
 

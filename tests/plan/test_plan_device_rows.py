@@ -74,3 +74,15 @@ def test_buffers_beside_the_model_state(device: str, flash: bool, expected: int)
     stage = (arm.features if flash else arm.megatron).stages[0]
     assert stage.peak.buffers == expected
     assert stage.peak.training >= stage.peak.buffers + stage.peak.model_state
+
+
+def test_the_cublas_workspace_follows_cublas_workspace_config(monkeypatch) -> None:
+    assert peak.cublas_workspace_bytes(":4096:8") == 32 * 2**20
+    assert peak.cublas_workspace_bytes(":4096:2:16:8") == 4096 * 2 * 1024 + 16 * 8 * 1024
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert peak.cublas_workspace_bytes() == peak.CUBLAS_WORKSPACE
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    _, stage = _megatron_arm()
+    assert stage.peak.buffers == 8 * 2048 * 2048 * 2 + 2 * 16 * 8 * 1024
+    with pytest.raises(ValueError, match="SIZE_KiB:COUNT"):
+        peak.cublas_workspace_bytes(":4096")
