@@ -104,23 +104,26 @@ def torch_fuses_rmsnorm(device: str) -> bool:
     return device == "cuda" and _torch_version() >= (2, 9)
 
 
+def fused_rmsnorm(paths: Paths, dims: Dims) -> tuple[bool, str | None]:
+    """Whether an RMSNorm keeps only its input and an fp32 rstd, and whose path that is: torch's
+    fused kernel under megatron's own norm (:func:`torch_fuses_rmsnorm`: no feature's doing), else
+    the fused-rmsnorm feature where it is on."""
+    if dims.torch_fused_rmsnorm:
+        return True, None
+    return paths.fused_rmsnorm, "fused-rmsnorm"
+
+
 def norm(
     n: int, width: int, model: Model, paths: Paths, dims: Dims, where: str, component: str = "norm"
 ) -> list[Saved]:
     """A norm over ``n`` tokens of ``width``; its output is saved by the op that reads it (a linear)."""
     if model.normalization == "LayerNorm":
         return [Saved(component, f"{where}: LayerNorm input, mean, rstd", dims.p * n * width + 2 * dims.p * n)]
-    if dims.torch_fused_rmsnorm:
-        return [Saved(component, f"{where}: input + fp32 rstd (torch's fused RMSNorm)", dims.p * n * width + FP32 * n)]
-    if paths.fused_rmsnorm:
-        return [
-            Saved(
-                component,
-                f"{where}: input + fp32 rstd (fused RMSNorm)",
-                dims.p * n * width + FP32 * n,
-                feature="fused-rmsnorm",
-            )
-        ]
+    fused, feature = fused_rmsnorm(paths, dims)
+    if fused:
+        kernel = "fused RMSNorm" if feature else "torch's fused RMSNorm"
+        what = f"{where}: input + fp32 rstd ({kernel})"
+        return [Saved(component, what, dims.p * n * width + FP32 * n, feature=feature)]
     return [
         Saved(component, f"{where}: fp32 copies of the input and normalized output", FP32 * n * width, count=2),
         Saved(component, f"{where}: fp32 rstd", FP32 * n),
@@ -188,8 +191,7 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
     rope_on = m.position_embedding_type == "rope"
     qkv_viewed = False
     if m.qk_layernorm:
-        fused = paths.fused_rmsnorm or dims.torch_fused_rmsnorm
-        feature = None if dims.torch_fused_rmsnorm else "fused-rmsnorm"
+        fused, feature = fused_rmsnorm(paths, dims)
         if fused and m.normalization == "RMSNorm":
             out.append(
                 Saved(
@@ -322,8 +324,8 @@ def mla(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
         out += norm(tsp, m.q_lora_rank, m, paths, dims, "q LoRA norm (fused into linear_q_up_proj)", "attention")
         out.append(linear_input(tsp, m.q_lora_rank, dims, "linear_q_up_proj", "attention"))
     kvl = m.kv_lora_rank
-    if paths.fused_rmsnorm or dims.torch_fused_rmsnorm:
-        feature = None if dims.torch_fused_rmsnorm else "fused-rmsnorm"
+    fused, feature = fused_rmsnorm(paths, dims)
+    if fused:
         out.append(
             Saved(
                 "attention",

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mindspeed_like.plan.megatron_lm_check import MEMORY_LINE, TARGET, table_out  # noqa: F401 (TARGET: the tests read it here)
+from mindspeed_like.plan.megatron_lm_check import MEMORY_LINE, table_out
 from mindspeed_like.toolkit import records
 
 DEVICE = "cuda"
@@ -170,7 +170,7 @@ def rows(measured: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         if not found or not found.get("peaks"):
             continue
         peak, parts = predicted(case)
-        bytes_ = found["peaks"]["0"] if "0" in found["peaks"] else found["peaks"][0]
+        bytes_ = found["peaks"]["0"]  # one rank; parse() keys ranks as printed
         theory = found.get("theory_MiB") or {}
         theory_total = theory["state"] + theory["activations"] if theory.get("activations") is not None else None
         out.append(
