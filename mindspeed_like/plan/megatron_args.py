@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from mindspeed_like.plan.spec import Layout, Model, Precision, Recompute, Run, moe_pattern, pad_vocab
+from mindspeed_like.plan.tokenizer_vocab import tokenizer_vocab
 from mindspeed_like.toolkit.errors import ConfigError
 
 _DTYPES = ("fp32", "bf16", "fp16", "fp8")
@@ -86,6 +87,10 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-query-groups", type=int, default=1)
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    # what the tokenizer's vocabulary is read from (plan/tokenizer_vocab.py)
+    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
     g.add_argument("--normalization", default="LayerNorm", choices=("LayerNorm", "RMSNorm"))
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
@@ -169,6 +174,8 @@ NO_MEMORY_EFFECT_PREFIXES = (
     "--use-mcore-models",
     "--no-masked-softmax-fusion",
     "--no-bias-",
+    "--decoupled-",
+    "--no-mmap-bin-files",
     "--no-rope-fusion",
     "--no-gradient-accumulation-fusion",
     "--no-persist-layer-norm",
@@ -329,11 +336,6 @@ def derive(ns: argparse.Namespace, world_size: int | None) -> argparse.Namespace
         raise ConfigError(
             "plan: give " + ", ".join("--" + m.replace("_", "-") for m in missing) + " (Megatron-LM needs them)"
         )
-    if ns.vocab_size is None and ns.padded_vocab_size is None:
-        raise ConfigError(
-            "plan: give --vocab-size N (the tokenizer's vocabulary; plan reads no tokenizer files) or "
-            "--padded-vocab-size"
-        )
     if ns.hidden_size % ns.num_attention_heads:
         raise ConfigError(
             f"plan: --hidden-size {ns.hidden_size} must be divisible by --num-attention-heads {ns.num_attention_heads}"
@@ -346,6 +348,13 @@ def derive(ns: argparse.Namespace, world_size: int | None) -> argparse.Namespace
         ns.num_query_groups = ns.num_attention_heads
     if ns.recompute_activations:
         ns.recompute_granularity = "selective"
+    ns.plan_notes = []
+    if ns.sequence_parallel and ns.tensor_model_parallel_size == 1:
+        # validate_args: "Disabling sequence parallelism because tensor model parallelism is disabled"
+        ns.sequence_parallel = False
+        ns.plan_notes.append(
+            "--sequence-parallel at TP 1: Megatron-LM switches it off (validate_args), as the plan does"
+        )
     tp, pp, cp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size
     model_parallel = tp * pp * cp
     world = world_size if world_size is not None else model_parallel
@@ -353,8 +362,6 @@ def derive(ns: argparse.Namespace, world_size: int | None) -> argparse.Namespace
         raise ConfigError(f"plan: --world-size {world} is not divisible by TP x PP x CP = {model_parallel}")
     ns.world_size = world
     ns.data_parallel_size = world // model_parallel
-    if ns.padded_vocab_size is None:
-        ns.padded_vocab_size = pad_vocab(ns.vocab_size, ns.make_vocab_size_divisible_by, tp)
     ns.virtual_pipeline_model_parallel_size = None
     if ns.num_layers_per_virtual_pipeline_stage is not None:
         if ns.num_layers % pp or (ns.num_layers // pp) % ns.num_layers_per_virtual_pipeline_stage:
@@ -389,9 +396,10 @@ def run_from_namespace(
     """A :class:`Run` from a (validated) Megatron-LM namespace, whichever parser made it."""
     get = lambda name, default=None: getattr(ns, name, default)  # noqa: E731 (Megatron-LM versions differ)
     if get("padded_vocab_size") is None:  # Megatron-LM pads when it builds the tokenizer, after validate_args
-        if get("vocab_size") is None:
-            raise ConfigError("plan: give --vocab-size N (the tokenizer's vocabulary; plan reads no tokenizer files)")
-        ns.padded_vocab_size = pad_vocab(ns.vocab_size, ns.make_vocab_size_divisible_by, ns.tensor_model_parallel_size)
+        vocab, note = tokenizer_vocab(ns)
+        ns.padded_vocab_size = pad_vocab(vocab, ns.make_vocab_size_divisible_by, ns.tensor_model_parallel_size)
+        notes = (*notes, note) if note else notes
+    notes = (*notes, *get("plan_notes", ()))
     tp, dp = ns.tensor_model_parallel_size, ns.data_parallel_size
     experts = get("num_experts") or 0
     mbs = ns.micro_batch_size

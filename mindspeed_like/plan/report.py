@@ -60,7 +60,7 @@ def describe(run: Run) -> list[str]:
         + ("distributed optimizer" if lay.distributed_optimizer else "Float16 optimizer (no optimizer sharding)")
     )
     p = run.precision
-    precision = f"precision: {p.params} parameters, {'fp32' if p.grad_bytes == 4 else 'bf16'} gradients"
+    precision = f"precision: {p.params} parameters, {p.grad_dtype} gradients"
     if p.precision_aware_optimizer:
         precision += (
             f", precision-aware optimizer (exp_avg {p.exp_avg}, exp_avg_sq {p.exp_avg_sq}, master {p.main_params})"

@@ -121,12 +121,18 @@ class Precision:
         return BYTES[self.params]
 
     @property
-    def grad_bytes(self) -> int:
+    def grad_dtype(self) -> str:
+        """DDP's grad buffer dtype: fp32 when accumulated in fp32, else the parameters' (or the
+        precision-aware optimizer's bf16 main grads)."""
         if self.params == "fp32":
-            return 4
+            return "fp32"
         if self.precision_aware_optimizer and self.main_grads == "bf16":
-            return 2
-        return 4 if self.grad_reduce_in_fp32 else BYTES[self.params]
+            return "bf16"
+        return "fp32" if self.grad_reduce_in_fp32 else self.params
+
+    @property
+    def grad_bytes(self) -> int:
+        return BYTES[self.grad_dtype]
 
 
 @dataclass(frozen=True)
