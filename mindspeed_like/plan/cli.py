@@ -122,9 +122,10 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool | None = None) 
 
 
 HOST_ALLOCATOR_NOTE = (
-    "host-allocator (features arm, CPU host): glibc keeps every freed block in its heap, holes between live "
-    'blocks included; the plan does not model that heap on its own (docs/plan.md, "Megatron-LM\'s own runs", '
-    "measures level 1 with and without it): --no-tune-host-allocator trades that memory for time"
+    "host-allocator (features arm, CPU host): glibc keeps every freed block in its heap; the plan counts the "
+    "loss's temporaries whole for it (its share below), not the holes between live blocks (docs/plan.md, "
+    '"Megatron-LM\'s own runs", measures level 1 with and without it): --no-tune-host-allocator trades that '
+    "memory for time"
 )
 
 

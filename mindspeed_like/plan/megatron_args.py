@@ -467,6 +467,7 @@ def run_from_namespace(
         micro_batch_size=mbs,
         num_microbatches=ns.global_batch_size // (mbs * dp),
         distributed_optimizer=bool(ns.use_distributed_optimizer),
+        overlap_grad_reduce=bool(get("overlap_grad_reduce")),
         first_stage_layers=get("decoder_first_pipeline_num_layers"),
         last_stage_layers=get("decoder_last_pipeline_num_layers"),
     )

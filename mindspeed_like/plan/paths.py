@@ -34,6 +34,7 @@ class Paths:
     grouped_gemm: bool = False
     reuse_fp32_param: bool = False
     precision_aware_portable: bool = False
+    host_allocator: bool = False  # glibc keeps every freed block (a CPU host only)
 
     @property
     def any(self) -> bool:
@@ -67,4 +68,6 @@ def feature_paths(run: Run, enabled: Collection[str], config: Mapping[str, Any])
         # reuse-fp32-param acts on bf16 mixed precision only (megatron's Float16 / Distributed optimizer)
         reuse_fp32_param="reuse-fp32-param" in on and bf16,
         precision_aware_portable="precision-aware-optimizer" in on and run.precision.precision_aware_optimizer,
+        # it stands aside where the tensors are not in host memory (docs/features/host-allocator.md)
+        host_allocator="host-allocator" in on and run.device == "cpu",
     )

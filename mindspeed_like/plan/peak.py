@@ -37,6 +37,11 @@ from mindspeed_like.plan.spec import Run
 from mindspeed_like.plan.state import Line
 
 BASELINE_RECORD = "compare-plan-baseline"
+GLIBC_MMAP_CEILING = 32 * 2**20
+"""glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: its adaptive mmap threshold (128 KiB at start,
+raised to the size of each mmapped block freed) stops here, so a block this large or larger is
+always its own mapping, given back to the system when freed; smaller ones end up in the heap, which
+keeps the pages. host-allocator (``M_MMAP_MAX=0``) puts every block in the heap."""
 LCE_CHUNK_BYTES = 64 * 2**20  # fused-linear-cross-entropy's default chunk: fp32 logits within 64 MiB
 
 
@@ -52,18 +57,22 @@ class Peak:
     features: tuple[str, ...] = ()  # features that changed a transient
     kernels: int = 0  # the experts' GEMM kernels a CPU host keeps (plan/host_kernels.py)
     buffers: int = 0  # held from the first step on beside the model state (buffer_bytes)
+    grad_sync: int = 0  # the gradient reduce-scatter's copy after backward (grad_sync_bytes)
 
     @property
     def training(self) -> int:
         """What a training step's tensors hold at its peak."""
-        return self.buffers + self.model_state + max(self.activations + self.temporary, self.optimizer_temporary)
+        busy = self.activations + self.temporary + self.grad_sync
+        return self.buffers + self.model_state + max(busy, self.optimizer_temporary)
 
     @property
     def phase(self) -> str:
         if self.build > self.training:
             return "model build"
-        busy = self.activations + self.temporary
-        return "forward/backward" if busy >= self.optimizer_temporary else "optimizer step"
+        busy = self.activations + self.temporary + self.grad_sync
+        if busy < self.optimizer_temporary:
+            return "optimizer step"
+        return "forward/backward, then the gradients' reduce-scatter" if self.grad_sync else "forward/backward"
 
     @property
     def total(self) -> int:
@@ -213,6 +222,31 @@ def buffer_bytes(run: Run, paths: Paths) -> int:
     return held
 
 
+def grad_sync_bytes(run: Run, stage_index: int) -> int:
+    """The copy gloo makes of a bucket to reduce-scatter it: the distributed optimizer's gradient
+    sync on a CPU host (``finish_grad_sync`` -> ``reduce_scatter_tensor``, which ProcessGroupGloo
+    runs as an all-reduce of a flattened copy). One bucket's gradients at a time: the whole buffer
+    without --overlap-grad-reduce (megatron then makes one bucket of it), else megatron's bucket of
+    max(40M, 1M x DP) elements on the first stage. Measured on compare's DP2 llama h512 run (an RSS
+    probe around megatron's calls): each step's finish_grad_sync raised the resident set 44-46 MiB
+    above its entry, the fp32 grad buffer being 44 MiB; the all-reduce without the distributed
+    optimizer raised it 1 MiB (in place), and NCCL reduce-scatters in place on a device (0 there).
+    On a CPU host it comes on top of what backward left in glibc's heap."""
+    lay = run.layout
+    if run.device != "cpu" or not lay.distributed_optimizer:
+        return 0
+    from mindspeed_like.plan.params import stage
+    from mindspeed_like.plan.state import buffers
+
+    sharded = [b.padded for b in buffers(run, stage(run, stage_index)) if b.group > 1]
+    if not sharded:
+        return 0
+    bucket = max(sharded)
+    if lay.overlap_grad_reduce and stage_index == 0:
+        bucket = min(bucket, max(40_000_000, 1_000_000 * lay.dp * lay.cp))
+    return run.precision.grad_bytes * bucket
+
+
 def _rank_params(run: Run) -> int:
     from mindspeed_like.plan.params import stage
 
@@ -265,10 +299,14 @@ def transients(run: Run, paths: Paths, last_stage: bool) -> list[tuple[int, str,
             # megatron's cross entropy upcasts the logits into the fp32 softmax it saves (a head
             # row) and turns that into the gradient in place: beyond it only the model-dtype logits
             # (forward) or their gradient (backward). An H200 trace of Megatron-LM's run peaked there.
-            # On a CPU host the resident set measured more: the fp32 copy and its gradient whole
-            # (compare's and Megatron-LM's CPU records were fitted with model dtype + 2 x fp32).
-            per_logit = p if run.device != "cpu" else p + 2 * FP32
-            out.append((per_logit * logits, "loss: the logits and their gradient", None, "loss"))
+            # On a CPU host where glibc's heap holds these blocks (all of them under host-allocator,
+            # else those under its mmap ceiling) the resident set measured more: the fp32 copy and
+            # its gradient whole (Megatron-LM's level 1 and 2 CPU runs were fitted with model dtype
+            # + 2 x fp32); a block above the ceiling is a mapping of its own, unmapped when freed.
+            retained = run.device == "cpu" and (paths.host_allocator or FP32 * logits < GLIBC_MMAP_CEILING)
+            per_logit = p + 2 * FP32 if retained else p
+            feature = "host-allocator" if retained and FP32 * logits >= GLIBC_MMAP_CEILING else None
+            out.append((per_logit * logits, "loss: the logits and their gradient", feature, "loss"))
     return out
 
 
@@ -332,4 +370,5 @@ def estimate(
         features=(feature,) if feature else (),
         kernels=host_kernels.kernel_bytes(run, stage_index, grouped=expert_gemm_is_grouped(run, paths)),
         buffers=buffer_bytes(run, paths),
+        grad_sync=grad_sync_bytes(run, stage_index),
     )

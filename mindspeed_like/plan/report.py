@@ -226,6 +226,7 @@ _PATH_FEATURES = {
     "fused_router": "moe-router",
     "reuse_fp32_param": "reuse-fp32-param",
     "precision_aware_portable": "precision-aware-optimizer",
+    "host_allocator": "host-allocator",  # a cost on a CPU host (negative): it keeps freed blocks
 }
 
 

@@ -87,6 +87,7 @@ class Layout:
     micro_batch_size: int = 1
     num_microbatches: int = 1  # per step, per data-parallel rank
     distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False  # megatron's DDP then buckets the gradients (40M elements or more)
     first_stage_layers: int | None = None  # megatron's decoder_first/last_pipeline_num_layers
     last_stage_layers: int | None = None
 

@@ -121,7 +121,7 @@ def model_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]
         lines.append(Line("weights", f"parameters ({prec.params})", p * numel))
     # gradients
     g = prec.grad_bytes
-    grad_dtype = "fp32" if g == 4 else "bf16"
+    grad_dtype = prec.grad_dtype
     lines.append(
         Line("gradients", f"grad buffer ({grad_dtype}{', padded' if lay.distributed_optimizer else ''})", g * padded)
     )

@@ -14,17 +14,17 @@ from mindspeed_like.toolkit import records
 # Targets this lane misses, each with the error it measured and why; the bound keeps it from
 # getting worse unnoticed (record, arm, metric) -> (bound as a fraction, reason)
 _HEAP = (
-    "glibc's heap holds freed blocks between live ones at the peak, which the plan does not simulate (the order "
-    "in which blocks of every size are allocated and freed decides it); sampled with mallinfo2 in compare's "
-    "workers: llama local spec h512 level 1, features arm, 91 MiB free in the heap at the peak against a 77-82 "
-    "MiB gap (the baseline's heap: 7 MiB free); DP2 distopt, megatron's arm, 210-215 MiB free after its third "
-    "step's gradient reduce-scatter, the heap growing each step; under-predicted"
+    "glibc's heap grows from step to step beyond what the plan counts (its adaptive mmap threshold moves the "
+    "blocks that step 1 mapped into the heap for step 2 on, and freed blocks stay between live ones); an RSS "
+    "probe around megatron's calls in compare's workers: llama TP2 SP megatron's arm peaked at 621 MiB in step 1 "
+    "(the plan: 636), 663-696 in step 2, 708-719 in step 3; DP2 distopt's rose 46 + 34 MiB after step 1 beyond "
+    "the Adam moments; the plan does not simulate the allocator (the order in which blocks of every size are "
+    "allocated and freed decides it); under-predicted"
 )
 KNOWN_MISSES: dict[tuple[str, str, str], tuple[float, str]] = {
-    ("compare-plan-llama-dp2-distopt-level1", "megatron", "process_peak_bytes"): (0.17, _HEAP),
-    ("compare-plan-llama-dp2-distopt-level1", "features", "process_peak_bytes"): (0.21, _HEAP),
-    ("compare-plan-llama-dp2-distopt-level2", "megatron", "process_peak_bytes"): (0.18, _HEAP),
-    ("compare-plan-llama-dp2-distopt-level2", "features", "process_peak_bytes"): (0.22, _HEAP),
+    ("compare-plan-llama-dp2-distopt-level1", "features", "process_peak_bytes"): (0.15, _HEAP),
+    ("compare-plan-llama-dp2-distopt-level2", "megatron", "process_peak_bytes"): (0.13, _HEAP),
+    ("compare-plan-llama-dp2-distopt-level2", "features", "process_peak_bytes"): (0.16, _HEAP),
     ("compare-plan-llama-local-level2", "features", "process_peak_bytes"): (0.13, _HEAP),
     ("compare-plan-llama-tp2-sp-level1", "megatron", "process_peak_bytes"): (0.14, _HEAP),
     ("compare-plan-llama-tp2-sp-level2", "megatron", "process_peak_bytes"): (0.13, _HEAP),
