@@ -41,7 +41,20 @@ def memory_size(text: str) -> int:
     match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match[2].lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 80GiB, 80GB, 81920MiB)")
-    return int(float(match[1]) * _UNITS[match[2].lower()])
+    size = int(float(match[1]) * _UNITS[match[2].lower()])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"a device's memory must be more than 0 bytes, got {text!r}")
+    return size
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def plan_parser() -> argparse.ArgumentParser:
@@ -62,7 +75,7 @@ def plan_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--world-size",
-        type=int,
+        type=positive_int,
         default=None,
         help="ranks of the run (default TP x PP x CP); with --fit, the layouts searched",
     )

@@ -313,7 +313,9 @@ def parse_with_megatron_lm(
                 arguments.validate_args(args)
             except (AssertionError, RuntimeError) as error:
                 if "CUDA" not in str(error) and "cuda" not in str(error):
-                    raise ConfigError(f"plan: Megatron-LM's validate_args refuses these arguments: {error}") from error
+                    raise ConfigError(
+                        f"plan: Megatron-LM's validate_args refuses these arguments: {_refusal(error)}"
+                    ) from error
                 note = (
                     f"Megatron-LM's validate_args needs the target device on this host ({error}): its parsed "
                     "arguments with the built-in derivations"
@@ -327,6 +329,19 @@ def parse_with_megatron_lm(
             else:
                 os.environ[key] = value
     return args, note
+
+
+def _refusal(error: BaseException) -> str:
+    """The error's message, or, for a bare ``assert`` (Megatron-LM has many), the asserting line
+    itself: ``assert not (args.fp16 and args.bf16)`` says what is wrong where '' does not."""
+    import linecache
+    import traceback
+
+    if str(error):
+        return str(error)
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+    return f"{line} ({'/'.join(frame.filename.split('/')[-3:])}:{frame.lineno})"
 
 
 def derive(ns: argparse.Namespace, world_size: int | None) -> argparse.Namespace:
@@ -395,6 +410,7 @@ def run_from_namespace(
 ) -> Run:
     """A :class:`Run` from a (validated) Megatron-LM namespace, whichever parser made it."""
     get = lambda name, default=None: getattr(ns, name, default)  # noqa: E731 (Megatron-LM versions differ)
+    check_sizes(ns)
     if get("padded_vocab_size") is None:  # Megatron-LM pads when it builds the tokenizer, after validate_args
         vocab, note = tokenizer_vocab(ns)
         ns.padded_vocab_size = pad_vocab(vocab, ns.make_vocab_size_divisible_by, ns.tensor_model_parallel_size)
@@ -489,6 +505,7 @@ def run_from_namespace(
         modules=tuple(modules) if modules else ("core_attn",),
     )
     check(model, layout)
+    check_recompute(recompute, model.num_layers, layout.pp)
     return Run(
         model=model,
         layout=layout,
@@ -509,6 +526,58 @@ def _dtype_name(value: Any) -> str:
     """'fp32' from 'fp32' or torch.float32 (Megatron-LM's validate_args maps some to torch dtypes)."""
     text = str(value).replace("torch.", "")
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "uint8": "fp8"}.get(text, text)
+
+
+_POSITIVE = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "micro_batch_size",
+    "global_batch_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "ffn_hidden_size",
+    "kv_channels",
+    "num_query_groups",
+    "padded_vocab_size",
+)
+
+
+def check_sizes(ns: argparse.Namespace) -> None:
+    """Sizes and parallel degrees below 1, which neither parser refuses (Megatron-LM fails later)."""
+    for name in _POSITIVE:
+        value = getattr(ns, name, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"plan: --{name.replace('_', '-')} must be 1 or more, got {value}")
+    if getattr(ns, "fp16", False) and getattr(ns, "bf16", False):
+        raise ConfigError("plan: --fp16 and --bf16 exclude each other (Megatron-LM asserts it): give one")
+
+
+def check_recompute(recompute: Recompute, num_layers: int, pp: int) -> None:
+    """megatron's TransformerConfig refusals for recomputation, at the plan instead of model build."""
+    granularity, method, layers = recompute.granularity, recompute.method, recompute.num_layers
+    if granularity == "full":
+        if method is None:
+            raise ConfigError(
+                "plan: --recompute-granularity full needs --recompute-method uniform or block (megatron's "
+                "TransformerConfig refuses it without)"
+            )
+        if layers is None or not 1 <= layers <= num_layers // pp:
+            raise ConfigError(
+                f"plan: --recompute-granularity full needs --recompute-num-layers between 1 and the layers of a "
+                f"pipeline stage ({num_layers // pp}), got {layers}"
+            )
+    elif granularity == "selective":
+        if method is not None:
+            raise ConfigError(
+                "plan: --recompute-method is for --recompute-granularity full; selective recomputation takes "
+                "--recompute-modules (Megatron-LM refuses the pair)"
+            )
+        if layers is not None:
+            raise ConfigError("plan: --recompute-num-layers is for --recompute-granularity full (megatron refuses it)")
 
 
 def check(model: Model, layout: Layout) -> None:

@@ -142,6 +142,36 @@ def test_bad_input_is_a_clear_error(args: list[str], message: str, capsys) -> No
     assert message in capsys.readouterr().err
 
 
+SMALL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 100".split()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("--num-layers 0", "--num-layers must be 1 or more, got 0"),
+        ("--seq-length -1", "--seq-length must be 1 or more, got -1"),
+        ("--fp16 --bf16", "--fp16 and --bf16 exclude each other"),
+        ("--recompute-granularity full", "needs --recompute-method uniform or block"),
+        ("--recompute-granularity full --recompute-method block", "--recompute-num-layers between 1 and"),
+        ("--recompute-granularity full --recompute-method block --recompute-num-layers 3", "got 3"),
+        ("--recompute-activations --recompute-method uniform", "--recompute-method is for --recompute-granularity"),
+    ],
+)
+def test_what_megatron_would_refuse_later_is_refused_here(extra: str, message: str, capsys) -> None:
+    assert cli.main([*SMALL, *extra.split(), "--parser", "builtin"]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [("--world-size 0", "--world-size: must be 1 or more"), ("--device-memory 0GiB", "more than 0 bytes")],
+)
+def test_plans_own_sizes_are_checked_by_its_parser(extra: str, message: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main([*SMALL, *extra.split(), "--parser", "builtin"])
+    assert message in capsys.readouterr().err
+
+
 def test_memory_sizes() -> None:
     assert cli.memory_size("80GiB") == 80 * 2**30
     assert cli.memory_size("80GB") == 80 * 10**9

@@ -90,3 +90,13 @@ def test_report_theoretical_memory_is_read_from_megatron_lm() -> None:
     figures = theory.report(run)
     # 18 bytes a parameter (fp32 grads, masters and moments + bf16 weights) for the 11.54M parameters
     assert figures is not None and figures["model_state_bytes"] == pytest.approx(18 * 11538944, rel=1e-6)
+
+
+def test_a_bare_assert_in_validate_args_is_quoted() -> None:
+    """Megatron-LM asserts many arguments without a message: the refusal names the asserting line."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([MEGATRON_LM, os.environ.get("PYTHONPATH", "")]))
+    command = COMMANDS[sorted(COMMANDS)[0]].split()
+    args = [*command, "--hidden-size", "250", "--parser", "megatron-lm"]
+    done = subprocess.run([sys.executable, "-m", "mindspeed_like.plan", *args], capture_output=True, text=True, env=env)
+    assert done.returncode == 2
+    assert "assert args.hidden_size % args.num_attention_heads == 0 (megatron/training/arguments.py:" in done.stderr
