@@ -363,13 +363,9 @@ def derive(ns: argparse.Namespace, world_size: int | None) -> argparse.Namespace
         ns.num_query_groups = ns.num_attention_heads
     if ns.recompute_activations:
         ns.recompute_granularity = "selective"
-    ns.plan_notes = []
-    if ns.sequence_parallel and ns.tensor_model_parallel_size == 1:
+    if ns.tensor_model_parallel_size == 1:
         # validate_args: "Disabling sequence parallelism because tensor model parallelism is disabled"
         ns.sequence_parallel = False
-        ns.plan_notes.append(
-            "--sequence-parallel at TP 1: Megatron-LM switches it off (validate_args), as the plan does"
-        )
     tp, pp, cp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size, ns.context_parallel_size
     model_parallel = tp * pp * cp
     world = world_size if world_size is not None else model_parallel
@@ -415,7 +411,8 @@ def run_from_namespace(
         vocab, note = tokenizer_vocab(ns)
         ns.padded_vocab_size = pad_vocab(vocab, ns.make_vocab_size_divisible_by, ns.tensor_model_parallel_size)
         notes = (*notes, note) if note else notes
-    notes = (*notes, *get("plan_notes", ()))
+    if "--sequence-parallel" in command and ns.tensor_model_parallel_size == 1:
+        notes = (*notes, "--sequence-parallel at TP 1: Megatron-LM switches it off (validate_args), as the plan does")
     tp, dp = ns.tensor_model_parallel_size, ns.data_parallel_size
     experts = get("num_experts") or 0
     mbs = ns.micro_batch_size
