@@ -45,6 +45,7 @@ _LLAMA = (
 # the smallest run: calibrates the runtime of a Megatron-LM rank (name, processes, arguments)
 BASELINE = ("baseline", 1, f"--num-layers 1 --hidden-size 64 --num-attention-heads 4 --seq-length 64 {_LLAMA}")
 _SIZE = "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --group-query-attention --num-query-groups 2"
+_GPT = "--num-layers 4 --hidden-size 512 --num-attention-heads 8"
 CASES: tuple[tuple[str, int, str], ...] = (
     ("llama s1024, 1 rank", 1, f"{_SIZE} --seq-length 1024 {_LLAMA}"),
     ("llama s1024, 1 rank, level 1", 1, f"{_SIZE} --seq-length 1024 {_LLAMA} --optimization-level 1"),
@@ -71,13 +72,19 @@ CASES: tuple[tuple[str, int, str], ...] = (
         2,
         f"{_SIZE} --seq-length 512 {_LLAMA} --use-distributed-optimizer --optimization-level 2",
     ),
+    ("llama s1024, 1 rank, selective recompute", 1, f"{_SIZE} --seq-length 1024 {_LLAMA} --recompute-activations"),
+    # Megatron-LM's defaults for the rest: LayerNorm, GELU, learned positions, tied embeddings, biases
+    ("gpt s1024, fp32", 1, f"{_GPT} --seq-length 1024"),
+    ("gpt s1024, bf16", 1, f"{_GPT} --seq-length 1024 --bf16"),
+    ("gpt s1024, bf16, level 1", 1, f"{_GPT} --seq-length 1024 --bf16 --optimization-level 1"),
+    ("gpt s512, bf16, DP2", 2, f"{_GPT} --seq-length 512 --bf16"),
 )
-# beside each case's own: the tiny model's data and schedule (megatron_lm.TINY), sizes overridden
+# beside each case's own (the whole model): the tiny run's data and schedule (megatron_lm.TINY_SCHEDULE)
 _COMMON = "--vocab-size 32000 --micro-batch-size 1 --global-batch-size 2 --max-position-embeddings 1024"
 
 
 def arguments(case: tuple[str, int, str]) -> list[str]:
-    """A case's pretrain_gpt.py arguments beside megatron_lm.TINY's (the later value wins)."""
+    """A case's pretrain_gpt.py arguments beside megatron_lm.TINY_SCHEDULE's (the later value wins)."""
     return [*_COMMON.split(), *case[2].split(), "--train-iters", str(ITERATIONS)]
 
 
@@ -85,7 +92,9 @@ def measure(case: tuple[str, int, str]) -> dict[int, int]:
     """rank -> the peak bytes Megatron-LM printed for it (every rank of data-parallel rank 0)."""
     from mindspeed_like.testing import megatron_lm
 
-    output = megatron_lm.torchrun_output(case[1], megatron_lm.launcher(), arguments(case))
+    output = megatron_lm.torchrun_output(
+        case[1], megatron_lm.launcher(), arguments(case), base=megatron_lm.TINY_SCHEDULE
+    )
     # the last line of each rank wins: the peak over every iteration
     found = {int(rank): int(float(mib) * 2**20) for rank, mib in MEMORY_LINE.findall(output)}
     if not found:
@@ -98,9 +107,9 @@ def _plan(args: Sequence[str], processes: int):
     need not be importable), on a CPU host."""
     from mindspeed_like.plan import cli
     from mindspeed_like.plan.predict import predict
-    from mindspeed_like.testing.megatron_lm import TINY
+    from mindspeed_like.testing.megatron_lm import TINY_SCHEDULE
 
-    argv = [*TINY, *args, "--world-size", str(processes), "--target-device", "cpu", "--parser", "builtin"]
+    argv = [*TINY_SCHEDULE, *args, "--world-size", str(processes), "--target-device", "cpu", "--parser", "builtin"]
     own, rest = cli.plan_parser().parse_known_args(argv)
     run, switches = cli.read_run(rest, own)
     return predict(run, switches.paths(run), switches.enabled)

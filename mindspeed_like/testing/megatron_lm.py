@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 
 from mindspeed_like.testing.parallel import free_port
 
@@ -24,13 +25,19 @@ SKIP_REASON = (
 
 # Only what a CPU user chooses: data, tokenizer, model size, schedule. No CPU-specific flags:
 # the adaptor switches TE/NCCL/apex defaults itself and logs it.
-TINY = (
+# the data and the schedule alone, for runs that give the whole model themselves (plan's checks)
+TINY_SCHEDULE = (
     "--mock-data --tokenizer-type NullTokenizer --vocab-size 255 "
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
     "--micro-batch-size 2 --global-batch-size 4 --train-iters 10 --lr 1e-3 --log-interval 1 "
-    "--eval-iters 0 --eval-interval 1000 --normalization RMSNorm --swiglu --position-embedding-type rope "
-    "--attention-dropout 0 --hidden-dropout 0 --seed 1234"
+    "--eval-iters 0 --eval-interval 1000 --seed 1234"
 ).split()
+TINY = [
+    *TINY_SCHEDULE,
+    *(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+        "--normalization RMSNorm --swiglu --position-embedding-type rope --attention-dropout 0 --hidden-dropout 0"
+    ).split(),
+]
 ITERATION = re.compile(
     r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?lm loss: ([0-9.E+-]+)"
 )
@@ -46,11 +53,17 @@ def launcher() -> list[str]:
 
 
 def torchrun_output(
-    nproc: int, script_args: list[str], extra: list[str], env_extra: dict | None = None, expect_failure: bool = False
+    nproc: int,
+    script_args: list[str],
+    extra: list[str],
+    env_extra: dict | None = None,
+    expect_failure: bool = False,
+    base: Sequence[str] = tuple(TINY),
 ) -> str:
     """Train the TINY model with ``extra`` flags in ``nproc`` processes; returns everything the
     processes printed (stdout, then stderr). Fails with the output's tail, unless ``expect_failure``
-    (then it fails if the run succeeded: a refusal under test)."""
+    (then it fails if the run succeeded: a refusal under test). ``base``: the arguments ``extra``
+    overrides (TINY_SCHEDULE where ``extra`` gives the whole model)."""
     env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_LIKE_ARGS"}
     bin_dir = os.path.dirname(sys.executable)  # megatron compiles helpers with the python3 on PATH
     env.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), OMP_NUM_THREADS=str(max(1, 2 // nproc)))
@@ -59,7 +72,7 @@ def torchrun_output(
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        *script_args, *TINY, *extra,
+        *script_args, *base, *extra,
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, check=False)
     output = result.stdout + result.stderr
