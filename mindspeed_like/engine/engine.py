@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib.metadata
 import importlib.util
 import inspect
 import logging
@@ -47,7 +46,11 @@ UNKNOWN_VERSION_MEANS = Version("9999")  # the newest layout (see Patch.versions
 
 
 def distribution_version(target: str) -> tuple[str, Version | None]:
-    """(distribution name, installed version) of the package holding ``target``, from pip metadata."""
+    """(distribution name, installed version) of the package holding ``target``, from pip metadata.
+    (importlib.metadata is imported here: it pulls in the email package, a third of a second that
+    ``import mindspeed_like`` need not pay before a patch is applied.)"""
+    import importlib.metadata
+
     top = target.split(".", 1)[0]
     try:
         dists = importlib.metadata.packages_distributions().get(top, [])
