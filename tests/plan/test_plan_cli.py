@@ -314,8 +314,11 @@ def test_host_allocator_on_a_cpu_host_is_said_to_be_outside_the_figures(capsys) 
     (and how to trade it back); on a device, where the feature stands aside, nothing is said."""
     tiny = "--preset llama --num-layers 2 --hidden-size 128 --seq-length 64 --optimization-level 1".split()
     assert cli.main([*tiny, "--target-device", "cpu"]) == 0
-    assert cli.HOST_ALLOCATOR_NOTE in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert cli.HOST_ALLOCATOR_NOTE in out and cli.CPU_HEAP_NOTE in out
     assert cli.main([*tiny, "--target-device", "cpu", "--no-tune-host-allocator"]) == 0
-    assert cli.HOST_ALLOCATOR_NOTE not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert cli.HOST_ALLOCATOR_NOTE not in out and cli.CPU_HEAP_NOTE in out  # step 1's figures either way
     assert cli.main([*tiny, "--target-device", "cuda"]) == 0
-    assert cli.HOST_ALLOCATOR_NOTE not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert cli.HOST_ALLOCATOR_NOTE not in out and cli.CPU_HEAP_NOTE not in out
