@@ -131,6 +131,37 @@ class _PortableRMSNorm(torch.autograd.Function):
         return grad_x, grad_weight, None, None
 
 
+class _CompiledRMSNorm(torch.autograd.Function):
+    """The compiled kernels (kernels/compiled.py) saving what the portable kernel saves: the input as
+    given, and the fp32 rstd. The kernels work on ``[rows, hidden]``; reshaping a strided input
+    (q sliced from the QKV projection under qk-layernorm, whose heads are not adjacent) copies it.
+    Letting the op's own autograd save its inputs kept that copy (a q-sized tensor a layer) and the
+    fp32 upcast of the weight until backward, where the input view costs nothing: its storage is
+    the projection's output, which attention keeps anyway. Backward reshapes and upcasts again."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
+        hidden = weight.numel()
+        gamma = _scale(weight, zero_centered_gamma).reshape(-1).float()
+        y, rstd = compiled.rms_norm(x.reshape(-1, hidden), gamma, eps)
+        ctx.save_for_backward(x, rstd)
+        ctx.weight = weight  # a parameter, alive anyway: on ctx, as the portable kernel keeps it
+        ctx.zero_centered_gamma = zero_centered_gamma
+        return y.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, rstd = ctx.saved_tensors
+        weight = ctx.weight
+        hidden = weight.numel()
+        gamma = _scale(weight, ctx.zero_centered_gamma).reshape(-1).float()
+        grad_rows = grad_out.reshape(-1, hidden).contiguous()
+        grad_x, grad_gamma = compiled.rms_norm_backward(grad_rows, x.reshape(-1, hidden), gamma, rstd)
+        grad_weight = grad_gamma.reshape(weight.shape).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_x = grad_x.reshape(x.shape) if ctx.needs_input_grad[0] else None
+        return grad_x, grad_weight, None, None
+
+
 def _npu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool) -> torch.Tensor:
     from mindspeed_like.kernels.backends.npu import torch_npu
 
@@ -172,7 +203,5 @@ def rms_norm(
         return torch.nn.functional.rms_norm(x, tuple(weight.shape), weight, eps)
     if compiled.active(x):
         _reduce_dims(x, weight)
-        gamma = _scale(weight, zero_centered_gamma).reshape(-1).float()
-        y, _rstd = compiled.rms_norm(x.reshape(-1, gamma.numel()), gamma, eps)
-        return y.reshape(x.shape)
+        return _CompiledRMSNorm.apply(x, weight, eps, zero_centered_gamma)
     return _PortableRMSNorm.apply(x, weight, eps, zero_centered_gamma)

@@ -150,6 +150,30 @@ def test_compiled_rmsnorm_equals_eager(dtype, zero_centered, monkeypatch):
 
 
 @pytest.mark.compile
+def test_compiled_rmsnorm_saves_what_the_portable_kernel_saves(monkeypatch):
+    """A strided input (q sliced from the QKV projection under qk-layernorm: its heads are not
+    adjacent) is saved as the view it is, not the [rows, hidden] copy the kernel works on, and the
+    weight's fp32 upcast is not saved: x's storage and the fp32 rstd, as the eager kernel keeps."""
+    from mindspeed_like.testing.memory import SavedBytesMeter
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    s, b, heads, d = 12, 2, 4, 32
+    qkv = torch.randn(s, b, (heads + 2) * d, dtype=torch.bfloat16, requires_grad=True)
+    q = qkv[..., : heads * d].view(s, b, heads, d)  # megatron's split of one query group
+    w = torch.ones(d, dtype=torch.bfloat16, requires_grad=True)
+    saved = {}
+    for mode in ("compiled", "eager"):
+        compiled.set_mode(mode)
+        with SavedBytesMeter() as meter:
+            out = rmsnorm_kernel.rms_norm(q, w, 1e-5)
+        saved[mode] = meter.current_bytes(exclude=[w])
+        out.float().sum().backward()
+    assert compiled._compiled, "the compiled body did not run"
+    rstd = s * b * heads * 4
+    assert saved["compiled"] == saved["eager"] == qkv.untyped_storage().nbytes() + rstd
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["half", "interleave"])
 @pytest.mark.parametrize("rot_dim", [64, 32], ids=["full", "rotary_percent=0.5"])
