@@ -216,6 +216,16 @@ def fits_line(pred, budget: int) -> str:
     return "device memory: " + "; ".join(out)
 
 
+def predict_argv(argv: Sequence[str]):
+    """The :class:`~mindspeed_like.plan.predict.Prediction` of a plan command line, as the CLI makes
+    it, without rendering it (the checks and tests that hold the plan to measurements)."""
+    from mindspeed_like.plan.predict import predict
+
+    own, rest = plan_parser().parse_known_args(list(argv))
+    run, switches = read_run(rest, own)
+    return predict(run, switches.paths(run), switches.enabled)
+
+
 def read_run(rest: list[str], own: argparse.Namespace):
     """The :class:`Run` and the feature switches from compare's options (``--preset``) or a
     Megatron-LM command line."""

@@ -106,13 +106,10 @@ def _plan(args: Sequence[str], processes: int):
     """The plan's prediction of a pretrain_gpt.py run as the CLI makes it (built-in parser: Megatron-LM
     need not be importable), on a CPU host."""
     from mindspeed_like.plan import cli
-    from mindspeed_like.plan.predict import predict
     from mindspeed_like.testing.megatron_lm import TINY_SCHEDULE
 
     argv = [*TINY_SCHEDULE, *args, "--world-size", str(processes), "--target-device", "cpu", "--parser", "builtin"]
-    own, rest = cli.plan_parser().parse_known_args(argv)
-    run, switches = cli.read_run(rest, own)
-    return predict(run, switches.paths(run), switches.enabled)
+    return cli.predict_argv(argv)
 
 
 def predicted(case: tuple[str, int, str]) -> dict[int, int]:

@@ -152,12 +152,9 @@ def predicted(case: tuple[str, str]) -> tuple[int, dict[str, int]]:
     """The plan's peak on the device for the case's arm (features where it sets a level), and its
     model state / activations (for the table)."""
     from mindspeed_like.plan import cli
-    from mindspeed_like.plan.predict import predict
 
     argv = [*arguments(case), "--world-size", "1", "--target-device", DEVICE, "--parser", "builtin"]
-    own, rest = cli.plan_parser().parse_known_args(argv)
-    run, switches = cli.read_run(rest, own)
-    prediction = predict(run, switches.paths(run), switches.enabled)
+    prediction = cli.predict_argv(argv)
     arm = prediction.features if LEVEL in case[1] else prediction.megatron
     stage = arm.stages[0]
     return stage.peak.total, {"model_state": stage.peak.model_state, "activations": stage.peak.activations}

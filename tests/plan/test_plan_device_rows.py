@@ -9,7 +9,6 @@ import pytest
 
 from mindspeed_like.plan import cli, peak
 from mindspeed_like.plan.activations import torch_fuses_rmsnorm
-from mindspeed_like.plan.predict import predict
 
 ARGS = (
     "--num-layers 2 --hidden-size 1024 --num-attention-heads 8 --seq-length 2048 --max-position-embeddings 2048 "
@@ -20,9 +19,8 @@ ARGS = (
 
 
 def _megatron_arm(*extra: str, device: str = "cuda"):
-    own, rest = cli.plan_parser().parse_known_args([*ARGS, *extra, "--target-device", device])
-    run, switches = cli.read_run(rest, own)
-    return run, predict(run, switches.paths(run), switches.enabled).megatron.stages[0]
+    prediction = cli.predict_argv([*ARGS, *extra, "--target-device", device])
+    return prediction.run, prediction.megatron.stages[0]
 
 
 def _rows(stage, component: str) -> list:
@@ -68,9 +66,7 @@ def test_megatrons_rmsnorm_on_cuda_keeps_the_input_and_rstd() -> None:
 ])  # fmt: skip
 def test_buffers_beside_the_model_state(device: str, flash: bool, expected: int) -> None:
     level = ["--optimization-level", "1"] if flash else []
-    own, rest = cli.plan_parser().parse_known_args([*ARGS, *level, "--target-device", device])
-    run, switches = cli.read_run(rest, own)
-    arm = predict(run, switches.paths(run), switches.enabled)
+    arm = cli.predict_argv([*ARGS, *level, "--target-device", device])
     stage = (arm.features if flash else arm.megatron).stages[0]
     assert stage.peak.buffers == expected
     assert stage.peak.training >= stage.peak.buffers + stage.peak.model_state

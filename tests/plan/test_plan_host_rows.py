@@ -9,7 +9,6 @@ import pytest
 
 from mindspeed_like.plan import cli, peak
 from mindspeed_like.plan.activations import FP32
-from mindspeed_like.plan.predict import predict
 
 ARGS = (
     "--num-layers 2 --hidden-size 512 --num-attention-heads 8 --seq-length 1024 --max-position-embeddings 1024 "
@@ -19,10 +18,8 @@ ARGS = (
 
 
 def _stages(*extra: str, device: str = "cpu"):
-    own, rest = cli.plan_parser().parse_known_args([*ARGS, *extra, "--target-device", device])
-    run, switches = cli.read_run(rest, own)
-    prediction = predict(run, switches.paths(run), switches.enabled)
-    return run, prediction.megatron.stages[-1], prediction.features.stages[-1]
+    prediction = cli.predict_argv([*ARGS, *extra, "--target-device", device])
+    return prediction.run, prediction.megatron.stages[-1], prediction.features.stages[-1]
 
 
 def _grad_buffer(stage) -> int:
