@@ -238,7 +238,8 @@ def share_lines(pred: Prediction) -> list[str]:
     if shares:
         out.append("each feature's share of it (the features' peak without it, minus with it):")
         for name, value in sorted(shares.items(), key=lambda kv: -kv[1]):
-            out.append(f"  {name:32s} {size(value):>12}")
+            if name not in pred.idle:  # said above: no memory effect on this model
+                out.append(f"  {name:32s} {size(value):>12}")
     return out
 
 
