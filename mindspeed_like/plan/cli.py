@@ -237,6 +237,7 @@ def read_run(rest: list[str], own: argparse.Namespace):
 
     device = own.target_device or "cuda"
     ns, unknown = megatron_args.parse_builtin(rest)
+    megatron_args.check_sizes(ns)
     switches = features.resolve(argv=rest)
     ours = _our_options()
     not_modeled = megatron_args.classify_unknown(unknown, ours | set(_plan_options()))

@@ -406,7 +406,6 @@ def run_from_namespace(
 ) -> Run:
     """A :class:`Run` from a (validated) Megatron-LM namespace, whichever parser made it."""
     get = lambda name, default=None: getattr(ns, name, default)  # noqa: E731 (Megatron-LM versions differ)
-    check_sizes(ns)
     if get("padded_vocab_size") is None:  # Megatron-LM pads when it builds the tokenizer, after validate_args
         vocab, note = tokenizer_vocab(ns)
         ns.padded_vocab_size = pad_vocab(vocab, ns.make_vocab_size_divisible_by, ns.tensor_model_parallel_size)
@@ -544,7 +543,9 @@ _POSITIVE = (
 
 
 def check_sizes(ns: argparse.Namespace) -> None:
-    """Sizes and parallel degrees below 1, which neither parser refuses (Megatron-LM fails later)."""
+    """Sizes and parallel degrees below 1, which neither parser refuses (Megatron-LM fails later).
+    Run on the built-in parser's namespace as soon as it is read, before anything divides by them
+    (the world size, ``derive``, Megatron-LM's validate_args): both parsers read the same values."""
     for name in _POSITIVE:
         value = getattr(ns, name, None)
         if value is not None and value < 1:

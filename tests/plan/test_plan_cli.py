@@ -150,6 +150,8 @@ SMALL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
     [
         ("--num-layers 0", "--num-layers must be 1 or more, got 0"),
         ("--seq-length -1", "--seq-length must be 1 or more, got -1"),
+        ("--tensor-model-parallel-size 0", "--tensor-model-parallel-size must be 1 or more, got 0"),
+        ("--num-attention-heads 0", "--num-attention-heads must be 1 or more, got 0"),
         ("--fp16 --bf16", "--fp16 and --bf16 exclude each other"),
         ("--recompute-granularity full", "needs --recompute-method uniform or block"),
         ("--recompute-granularity full --recompute-method block", "--recompute-num-layers between 1 and"),
