@@ -206,14 +206,20 @@ def _reasons(chosen: Candidate, candidates: list[Candidate], budget: int) -> lis
             other = by_key.get(base[:index] + (value,) + base[index + 1 :])
             if other is None:
                 continue
+            label = "none" if value is None else value
             if other.peak > budget:
-                parts.append(f"{value}: {size(other.peak)}, {size(other.peak - budget)} over")
+                parts.append(f"{label}: {size(other.peak)}, {size(other.peak - budget)} over")
             else:
                 slower = 100 * (other.seconds / chosen.seconds - 1)
-                parts.append(f"{value}: fits ({size(other.peak)}) but {slower:+.0f}% step time")
+                parts.append(f"{label}: fits ({size(other.peak)}) but {slower:+.0f}% step time")
         if parts:
-            out.append(f"{name} {base[index]} (peak {size(chosen.peak)}); instead " + "; ".join(parts))
+            out.append(f"{_choice(name, base[index])} (peak {size(chosen.peak)}); instead " + "; ".join(parts))
     return out
+
+
+def _choice(name: str, value: object) -> str:
+    """One choice as the command line says it (no recomputation is the option left out)."""
+    return f"no {name}" if value is None else f"{name} {value}"
 
 
 def command_line(run: Run, c: Candidate) -> str:

@@ -20,6 +20,7 @@ import argparse
 import ast
 import contextlib
 import difflib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -200,7 +201,6 @@ NO_MEMORY_EFFECT_PREFIXES = (
     "--kv-channels",
     "--manual-gc",
     "--profile",
-    "--use-torch-fsdp2",
     "--overlap-param-gather",
     "--moe-z-loss-coeff",
     "--mtp-loss-scaling-factor",
@@ -298,7 +298,9 @@ def parse_with_megatron_lm(
     import sys
 
     fresh = parse_only_process and "megatron.core" not in sys.modules
-    with _compile_left_for_later() if fresh else contextlib.nullcontext():
+    with _compile_left_for_later() if fresh else contextlib.nullcontext(), warnings.catch_warnings():
+        if fresh:  # megatron's import-time notices (no TE, no Apex: falling back) say nothing of a plan
+            warnings.simplefilter("ignore")
         from megatron.training import arguments  # noqa: F401 (ImportError: not installed)
 
     saved_argv = sys.argv

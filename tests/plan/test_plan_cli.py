@@ -324,3 +324,30 @@ def test_host_allocator_on_a_cpu_host_is_said_to_be_outside_the_figures(capsys) 
     assert cli.main([*tiny, "--target-device", "cuda"]) == 0
     out = capsys.readouterr().out
     assert cli.HOST_ALLOCATOR_NOTE not in out and cli.CPU_HEAP_NOTE not in out
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # each shards, offloads or re-sizes what the plan counts: a silent plan would be wrong by DP x or more
+        "--use-torch-fsdp2",
+        "--use-megatron-fsdp",
+        "--attention-backend unfused",
+        "--fp8-format hybrid",
+        "--cpu-offloading-num-layers 1",
+    ],
+)
+def test_options_that_change_memory_unmodeled_are_said(extra: str, capsys) -> None:
+    common = "--lr 1e-4 --train-iters 10 --seed 3 --log-interval 1".split()
+    assert cli.main([*SMALL, *common, *extra.split(), "--parser", "builtin", "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)["not_modeled"]
+    assert said == [extra.split()[0]]  # and nothing of --lr, --train-iters, --seed, --log-interval
+
+
+def test_fit_says_each_choice_as_a_command_line_would(capsys) -> None:
+    """No recomputation is the option left out ("no --recompute-granularity"), not "None"."""
+    argv = [*SMALL, "--seq-length", "1024", "--max-position-embeddings", "1024", "--bf16", "--micro-batch-size", "1"]
+    assert cli.main([*argv, "--fit", "--device-memory", "1GiB", "--parser", "builtin"]) == 0
+    why = capsys.readouterr().out.split("why:")[1]
+    assert "None" not in why
+    assert "no --recompute-granularity (peak" in why and "instead full: fits" in why
