@@ -42,6 +42,10 @@ def memory_size(text: str) -> int:
     if not match or match[2].lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 80GiB, 80GB, 81920MiB)")
     size = int(float(match[1]) * _UNITS[match[2].lower()])
+    if not match[2] and size < 2**20:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} would be {size} bytes: give a unit (e.g. {match[1]}GiB or {match[1]}GB)"
+        )
     if size <= 0:
         raise argparse.ArgumentTypeError(f"a device's memory must be more than 0 bytes, got {text!r}")
     return size
@@ -128,7 +132,7 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool | None = None) 
     try:
         result = plan(rest, own)
     except ConfigError as error:
-        print(f"mindspeed-like plan: {error}", file=sys.stderr)
+        print(f"mindspeed-like plan: {str(error).removeprefix('plan: ')}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=1) if own.json else result)
     return 0
@@ -238,11 +242,21 @@ def read_run(rest: list[str], own: argparse.Namespace):
     device = own.target_device or "cuda"
     ns, unknown = megatron_args.parse_builtin(rest)
     megatron_args.check_sizes(ns)
+    megatron_args.check_exclusive(ns, rest)
     switches = features.resolve(argv=rest)
     ours = _our_options()
     not_modeled = megatron_args.classify_unknown(unknown, ours | set(_plan_options()))
     source = "builtin"
     notes: list[str] = []
+    if ns.max_position_embeddings is None and ns.seq_length is not None:
+        # Megatron-LM requires it (validate_args); the plan answers, with the value it took, and the
+        # command lines --fit prints carry it
+        rest = [*rest, "--max-position-embeddings", str(ns.seq_length)]
+        ns.max_position_embeddings = ns.seq_length
+        notes.append(
+            f"no --max-position-embeddings: taken as --seq-length ({ns.seq_length}); Megatron-LM refuses a "
+            "command line without it, so add it"
+        )
     if own.parser in ("auto", "megatron-lm"):
         try:
             ns, note = megatron_args.parse_with_megatron_lm(
@@ -294,7 +308,14 @@ def _from_compare(rest: list[str], own: argparse.Namespace):
     from mindspeed_like.config import add_flag, add_negation, negatable
     from mindspeed_like.plan import features
     from mindspeed_like.plan.compare_args import run_from_compare
+    from mindspeed_like.plan.megatron_args import import_notices_kept_out
 
+    if getattr(own, "world_size", None) is not None:
+        raise ConfigError(
+            "plan: --world-size is for a Megatron-LM command line; with compare's options (--preset) the ranks are "
+            "its layout: --tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size x "
+            "--data-parallel-size"
+        )
     parser = argparse.ArgumentParser(prog="mindspeed-like plan (compare's options)", allow_abbrev=False)
     add_compare_arguments(parser)
     group = parser.add_argument_group("feature flags")
@@ -305,7 +326,8 @@ def _from_compare(rest: list[str], own: argparse.Namespace):
     args = parser.parse_args(rest)
     names = {flag.name for flag in runtime.flags()}
     values = {k: v for k, v in vars(args).items() if k in names}
-    check_arguments(args, values)
+    with import_notices_kept_out():  # it builds megatron's TransformerConfig: megatron's first import
+        check_arguments(args, values)
     switches = features.resolve(values=values)
     device = own.target_device or runtime.context_for(switches.config).device
     return run_from_compare(args, values, device, command=("--preset", *[t for t in rest if t != "--preset"])), switches

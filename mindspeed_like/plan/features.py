@@ -39,6 +39,7 @@ def resolve(argv: Sequence[str] | None = None, values: Mapping[str, Any] | None 
     from mindspeed_like.compare.arguments import SHARED_FLAGS
 
     values = dict(values or {})
+    _check_our_values(argv or [])
     config = runtime.resolve_config(code=values, argv=list(argv or []))
     given = {name for name, source in config.sources.items() if source not in ("default", "optimization-level")}
     defaulted = not (given - set(SHARED_FLAGS)) and config["optimization_level"] is None
@@ -49,3 +50,17 @@ def resolve(argv: Sequence[str] | None = None, values: Mapping[str, Any] | None 
     runtime.check_relations(ctx)
     enabled = tuple(f.name for f in ctx.features if f.kind == "feature")
     return Switches(config=config, enabled=enabled, level=config["optimization_level"], defaulted=defaulted)
+
+
+def _check_our_values(argv: Sequence[str]) -> None:
+    """Our flags' values in a plan's command line, refused when wrong. A training script's command
+    line only warns and keeps going (the script owns it, config.parse_argv); every option of a plan's
+    is meant for the plan, so ``--optimization-level 3`` is an error, not level 2 by default."""
+    from mindspeed_like import config as config_mod
+    from mindspeed_like import runtime
+    from mindspeed_like.toolkit.errors import ConfigError
+
+    try:
+        config_mod.build_parser(runtime.flags(), argv=True).parse_known_args(list(argv))
+    except ConfigError as error:
+        raise ConfigError(f"plan: {str(error).removeprefix('mindspeed_like: ')}") from None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,7 +229,7 @@ def command_line(run: Run, c: Candidate) -> str:
     flag = f"--optimization-level {c.level}"
     if run.source == "compare":
         tokens = _drop(list(run.command), {"--optimization-level": 1})
-        return "mindspeed-like compare " + " ".join([*tokens, flag])
+        return "mindspeed-like compare " + shlex.join([*tokens, *flag.split()])
     lay = c.layout
     replace = {
         "--tensor-model-parallel-size": str(lay.tp),
@@ -270,7 +271,8 @@ def command_line(run: Run, c: Candidate) -> str:
     elif rc.granularity == "selective":
         tokens += ["--recompute-granularity", "selective"]
     tokens += flag.split()
-    return "pretrain_gpt.py (with `import mindspeed_like.megatron_adaptor`) " + " ".join(tokens)
+    # quoted for a shell: Megatron-LM's list options, e.g. --moe-layer-freq '([0]+[1]*26)'
+    return "pretrain_gpt.py (with `import mindspeed_like.megatron_adaptor`) " + shlex.join(tokens)
 
 
 def _drop(tokens: list[str], options: dict[str, int]) -> list[str]:
@@ -298,9 +300,14 @@ def render_fit(result: FitResult) -> str:
             f"nothing fits: the leanest configuration needs {size(lean.peak)} on its largest rank, "
             f"{size(lean.peak - result.usable)} more than the device's usable {size(result.usable)} ({result.command})"
         )
-        lines.append(
-            "short by that much: more ranks (--world-size), a shorter sequence or a smaller micro-batch would be needed"
+        # compare's options fix the layout (the fit searches levels only); a Megatron-LM command line's
+        # layouts are searched within --world-size
+        more = (
+            "more ranks (compare's --tensor-model-parallel-size / --pipeline-model-parallel-size)"
+            if result.run.source == "compare"
+            else "more ranks (--world-size)"
         )
+        lines.append(f"short by that much: {more}, a shorter sequence or a smaller micro-batch would be needed")
         lines += ["  " + r for r in result.reasons]
         return "\n".join(lines)
     lines.append("recommended: " + result.command)

@@ -20,6 +20,7 @@ import argparse
 import ast
 import contextlib
 import difflib
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -264,6 +265,20 @@ def classify_unknown(rest: Sequence[str], known_elsewhere: set[str]) -> list[str
 
 
 @contextlib.contextmanager
+def import_notices_kept_out() -> Iterator[None]:
+    """megatron's notices that say nothing of the run planned, kept out of a plan's output: an
+    optional package missing at import (Transformer Engine, Apex, absl: "falling back to ..."), and
+    megatron-core 0.16's TransformerConfig default itself ("full scope is deprecated", at every
+    config built). A plan imports megatron for its parser or config checks only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r".*(Transformer Engine|Apex|absl)[^\n]*not installed", category=UserWarning
+        )
+        warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+        yield
+
+
+@contextlib.contextmanager
 def _compile_left_for_later() -> Iterator[None]:
     """``torch.compile`` hands its function back unchanged while this block imports megatron.
 
@@ -298,9 +313,7 @@ def parse_with_megatron_lm(
     import sys
 
     fresh = parse_only_process and "megatron.core" not in sys.modules
-    with _compile_left_for_later() if fresh else contextlib.nullcontext(), warnings.catch_warnings():
-        if fresh:  # megatron's import-time notices (no TE, no Apex: falling back) say nothing of a plan
-            warnings.simplefilter("ignore")
+    with _compile_left_for_later() if fresh else contextlib.nullcontext(), import_notices_kept_out():
         from megatron.training import arguments  # noqa: F401 (ImportError: not installed)
 
     saved_argv = sys.argv
@@ -339,6 +352,9 @@ def _refusal(error: BaseException) -> str:
     import linecache
     import traceback
 
+    missing = re.fullmatch(r"(\w+) argument is None", str(error))
+    if missing:
+        return f"--{missing[1].replace('_', '-')} is required: give it"
     if str(error):
         return str(error)
     frame = traceback.extract_tb(error.__traceback__)[-1]
@@ -436,6 +452,7 @@ def run_from_namespace(
         ffn_hidden_size=ns.ffn_hidden_size,
         vocab_size=ns.padded_vocab_size,
         seq_length=ns.seq_length,
+        max_position_embeddings=get("max_position_embeddings"),
         kv_channels=ns.kv_channels,
         # core_transformer_config_from_args: no --group-query-attention means one group per head
         num_query_groups=ns.num_query_groups if get("group_query_attention") else ns.num_attention_heads,
@@ -556,6 +573,38 @@ def check_sizes(ns: argparse.Namespace) -> None:
         raise ConfigError("plan: --fp16 and --bf16 exclude each other (Megatron-LM asserts it): give one")
 
 
+def check_exclusive(ns: argparse.Namespace, argv: Sequence[str]) -> None:
+    """Options Megatron-LM's validate_args refuses together, refused here for both parsers: the
+    built-in one reads only one of each pair, and Megatron-LM's stops validating where it needs the
+    target device (TP/CP > 1, grouped GEMM on a CPU host), so neither would say it."""
+    given = {token.split("=", 1)[0] for token in argv if token.startswith("--")}
+    virtual = [
+        option
+        for option in (
+            "--num-layers-per-virtual-pipeline-stage",
+            "--num-virtual-stages-per-pipeline-rank",
+            "--pipeline-model-parallel-layout",
+        )
+        if option in given
+    ]
+    if len(virtual) > 1:
+        raise ConfigError(
+            f"plan: {' and '.join(virtual)} exclude each other (Megatron-LM: no more than one of them can be set): "
+            "give one"
+        )
+    if "--rampup-batch-size" in given and ("--train-iters" in given):
+        raise ConfigError(
+            "plan: --rampup-batch-size is for sample-based training (--train-samples); with --train-iters "
+            "Megatron-LM refuses it ('expected no batch-size rampup for iteration-based training')"
+        )
+    experts, ep = getattr(ns, "num_experts", None), getattr(ns, "expert_model_parallel_size", 1)
+    if ep > 1 and not experts:
+        raise ConfigError(
+            f"plan: --expert-model-parallel-size {ep} needs --num-experts (Megatron-LM asserts it): give the "
+            "experts, or leave expert parallelism out"
+        )
+
+
 def check_recompute(recompute: Recompute, num_layers: int, pp: int) -> None:
     """megatron's TransformerConfig refusals for recomputation, at the plan instead of model build."""
     granularity, method, layers = recompute.granularity, recompute.method, recompute.num_layers
@@ -594,8 +643,18 @@ def check(model: Model, layout: Layout) -> None:
             f"plan: --num-experts {model.num_experts} must be divisible by --expert-model-parallel-size {layout.ep}"
         )
     if model.is_moe and (layout.dp * layout.cp * tp) % (layout.expert_tp * layout.ep):
+        ranks = layout.dp * layout.cp * tp
+        per_stage = tp * layout.pp * layout.cp
+        world = next(
+            k * per_stage
+            for k in range(1, 1 + layout.expert_tp * layout.ep)
+            if (k * tp * layout.cp) % (layout.expert_tp * layout.ep) == 0
+        )
         raise ConfigError(
-            "plan: DP x CP x TP must be divisible by expert TP x EP (megatron's initialize_model_parallel)"
+            f"plan: DP x CP x TP ({layout.dp} x {layout.cp} x {tp} = {ranks}) must be divisible by expert TP x EP "
+            f"({layout.expert_tp} x {layout.ep}; megatron's initialize_model_parallel) in a world of "
+            f"{layout.world_size} ranks: give --world-size as a multiple of {world} (without it the world is "
+            "TP x PP x CP)"
         )
     if model.seq_length % layout.cp or (layout.cp > 1 and model.seq_length % (2 * layout.cp)):
         raise ConfigError(f"plan: --seq-length {model.seq_length} must be divisible by 2 x CP ({2 * layout.cp})")

@@ -96,7 +96,8 @@ def embedding(run: Run) -> list[Param]:
     m = run.model
     rows = [Param("embedding.word_embeddings.weight", m.vocab_size // run.layout.tp * m.hidden_size)]
     if m.position_embedding_type == "learned_absolute":
-        rows.append(Param("embedding.position_embeddings.weight", m.seq_length * m.hidden_size))
+        table = m.max_position_embeddings or m.seq_length
+        rows.append(Param("embedding.position_embeddings.weight", table * m.hidden_size))
     return rows
 
 

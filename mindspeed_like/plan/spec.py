@@ -29,6 +29,9 @@ class Model:
     seq_length: int
     kv_channels: int
     num_query_groups: int
+    # rows of the learned position-embedding table (GPTModel's max_sequence_length: Megatron-LM passes
+    # --max-position-embeddings); None: seq_length, as compare's models are built
+    max_position_embeddings: int | None = None
     normalization: str = "RMSNorm"  # or LayerNorm
     gated_linear_unit: bool = True  # SwiGLU
     add_bias_linear: bool = False

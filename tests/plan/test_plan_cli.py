@@ -351,3 +351,74 @@ def test_fit_says_each_choice_as_a_command_line_would(capsys) -> None:
     why = capsys.readouterr().out.split("why:")[1]
     assert "None" not in why
     assert "no --recompute-granularity (peak" in why and "instead full: fits" in why
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # our flags in a plan's command line are the plan's: a wrong value is an error, not the default level
+        ("--optimization-level 3", "--optimization-level: invalid choice: 3"),
+        (
+            "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 "
+            "--num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4",
+            "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank exclude each other",
+        ),
+        ("--train-iters 10 --rampup-batch-size 16 16 100", "--rampup-batch-size is for sample-based training"),
+        ("--expert-model-parallel-size 2", "--expert-model-parallel-size 2 needs --num-experts"),
+        (
+            "--num-experts 8 --expert-model-parallel-size 8 --pipeline-model-parallel-size 2",
+            "give --world-size as a multiple of 16",
+        ),
+    ],
+)
+def test_refusals_name_the_options_and_the_fix(extra: str, message: str, capsys) -> None:
+    assert cli.main([*SMALL, *extra.split(), "--parser", "builtin"]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.startswith("mindspeed-like plan: ") and "plan: plan:" not in err
+
+
+def test_a_device_memory_without_its_unit_is_refused(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main([*SMALL, "--device-memory", "80", "--parser", "builtin"])
+    assert "'80' would be 80 bytes: give a unit (e.g. 80GiB or 80GB)" in capsys.readouterr().err
+
+
+def test_world_size_with_compares_options_points_to_their_layout(capsys) -> None:
+    assert cli.main(["--preset", "llama", "--num-layers", "2", "--world-size", "4"]) == 2
+    assert "--world-size is for a Megatron-LM command line" in capsys.readouterr().err
+
+
+def test_the_learned_position_table_has_max_position_embeddings_rows(capsys) -> None:
+    """GPTModel's position table is --max-position-embeddings rows (not --seq-length); without the
+    option (Megatron-LM refuses that) the plan takes the sequence length and says so."""
+    gpt = [*SMALL, "--parser", "builtin", "--json"]  # LayerNorm, learned positions: Megatron-LM's defaults
+
+    def weights(*extra: str) -> tuple[int, list[str]]:
+        assert cli.main([*gpt, *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out["per_rank"][0]["megatron"]["weights_bytes"], out["notes"]
+
+    short, notes = weights()
+    assert any("no --max-position-embeddings: taken as --seq-length (32)" in n for n in notes)
+    same, notes = weights("--max-position-embeddings", "32")
+    assert same == short and not any("max-position" in n for n in notes)
+    longer, _ = weights("--max-position-embeddings", "96")
+    assert longer - short == (96 - 32) * 64 * 4  # fp32 rows of hidden 64
+
+
+def test_fits_command_line_is_quoted_for_a_shell(capsys) -> None:
+    import shlex
+
+    moe = [*SMALL, "--num-experts", "4", "--moe-layer-freq", "([0]+[1]*1)", "--world-size", "4"]
+    assert cli.main([*moe, "--fit", "--device-memory", "80GiB", "--parser", "builtin"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("recommended: "))
+    tokens = shlex.split(line.split(") ", 1)[1])  # after "pretrain_gpt.py (with `import ...`)"
+    assert tokens[tokens.index("--moe-layer-freq") + 1] == "([0]+[1]*1)"
+
+
+def test_megatron_lms_missing_argument_refusal_names_the_option() -> None:
+    from mindspeed_like.plan.megatron_args import _refusal
+
+    error = AssertionError("max_position_embeddings argument is None")  # _check_arg_is_not_none's words
+    assert _refusal(error) == "--max-position-embeddings is required: give it"
