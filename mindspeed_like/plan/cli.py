@@ -260,7 +260,10 @@ def read_run(rest: list[str], own: argparse.Namespace):
     if own.parser in ("auto", "megatron-lm"):
         try:
             ns, note = megatron_args.parse_with_megatron_lm(
-                rest, own.world_size or _model_parallel(ns), parse_only_process=getattr(own, "own_process", False)
+                rest,
+                own.world_size or _model_parallel(ns),
+                parse_only_process=getattr(own, "own_process", False),
+                device=device,
             )
             source = "megatron-lm" if note is None else "megatron-lm parser, built-in derivations"
             if note:

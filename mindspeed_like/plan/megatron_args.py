@@ -300,14 +300,16 @@ def _compile_left_for_later() -> Iterator[None]:
 
 
 def parse_with_megatron_lm(
-    argv: Sequence[str], world_size: int, parse_only_process: bool = False
+    argv: Sequence[str], world_size: int, parse_only_process: bool = False, device: str = "cuda"
 ) -> tuple[argparse.Namespace, str | None]:
     """Megatron-LM's own ``parse_args`` and ``validate_args`` on ``argv`` (unknown options, ours
     included, ignored by it), for a world of ``world_size`` ranks. Raises ImportError where
-    megatron.training is not importable. Where ``validate_args`` needs the target device itself
-    (it asks CUDA for the GPU's architecture at TP/CP > 1), the namespace is Megatron-LM's parsed
-    one with the built-in derivations, and the second value says so. ``parse_only_process``: this
-    process only parses (plan's CLI), so megatron is imported without compiling its fused ops."""
+    megatron.training is not importable. ``validate_args`` asks CUDA for the GPU's architecture (TP
+    or CP above 1, grouped GEMM): for a CUDA target on a host without one it is answered as the
+    plan's device model, a Hopper GPU (:func:`_hopper_answered`), so every later check still runs;
+    where it needs the device otherwise, the namespace is Megatron-LM's parsed one with the built-in
+    derivations, and the second value says so. ``parse_only_process``: this process only parses
+    (plan's CLI), so megatron is imported without compiling its fused ops."""
     import io
     import os
     import sys
@@ -325,7 +327,8 @@ def parse_with_megatron_lm(
         with contextlib.redirect_stdout(io.StringIO()):  # it prints every argument
             args = arguments.parse_args(ignore_unknown_args=True)
             try:
-                arguments.validate_args(args)
+                with _hopper_answered() if device == "cuda" else contextlib.nullcontext():
+                    arguments.validate_args(args)
             except (AssertionError, RuntimeError) as error:
                 if "CUDA" not in str(error) and "cuda" not in str(error):
                     raise ConfigError(
@@ -344,6 +347,28 @@ def parse_with_megatron_lm(
             else:
                 os.environ[key] = value
     return args, note
+
+
+@contextlib.contextmanager
+def _hopper_answered() -> Iterator[None]:
+    """torch's CUDA device queries answered as an H100 would (compute capability 9.0) where this
+    host has no CUDA device: Megatron-LM's validate_args asks them (``get_device_arch_version`` at TP
+    or CP above 1, ``get_device_capability`` for grouped GEMM) only to choose a setting or refuse
+    pre-Ampere GPUs, and the plan's device model is Hopper's (its cuBLAS workspaces)."""
+    import types
+    from unittest import mock
+
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    hopper = types.SimpleNamespace(major=9, minor=0, name="H100 (assumed by plan)", total_memory=80 * 2**30)
+    with (
+        mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (9, 0)),
+        mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: hopper),
+    ):
+        yield
 
 
 def _refusal(error: BaseException) -> str:

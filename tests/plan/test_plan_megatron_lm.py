@@ -49,7 +49,8 @@ def _plan_json(command: str, parser: str, world: int) -> dict:
 def test_builtin_parser_predicts_what_megatron_lms_parser_does(name: str) -> None:
     ours = _plan_json(COMMANDS[name], "builtin", 8)
     theirs = _plan_json(COMMANDS[name], "megatron-lm", 8)
-    assert theirs["run"]["source"].startswith("megatron-lm") and ours["run"]["source"] == "builtin"
+    # validate_args ran whole on this host without a GPU (its device queries answered as Hopper's)
+    assert theirs["run"]["source"] == "megatron-lm" and ours["run"]["source"] == "builtin"
     assert ours["run"]["description"] == theirs["run"]["description"]
     assert ours["per_rank"] == theirs["per_rank"]
 
@@ -100,3 +101,16 @@ def test_a_bare_assert_in_validate_args_is_quoted() -> None:
     done = subprocess.run([sys.executable, "-m", "mindspeed_like.plan", *args], capture_output=True, text=True, env=env)
     assert done.returncode == 2
     assert "assert args.hidden_size % args.num_attention_heads == 0 (megatron/training/arguments.py:" in done.stderr
+
+
+def test_validate_args_refusals_after_its_device_query_are_kept() -> None:
+    """At TP 2 validate_args asks CUDA for the GPU's architecture before its later checks; a host
+    without a GPU answers as Hopper, so a refusal after that point (Muon with the distributed
+    optimizer) is still Megatron-LM's, not lost to a fallback."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([MEGATRON_LM, os.environ.get("PYTHONPATH", "")]))
+    command = COMMANDS["llama tp1"].split()
+    args = [*command, "--tensor-model-parallel-size", "2", "--optimizer", "muon", "--use-distributed-optimizer"]
+    args += ["--world-size", "2", "--parser", "megatron-lm"]
+    done = subprocess.run([sys.executable, "-m", "mindspeed_like.plan", *args], capture_output=True, text=True, env=env)
+    assert done.returncode == 2, done.stdout[-2000:]
+    assert "Muon optimizer does not support distributed optimizer" in done.stderr
