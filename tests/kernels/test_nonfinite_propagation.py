@@ -8,8 +8,9 @@ gets inputs with NaN, +-inf and overflowing values injected (into every input an
 incoming gradient) and is compared with megatron's own op on the same inputs:
 
 * RMSNorm, SwiGLU, RoPE compute what megatron's ops compute, in megatron's order: output and
-  gradients equal megatron's bitwise, NaN and inf included (the compiled kernels' bodies, run
-  eagerly here, too);
+  gradients equal megatron's bitwise, NaN and inf included (the compiled kernels too: SwiGLU's
+  custom op against megatron's fused SwiGLU, both Inductor-compiled where TorchDynamo runs, both
+  eager where it does not; the others' bodies eagerly);
 * the rest (flash attention, linear cross-entropy, grouped GEMM, MoE permute/unpermute and
   routing) are other algorithms for the same math: the positions that are NaN or inf must be
   megatron's (exactly, or where stated the exception and why: flash attention never multiplies
@@ -166,16 +167,11 @@ def _megatron_weighted_swiglu(x, w):
     return weighted_bias_swiglu_impl(x, None, w)
 
 
-class _CompiledMathSwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return compiled.swiglu_math(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return compiled.swiglu_backward_math(grad, x)
+def _our_compiled_swiglu(x):
+    """The compiled kernel as a run calls it (``mindspeed_like::swiglu`` and its registered
+    backward): Inductor-compiled where TorchDynamo runs, as megatron's fused SwiGLU (jit_fuser) is
+    then; their bodies eagerly where it does not. Each pair is compared bitwise."""
+    return compiled.swiglu(x)
 
 
 def _our_swiglu(x):
@@ -199,7 +195,7 @@ SWIGLU_GATE_WHERE = {"x": (2, 20), "grad": (2, 3), "w": (2, 0)}  # x's second ha
     ("ours", "megatron"),
     [
         (_our_swiglu, _megatron_inline_swiglu),
-        (_CompiledMathSwiGLU.apply, _megatron_fused_swiglu),
+        (_our_compiled_swiglu, _megatron_fused_swiglu),
     ],
     ids=["eager-vs-inline", "compiled-math-vs-fused"],
 )
@@ -216,7 +212,7 @@ def test_swiglu_nonfinite_placement_is_both_megatron_paths(dtype, megatron):
     for where in (SWIGLU_WHERE, SWIGLU_GATE_WHERE):
         for case, t in _cases({"x": (4, 32), "grad": (4, 16)}, dtype, where, ("x", "grad")):
             expected = _grads(megatron, [t["x"]], t["grad"])
-            for ours in (_our_swiglu, _CompiledMathSwiGLU.apply):
+            for ours in (_our_swiglu, _our_compiled_swiglu):
                 assert_same_placement(_grads(ours, [t["x"]], t["grad"]), expected, f"{dtype} {case} at {where['x']}")
 
 
