@@ -225,7 +225,7 @@ def test_megatron_is_imported_without_compiling_only_in_plans_own_process(monkey
     assert torch.compile is compile_
     seen = {}
 
-    def parse(argv, world_size, parse_only_process=False):
+    def parse(argv, world_size, parse_only_process=False, device="cuda"):
         seen["parse_only_process"] = parse_only_process
         raise ImportError("megatron.training")
 
