@@ -600,8 +600,9 @@ def check_sizes(ns: argparse.Namespace) -> None:
 
 def check_exclusive(ns: argparse.Namespace, argv: Sequence[str]) -> None:
     """Options Megatron-LM's validate_args refuses together, refused here for both parsers: the
-    built-in one reads only one of each pair, and Megatron-LM's stops validating where it needs the
-    target device (TP/CP > 1, grouped GEMM on a CPU host), so neither would say it."""
+    built-in one reads only one of each pair, and Megatron-LM's validation stops where its device
+    queries cannot be answered (an NPU or CPU target on a host without that device: TP/CP > 1,
+    grouped GEMM), so neither would say it there."""
     given = {token.split("=", 1)[0] for token in argv if token.startswith("--")}
     virtual = [
         option
