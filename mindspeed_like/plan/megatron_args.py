@@ -215,7 +215,6 @@ NO_MEMORY_EFFECT_PREFIXES = (
     "--moe-router-group-topk",
     "--moe-permute-fusion",
     "--moe-router-fusion",
-    "--max-position-embeddings",
     "--dataloader-",
     "--calculate-per-token-loss",
     "--bias-",
