@@ -140,6 +140,10 @@ def fit(
     candidates: list[Candidate] = []
     for layout, rc, level in itertools.product(_layouts(run, world), recomputes, LEVELS):
         trial = dataclasses.replace(run, layout=layout, recompute=rc)
+        if layout.tp != run.layout.tp:
+            trial = dataclasses.replace(
+                trial, model=dataclasses.replace(run.model, vocab_size=run.model.vocab_for_tp(layout.tp))
+            )
         try:
             from mindspeed_like.plan.megatron_args import check
 

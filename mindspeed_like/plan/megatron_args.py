@@ -138,6 +138,7 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exp-avg-dtype", default="fp32", choices=_DTYPES)
     g.add_argument("--exp-avg-sq-dtype", default="fp32", choices=_DTYPES)
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "muon", "dist_muon"))
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--recompute-activations", action="store_true")
     g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"))
     g.add_argument("--recompute-method", default=None, choices=("uniform", "block"))
@@ -448,12 +449,15 @@ def run_from_namespace(
 ) -> Run:
     """A :class:`Run` from a (validated) Megatron-LM namespace, whichever parser made it."""
     get = lambda name, default=None: getattr(ns, name, default)  # noqa: E731 (Megatron-LM versions differ)
+    unpadded = None
     if get("padded_vocab_size") is None:  # Megatron-LM pads when it builds the tokenizer, after validate_args
-        vocab, note = tokenizer_vocab(ns)
-        ns.padded_vocab_size = pad_vocab(vocab, ns.make_vocab_size_divisible_by, ns.tensor_model_parallel_size)
+        unpadded, note = tokenizer_vocab(ns)
+        ns.padded_vocab_size = pad_vocab(unpadded, ns.make_vocab_size_divisible_by, ns.tensor_model_parallel_size)
         notes = (*notes, note) if note else notes
     if "--sequence-parallel" in command and ns.tensor_model_parallel_size == 1:
         notes = (*notes, "--sequence-parallel at TP 1: Megatron-LM switches it off (validate_args), as the plan does")
+    if "muon" in str(get("optimizer", "adam")):
+        notes = (*notes, MUON_NOTE)
     tp, dp = ns.tensor_model_parallel_size, ns.data_parallel_size
     experts = get("num_experts") or 0
     mbs = ns.micro_batch_size
@@ -475,6 +479,8 @@ def run_from_namespace(
         num_attention_heads=ns.num_attention_heads,
         ffn_hidden_size=ns.ffn_hidden_size,
         vocab_size=ns.padded_vocab_size,
+        vocab_unpadded=unpadded,
+        vocab_divisible_by=ns.make_vocab_size_divisible_by,
         seq_length=ns.seq_length,
         max_position_embeddings=get("max_position_embeddings"),
         kv_channels=ns.kv_channels,
@@ -535,6 +541,7 @@ def run_from_namespace(
         exp_avg=_dtype_name(get("exp_avg_dtype", "fp32")),
         exp_avg_sq=_dtype_name(get("exp_avg_sq_dtype", "fp32")),
         optimizer=get("optimizer", "adam"),
+        sgd_momentum=float(get("sgd_momentum", 0.9)),
     )
     modules = get("recompute_modules")
     recompute = Recompute(
@@ -597,6 +604,12 @@ def check_sizes(ns: argparse.Namespace) -> None:
         raise ConfigError("plan: --fp16 and --bf16 exclude each other (Megatron-LM asserts it): give one")
 
 
+MUON_NOTE = (
+    "--optimizer muon: its state is not modeled and is counted as Adam's (two fp32 moments a parameter); "
+    "Muon keeps one momentum for each matrix and Adam's two for the rest, so the optimizer figure is an upper bound"
+)
+
+
 def check_exclusive(ns: argparse.Namespace, argv: Sequence[str]) -> None:
     """Options Megatron-LM's validate_args refuses together, refused here for both parsers: the
     built-in one reads only one of each pair, and Megatron-LM's validation stops where its device
@@ -621,6 +634,12 @@ def check_exclusive(ns: argparse.Namespace, argv: Sequence[str]) -> None:
         raise ConfigError(
             "plan: --rampup-batch-size is for sample-based training (--train-samples); with --train-iters "
             "Megatron-LM refuses it ('expected no batch-size rampup for iteration-based training')"
+        )
+    optimizer = str(getattr(ns, "optimizer", "adam"))
+    if "muon" in optimizer and getattr(ns, "use_distributed_optimizer", False):
+        raise ConfigError(
+            f"plan: --optimizer {optimizer} does not run with --use-distributed-optimizer (Megatron-LM asserts "
+            "'Muon optimizer does not support distributed optimizer for now'): leave one out"
         )
     experts, ep = getattr(ns, "num_experts", None), getattr(ns, "expert_model_parallel_size", 1)
     if ep > 1 and not experts:

@@ -66,6 +66,16 @@ class Model:
     v_head_dim: int = 0
     # multi-token prediction
     mtp_num_layers: int = 0
+    # the tokenizer's vocabulary before megatron pads it (a multiple of vocab_divisible_by x TP), so
+    # another TP (``--fit``) pads it again; None where the padded size was given (compare's presets)
+    vocab_unpadded: int | None = None
+    vocab_divisible_by: int = 128
+
+    def vocab_for_tp(self, tp: int) -> int:
+        """The embedding's rows at tensor-parallel size ``tp``: megatron pads the vocabulary per TP."""
+        if self.vocab_unpadded is None:
+            return self.vocab_size
+        return pad_vocab(self.vocab_unpadded, self.vocab_divisible_by, tp)
 
     @property
     def is_moe(self) -> bool:
@@ -118,7 +128,8 @@ class Precision:
     main_params: str = "fp32"
     exp_avg: str = "fp32"
     exp_avg_sq: str = "fp32"
-    optimizer: str = "adam"
+    optimizer: str = "adam"  # adam / sgd / muon / dist_muon (--optimizer)
+    sgd_momentum: float = 0.9  # --sgd-momentum: 0 keeps no momentum buffer
 
     @property
     def param_bytes(self) -> int:

@@ -126,14 +126,6 @@ def model_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]
         Line("gradients", f"grad buffer ({grad_dtype}{', padded' if lay.distributed_optimizer else ''})", g * padded)
     )
     # optimizer
-    if prec.optimizer != "adam":
-        lines.append(
-            Line(
-                "optimizer",
-                f"{prec.optimizer} state (not modeled: counted as Adam's)",
-                8 * (shard_unpadded if lay.distributed_optimizer else numel),
-            )
-        )
     n = shard_unpadded if lay.distributed_optimizer else numel
     if mixed:
         if prec.precision_aware_optimizer and lay.distributed_optimizer:
@@ -156,14 +148,21 @@ def model_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]
         else:
             what = "fp32 master shard" if lay.distributed_optimizer else "fp32 masters"
             lines.append(Line("optimizer", what, 4 * n))
+    if prec.optimizer == "sgd":
+        # torch's SGD (megatron's without TE or Apex): one fp32 momentum buffer beside each master when
+        # --sgd-momentum is not 0, nothing else (no step counter)
+        if prec.sgd_momentum:
+            lines.append(Line("optimizer", "SGD momentum buffer (fp32)", 4 * n))
+        return lines
+    adam = "Adam" if prec.optimizer == "adam" else f"{prec.optimizer} (not modeled: counted as Adam's)"
     for name, dtype in (("exp_avg", prec.exp_avg), ("exp_avg_sq", prec.exp_avg_sq)):
         if not prec.precision_aware_optimizer:
             dtype = "fp32"
         per = BYTES[dtype] + (BLOCK_SCALE if dtype in ("fp16", "fp8") else 0)
         feature = "precision-aware-optimizer" if dtype != "fp32" and paths.precision_aware_portable else None
-        lines.append(Line("optimizer", f"Adam {name} ({dtype})", int(n * per), feature))
+        lines.append(Line("optimizer", f"{adam} {name} ({dtype})", int(n * per), feature))
     steps = math.ceil(tensors / max(1, min(b.group for b in bufs))) if lay.distributed_optimizer else tensors
-    lines.append(Line("optimizer", "Adam step counters (one fp32 per parameter tensor)", 4 * steps))
+    lines.append(Line("optimizer", f"{adam} step counters (one fp32 per parameter tensor)", 4 * steps))
     return lines
 
 

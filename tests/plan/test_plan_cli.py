@@ -422,3 +422,50 @@ def test_megatron_lms_missing_argument_refusal_names_the_option() -> None:
 
     error = AssertionError("max_position_embeddings argument is None")  # _check_arg_is_not_none's words
     assert _refusal(error) == "--max-position-embeddings is required: give it"
+
+
+def test_fits_recommendation_plans_to_the_peak_it_promised(capsys) -> None:
+    """--fit tries other TP sizes; megatron pads the vocabulary to a multiple of 128 x TP, so each
+    TP's embedding and output layer have their own rows (GPT-3 175B at TP 8 -> TP 2: 51,200 rows
+    become 50,432, 31-36 MiB on the first and last stage)."""
+    gpt3 = (
+        "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048 "
+        "--micro-batch-size 1 --global-batch-size 1536 --fp16 --tensor-model-parallel-size 8 "
+        "--pipeline-model-parallel-size 16 --tokenizer-type NullTokenizer --vocab-size 50257 --parser builtin"
+    ).split()
+    assert cli.main([*gpt3, "--fit", "--device-memory", "80GiB", "--world-size", "128", "--json"]) == 0
+    fitted = json.loads(capsys.readouterr().out)["fit"]
+    recommended = fitted["command"].split("`import mindspeed_like.megatron_adaptor`) ", 1)[1].split()
+    assert "--tensor-model-parallel-size" in recommended
+    assert recommended[recommended.index("--tensor-model-parallel-size") + 1] != "8", "the case must change TP"
+    assert cli.main([*recommended, "--parser", "builtin", "--world-size", "128", "--json"]) == 0
+    replanned = json.loads(capsys.readouterr().out)
+    peaks = [stage["features"]["process_peak_bytes"] for stage in replanned["per_rank"]]
+    assert peaks == fitted["peak_per_stage_bytes"]
+
+
+def _optimizer_bytes(extra: list[str], capsys) -> tuple[int, dict]:
+    base = (
+        "--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256 "
+        "--micro-batch-size 1 --bf16 --tokenizer-type NullTokenizer --vocab-size 1000 --parser builtin "
+        "--optimization-level 0 --json"
+    ).split()
+    assert cli.main([*base, *extra]) == 0
+    out = json.loads(capsys.readouterr().out)
+    return out["per_rank"][0]["megatron"]["optimizer_bytes"], out
+
+
+def test_sgd_keeps_one_momentum_buffer_and_muon_is_counted_once_as_adam(capsys) -> None:
+    """torch's SGD (megatron's without TE/Apex) holds an fp32 momentum buffer beside each fp32 master
+    (none at --sgd-momentum 0); Adam holds two moments and a step counter per tensor. Muon is not
+    modeled: counted as Adam's, once, and the output says so."""
+    adam, out = _optimizer_bytes([], capsys)
+    params = out["per_rank"][0]["megatron"]["weights_bytes"] // 2  # bf16 weights
+    sgd, _ = _optimizer_bytes(["--optimizer", "sgd"], capsys)
+    assert sgd == 8 * params  # fp32 master + momentum
+    no_momentum, _ = _optimizer_bytes(["--optimizer", "sgd", "--sgd-momentum", "0"], capsys)
+    assert no_momentum == 4 * params
+    assert 0 < adam - 12 * params <= 4 * 64  # Adam: master + two moments, and one fp32 step counter a tensor
+    muon, out = _optimizer_bytes(["--optimizer", "muon"], capsys)
+    assert muon == adam
+    assert any("--optimizer muon" in note and "upper bound" in note for note in out["notes"])
