@@ -14,8 +14,10 @@ import json
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from mindspeed_like.plan.arg_errors import OneLineParser, values_attached
 from mindspeed_like.toolkit.errors import ConfigError
 
 _UNITS = {
@@ -36,6 +38,12 @@ _UNITS = {
 }
 
 
+class MemorySize(int):
+    """Bytes, with how the user wrote them (``said``), so the output can say binary or decimal."""
+
+    said: str = ""
+
+
 def memory_size(text: str) -> int:
     """``80GiB``, ``80GB``, ``81920MiB``, ``85899345920``: bytes."""
     match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
@@ -48,7 +56,11 @@ def memory_size(text: str) -> int:
         )
     if size <= 0:
         raise argparse.ArgumentTypeError(f"a device's memory must be more than 0 bytes, got {text!r}")
-    return size
+    out = MemorySize(size)
+    unit = match[2].lower()
+    kind = "binary" if "i" in unit else "bytes" if unit in ("", "b") else "decimal"
+    out.said = f"--device-memory {text.strip()}: " + (f"{size:,} bytes" if kind == "bytes" else kind)
+    return out
 
 
 def positive_int(text: str) -> int:
@@ -62,7 +74,7 @@ def positive_int(text: str) -> int:
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="mindspeed-like plan",
         description=__doc__,
         add_help=False,
@@ -119,8 +131,12 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool | None = None) 
     where ``argv`` is None), so Megatron-LM's parser may be imported the cheap way
     (:func:`megatron_args.parse_with_megatron_lm`)."""
     own_process = argv is None if own_process is None else own_process
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own, rest = plan_parser().parse_known_args(argv)
+    argv = values_attached(sys.argv[1:] if argv is None else argv)
+    try:
+        own, rest = plan_parser().parse_known_args(argv)
+    except ConfigError as error:
+        print(f"mindspeed-like plan: {str(error).removeprefix('plan: ')}", file=sys.stderr)
+        return 2
     own.own_process = own_process
     if own.help:
         plan_parser().print_help()
@@ -134,8 +150,19 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool | None = None) 
     except ConfigError as error:
         print(f"mindspeed-like plan: {str(error).removeprefix('plan: ')}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=1) if own.json else result)
-    return 0
+    print(json.dumps(result.output, indent=1) if own.json else result.output)
+    return NOTHING_FITS if result.nothing_fits else 0
+
+
+NOTHING_FITS = 1
+"""--fit's exit status when no configuration fits (the answer is printed, as grep answers 1 for no
+match): a script sweeping budgets can tell without reading the output; 2 stays a usage error."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    output: Any  # the text, or the JSON object
+    nothing_fits: bool = False
 
 
 HOST_ALLOCATOR_NOTE = (
@@ -153,7 +180,7 @@ CPU_HEAP_NOTE = (
 )
 
 
-def plan(rest: list[str], own: argparse.Namespace) -> Any:
+def plan(rest: list[str], own: argparse.Namespace) -> Answer:
     """Read the run, predict, and render (text, or the JSON object with ``own.json``)."""
     from mindspeed_like.plan import report
     from mindspeed_like.plan.predict import predict
@@ -181,7 +208,8 @@ def plan(rest: list[str], own: argparse.Namespace) -> Any:
             raise ConfigError(f"plan: --headroom must be in [0, 1), got {own.headroom}")
         fit_result = fit(run, switches, own.device_memory, own.world_size, own.headroom)
         if not own.json:
-            return report.text(pred, line, own.verbose) + "\n\n" + render_fit(fit_result)
+            text = report.text(pred, line, own.verbose) + "\n\n" + render_fit(fit_result)
+            return Answer(text, nothing_fits=fit_result.best is None)
     if own.json:
         extra: dict[str, Any] = {
             "features": {
@@ -196,11 +224,11 @@ def plan(rest: list[str], own: argparse.Namespace) -> Any:
             from mindspeed_like.plan.fit import fit_json
 
             extra["fit"] = fit_json(fit_result)
-        return report.as_json(pred, extra)
+        return Answer(report.as_json(pred, extra), nothing_fits=fit_result is not None and fit_result.best is None)
     out = report.text(pred, line, own.verbose)
     if own.device_memory is not None:
         out += "\n" + fits_line(pred, own.device_memory)
-    return out
+    return Answer(out)
 
 
 def switches_line(switches) -> str:
@@ -217,7 +245,8 @@ def fits_line(pred, budget: int) -> str:
         peak = max(s.peak.total for s in arm.stages)
         verdict = "fits" if peak <= budget else f"does NOT fit ({size(peak - budget)} over)"
         out.append(f"{arm.name}: {size(peak)} of {size(budget)}: {verdict}")
-    return "device memory: " + "; ".join(out)
+    said = f" ({budget.said})" if getattr(budget, "said", "") else ""
+    return f"device memory{said}: " + "; ".join(out)
 
 
 def predict_argv(argv: Sequence[str]):
@@ -268,11 +297,17 @@ def read_run(rest: list[str], own: argparse.Namespace):
             source = "megatron-lm" if note is None else "megatron-lm parser, built-in derivations"
             if note:
                 notes.append(note)
-        except ImportError:
+        except ImportError as error:
+            absent = error.name in ("megatron", "megatron.training")
+            why = (
+                "megatron.training is not importable (put Megatron-LM on PYTHONPATH)"
+                if absent
+                else f"importing megatron.training failed: {error} (install what it needs)"
+            )
             if own.parser == "megatron-lm":
-                raise ConfigError(
-                    "plan: --parser megatron-lm: megatron.training is not importable (put Megatron-LM on PYTHONPATH)"
-                ) from None
+                raise ConfigError(f"plan: --parser megatron-lm: {why}") from None
+            if not absent:  # Megatron-LM is there but broken: say which parser read the arguments, and why
+                notes.append(f"Megatron-LM's parser not used, {why}: the built-in parser read the arguments")
     if source == "builtin":
         ns = megatron_args.derive(ns, own.world_size)
     run = megatron_args.run_from_namespace(
@@ -319,7 +354,7 @@ def _from_compare(rest: list[str], own: argparse.Namespace):
             "its layout: --tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size x "
             "--data-parallel-size"
         )
-    parser = argparse.ArgumentParser(prog="mindspeed-like plan (compare's options)", allow_abbrev=False)
+    parser = OneLineParser(prog="mindspeed-like plan (compare's options)", allow_abbrev=False)
     add_compare_arguments(parser)
     group = parser.add_argument_group("feature flags")
     for flag in runtime.flags():

@@ -296,7 +296,8 @@ def _drop(tokens: list[str], options: dict[str, int]) -> list[str]:
 
 def render_fit(result: FitResult) -> str:
     budget, usable = size(result.budget), size(result.usable)
-    lines = [f"--fit: {result.tried} configurations tried against {budget} a device (usable: {usable})"]
+    said = f" ({result.budget.said})" if getattr(result.budget, "said", "") else ""
+    lines = [f"--fit: {result.tried} configurations tried against {budget} a device{said} (usable: {usable})"]
     chosen = result.best
     if chosen is None:
         lean = result.leanest

@@ -230,7 +230,9 @@ NO_MEMORY_EFFECT_PREFIXES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    from mindspeed_like.plan.arg_errors import OneLineParser
+
+    parser = OneLineParser(add_help=False, allow_abbrev=False)
     add_megatron_options(parser)
     return parser
 
@@ -314,6 +316,8 @@ def parse_with_megatron_lm(
     import os
     import sys
 
+    from mindspeed_like.plan.arg_errors import megatron_lm_usage_errors
+
     fresh = parse_only_process and "megatron.core" not in sys.modules
     with _compile_left_for_later() if fresh else contextlib.nullcontext(), import_notices_kept_out():
         from megatron.training import arguments  # noqa: F401 (ImportError: not installed)
@@ -325,7 +329,8 @@ def parse_with_megatron_lm(
     note = None
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints every argument
-            args = arguments.parse_args(ignore_unknown_args=True)
+            with megatron_lm_usage_errors():
+                args = arguments.parse_args(ignore_unknown_args=True)
             try:
                 with _hopper_answered() if device == "cuda" else contextlib.nullcontext():
                     arguments.validate_args(args)
@@ -682,6 +687,23 @@ def check(model: Model, layout: Layout) -> None:
         raise ConfigError(f"plan: --num-query-groups {model.num_query_groups} must be divisible by TP {tp}")
     if model.ffn_hidden_size % tp:
         raise ConfigError(f"plan: --ffn-hidden-size {model.ffn_hidden_size} must be divisible by TP {tp}")
+    if not model.multi_latent_attention and model.num_attention_heads % model.num_query_groups:
+        # megatron builds such a model, and its first forward fails reshaping the keys and values
+        raise ConfigError(
+            f"plan: --num-attention-heads {model.num_attention_heads} must be a multiple of --num-query-groups "
+            f"{model.num_query_groups} (each key/value head serves heads / groups query heads): give groups that "
+            "divide the heads"
+        )
+    if model.is_moe and not 1 <= model.moe_router_topk <= model.num_experts:
+        raise ConfigError(
+            f"plan: --moe-router-topk {model.moe_router_topk} must be between 1 and --num-experts {model.num_experts} "
+            "(the router picks that many distinct experts a token)"
+        )
+    if model.is_moe and model.moe_ffn_hidden_size % layout.expert_tp:
+        raise ConfigError(
+            f"plan: the experts' ffn size {model.moe_ffn_hidden_size} (--moe-ffn-hidden-size, else --ffn-hidden-size) "
+            f"must be divisible by expert TP {layout.expert_tp} (--expert-tensor-parallel-size, else TP)"
+        )
     if model.is_moe and model.num_experts % layout.ep:
         raise ConfigError(
             f"plan: --num-experts {model.num_experts} must be divisible by --expert-model-parallel-size {layout.ep}"

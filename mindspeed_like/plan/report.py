@@ -56,8 +56,13 @@ def describe(run: Run) -> list[str]:
         f"layout: {lay.world_size} ranks = TP {lay.tp}{' + SP' if lay.sequence_parallel else ''} x PP {lay.pp}{vpp} x "
         f"CP {lay.cp} x DP {lay.dp}"
         + (f", EP {lay.ep}" if m.is_moe else "")
+        + (f", expert TP {lay.etp}" if m.is_moe and lay.etp is not None and lay.etp != lay.tp else "")
         + f"; micro-batch {lay.micro_batch_size}, {lay.num_microbatches} microbatch(es) a step per DP rank; "
-        + ("distributed optimizer" if lay.distributed_optimizer else "Float16 optimizer (no optimizer sharding)")
+        + (
+            "distributed optimizer"
+            if lay.distributed_optimizer
+            else f"{'FP32' if run.precision.params == 'fp32' else 'Float16'} optimizer (no optimizer sharding)"
+        )
     )
     p = run.precision
     precision = f"precision: {p.params} parameters, {p.grad_dtype} gradients"
@@ -72,6 +77,16 @@ def describe(run: Run) -> list[str]:
         )
     impl = "TE spec on the te-backend" if run.transformer_impl == "transformer_engine" else "local spec"
     return [model, layout, precision + f"; {impl}; device {run.device}"]
+
+
+def read_by(run: Run) -> str:
+    """Which parser read the arguments (the JSON's ``run.source``), in words."""
+    return {
+        "megatron-lm": "Megatron-LM's parser and validate_args",
+        "builtin": "the built-in parser (Megatron-LM's model and layout options; megatron.training not used)",
+        "compare": "mindspeed-like compare's options",
+        "megatron-lm parser, built-in derivations": "Megatron-LM's parser, the built-in derivations (see the note)",
+    }.get(run.source, run.source)
 
 
 def schedule_text(run: Run, stage: Stage) -> str:
@@ -103,7 +118,8 @@ def layer_summary(stage: Stage, chunk: int) -> list[tuple[str, int]]:
 
 def text(pred: Prediction, switches_line: str, verbose: bool = False) -> str:
     run = pred.run
-    lines = ["mindspeed-like plan", *("  " + line for line in describe(run)), "  " + switches_line]
+    lines = ["mindspeed-like plan", *("  " + line for line in describe(run))]
+    lines += ["  arguments read by: " + read_by(run), "  " + switches_line]
     if run.not_modeled:
         lines.append("  options read but not modeled (they may change memory): " + ", ".join(run.not_modeled))
     if pred.idle:

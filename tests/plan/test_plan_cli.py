@@ -157,6 +157,14 @@ SMALL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         ("--recompute-granularity full --recompute-method block", "--recompute-num-layers between 1 and"),
         ("--recompute-granularity full --recompute-method block --recompute-num-layers 3", "got 3"),
         ("--recompute-activations --recompute-method uniform", "--recompute-method is for --recompute-granularity"),
+        # megatron builds these models and fails at the first forward (GQA reshape) or in the router
+        ("--group-query-attention --num-query-groups 3", "must be a multiple of --num-query-groups 3"),
+        ("--num-experts 4 --moe-router-topk 5", "--moe-router-topk 5 must be between 1 and --num-experts 4"),
+        (
+            "--num-experts 4 --ffn-hidden-size 256 --expert-tensor-parallel-size 3 --world-size 3",
+            "must be divisible by expert TP 3",
+        ),
+        ("--optimizer muon --use-distributed-optimizer", "does not run with --use-distributed-optimizer"),
     ],
 )
 def test_what_megatron_would_refuse_later_is_refused_here(extra: str, message: str, capsys) -> None:
@@ -166,12 +174,20 @@ def test_what_megatron_would_refuse_later_is_refused_here(extra: str, message: s
 
 @pytest.mark.parametrize(
     ("extra", "message"),
-    [("--world-size 0", "--world-size: must be 1 or more"), ("--device-memory 0GiB", "more than 0 bytes")],
+    [
+        ("--world-size 0", "--world-size: must be 1 or more"),
+        ("--device-memory 0GiB", "more than 0 bytes"),
+        ("--device-memory -80GiB", "argument --device-memory: not a memory size: '-80GiB'"),
+        ("--num-layers abc", "argument --num-layers: invalid int value: 'abc'"),
+        ("--position-embedding-type nope", "argument --position-embedding-type: invalid choice: 'nope'"),
+    ],
 )
-def test_plans_own_sizes_are_checked_by_its_parser(extra: str, message: str, capsys) -> None:
-    with pytest.raises(SystemExit):
-        cli.main([*SMALL, *extra.split(), "--parser", "builtin"])
-    assert message in capsys.readouterr().err
+def test_argument_errors_are_one_line(extra: str, message: str, capsys) -> None:
+    """A bad value is one line naming the option (argparse would print its whole usage first)."""
+    assert cli.main([*SMALL, *extra.split(), "--parser", "builtin"]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and err.startswith("mindspeed-like plan: argument "), err
 
 
 def test_memory_sizes() -> None:
@@ -202,7 +218,7 @@ def test_fit_prints_a_command_line_or_what_is_short(capsys) -> None:
     assert cli.main([*base, "--fit", "--device-memory", "64GiB"]) == 0
     out = capsys.readouterr().out
     assert "recommended: mindspeed-like compare --preset llama" in out and "--optimization-level" in out
-    assert cli.main([*base, "--fit", "--device-memory", "1MiB"]) == 0
+    assert cli.main([*base, "--fit", "--device-memory", "1MiB"]) == cli.NOTHING_FITS == 1
     out = capsys.readouterr().out
     assert "nothing fits" in out and "more than the device" in out
 
@@ -379,8 +395,7 @@ def test_refusals_name_the_options_and_the_fix(extra: str, message: str, capsys)
 
 
 def test_a_device_memory_without_its_unit_is_refused(capsys) -> None:
-    with pytest.raises(SystemExit):
-        cli.main([*SMALL, "--device-memory", "80", "--parser", "builtin"])
+    assert cli.main([*SMALL, "--device-memory", "80", "--parser", "builtin"]) == 2
     assert "'80' would be 80 bytes: give a unit (e.g. 80GiB or 80GB)" in capsys.readouterr().err
 
 
@@ -469,3 +484,31 @@ def test_sgd_keeps_one_momentum_buffer_and_muon_is_counted_once_as_adam(capsys) 
     muon, out = _optimizer_bytes(["--optimizer", "muon"], capsys)
     assert muon == adam
     assert any("--optimizer muon" in note and "upper bound" in note for note in out["notes"])
+
+
+def test_the_output_says_which_parser_read_the_arguments_and_why(monkeypatch, capsys) -> None:
+    """With Megatron-LM on the path but not importable (a missing dependency), --parser auto falls back
+    to the built-in parser and says why; --parser megatron-lm names the real cause."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if name.startswith("megatron.training"):
+            raise ModuleNotFoundError("No module named 'six'", name="six")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    assert cli.main([*SMALL, "--tokenizer-type", "NullTokenizer"]) == 0
+    out = capsys.readouterr().out
+    assert "arguments read by: the built-in parser" in out
+    assert "Megatron-LM's parser not used, importing megatron.training failed: No module named 'six'" in out
+    assert cli.main([*SMALL, "--tokenizer-type", "NullTokenizer", "--parser", "megatron-lm"]) == 2
+    assert "importing megatron.training failed: No module named 'six'" in capsys.readouterr().err
+
+
+def test_the_device_memory_is_said_as_given(capsys) -> None:
+    assert cli.main([*SMALL, "--parser", "builtin", "--device-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "device memory (--device-memory 80GB: decimal)" in out and "of 74.51 GiB" in out
+    assert "FP32 optimizer (no optimizer sharding)" in out  # neither --bf16 nor --fp16
