@@ -4,7 +4,8 @@ What autograd keeps is a list of tensors per op, and each is counted once by its
 ``SavedBytesMeter`` counts them: a view of a saved storage adds nothing). The rows below are the
 tensors megatron-core 0.13-0.19 saves on the paths this library runs without TransformerEngine
 (the te-backend under megatron's TE spec, and the local spec: the same saves but for MoE experts),
-read off the real model with a saved-tensor hook per module and written as shapes:
+read off the real model with a saved-tensor hook per module and written as shapes (where
+releases differ, the installed megatron-core's code decides: ``megatron_code``):
 
     t   = micro_batch x seq / CP     tokens of this rank's sequence chunk
     tsp = t / TP under --sequence-parallel, else t   (the residual stream, norms, linear inputs)
@@ -22,6 +23,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from mindspeed_like.plan import megatron_code
 from mindspeed_like.plan.paths import Paths
 from mindspeed_like.plan.spec import BYTES, Model, Run
 
@@ -266,6 +268,9 @@ def softmax_upcast(run: Run, dims: Dims) -> bool:
     return dims.p < FP32 and run.model.attention_softmax_in_fp32
 
 
+CAUSAL_MASK = "causal mask (bool s x s)"
+
+
 def softmax(run: Run, dims: Dims) -> list[Saved]:
     """megatron's unfused attention softmax, its causal mask, attention dropout and the value
     matmul's input. Upcast: the fp32 softmax output, and the probabilities cast back (or their
@@ -283,8 +288,20 @@ def softmax(run: Run, dims: Dims) -> list[Saved]:
         rows = [Saved("core_attn", "softmax output (model dtype)", dims.p * elements)]
         if run.model.attention_dropout > 0:
             rows.append(Saved("core_attn", "dropped probabilities (the value matmul's input)", dims.p * elements))
-    rows.append(Saved("core_attn", "causal mask (bool s x s)", BOOL * dims.s**2))
+    rows.append(Saved("core_attn", CAUSAL_MASK, BOOL * dims.s**2))
     return rows + _attention_dropout(run, dims)
+
+
+def _one_cached_mask(rows: dict[str, list[Saved]]) -> None:
+    """Where megatron caches its causal mask (:func:`megatron_code.caches_causal_mask`, megatron-core
+    0.13), every layer's softmax keeps the same tensor: counted at the first layer that keeps it."""
+    seen = False
+    for group in rows.values():
+        for i, row in enumerate(group):
+            if row.what == CAUSAL_MASK:
+                if seen:
+                    group[i] = Saved(row.component, "causal mask: megatron's cached one (counted once)", 0)
+                seen = True
 
 
 def _attention_dropout(run: Run, dims: Dims) -> list[Saved]:
@@ -408,11 +425,20 @@ def dense_mlp(
                 )
             )
         else:
-            out.append(Saved("mlp", f"{label} SwiGLU halves (silu(x1), x2)", p * t * width, count=2))
+            out.append(_swiglu_halves("mlp", f"{label} SwiGLU halves", p * t * width))
     else:
         out.append(Saved("mlp", f"{label} fc1 output (activation input)", p * t * width))
     out.append(_activation_output(paths, layer_in_chunk, p * t * width, label))
     return out
+
+
+def _swiglu_halves(component: str, what: str, nbytes: int, also: int = 0, also_what: str = "") -> Saved:
+    """megatron's unfused GLU: ``silu(x1)`` and, where megatron adds ``glu_linear_offset`` to ``x2``,
+    that sum (:func:`megatron_code.glu_copies_linear_half`; without it ``x2`` is a view of fc1's
+    output), plus ``also`` tensors of the same size kept after it."""
+    copies = megatron_code.glu_copies_linear_half()
+    kept = "silu(x1), x2 + offset" if copies else "silu(x1); x2 a view of fc1's output"
+    return Saved(component, f"{what} ({kept}){also_what}", nbytes, count=(2 if copies else 1) + also)
 
 
 def _activation_output(paths: Paths, layer_in_chunk: int, nbytes: int, label: str) -> Saved:
@@ -439,7 +465,7 @@ def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[S
     gathered = tsp * (lay.tp if lay.sequence_parallel else 1) * lay.ep  # tokens the dispatcher routes
     out = norm(tsp, dims.h, m, paths, dims, "pre_mlp_layernorm")
     out.append(linear_input(tsp, dims.h, dims, "router (and shared experts' fc1)", "moe"))
-    out += _router(m, paths, tsp)
+    out += _router(m, paths, tsp, dims.b)
     if paths.fused_permute:
         out.append(Saved("moe", "fused permute: row indices", INT64 * rows_r, count=4, feature="moe-permute"))
     else:
@@ -468,7 +494,9 @@ def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[S
         if paths.fused_swiglu:
             out.append(Saved("moe", "experts: SwiGLU halves: none (fused weighted SwiGLU)", 0, feature="fused-swiglu"))
         else:
-            out.append(Saved("moe", "experts: SwiGLU halves and the probs-weighted output", p * rows_r * fm, count=3))
+            out.append(
+                _swiglu_halves("moe", "experts: SwiGLU halves", p * rows_r * fm, 1, " and the probs-weighted output")
+            )
         if stacked:
             out.append(
                 Saved(
@@ -485,10 +513,12 @@ def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[S
     return out
 
 
-def _router(m: Model, paths: Paths, tsp: int) -> list[Saved]:
+def _router(m: Model, paths: Paths, tsp: int, b: int) -> list[Saved]:
     """The router's saves, as measured per kind: top-k softmax; with a load-balancing loss (its
-    full fp32 scores); sigmoid with expert groups (DeepSeek)."""
+    full fp32 scores); sigmoid with expert groups (DeepSeek, whose sequence-level loss keeps a
+    [b, experts] tensor: :func:`_seq_aux_loss_cost`)."""
     k, e = m.moe_router_topk, m.num_experts
+    seq_cost = _seq_aux_loss_cost(e, b)
     fused = "moe-router" if paths.fused_router else None
     rows = [
         Saved("moe", "router: top-k fp32 scores", FP32 * tsp * k, feature=fused),
@@ -500,7 +530,7 @@ def _router(m: Model, paths: Paths, tsp: int) -> list[Saved]:
                 Saved(
                     "moe",
                     "router: fp32 scores, group/aux terms",
-                    FP32 * tsp * e + 2 * FP32 * tsp + 8 * 2 * e + 4,
+                    FP32 * tsp * e + 2 * FP32 * tsp + seq_cost + 4,
                     feature="moe-router",
                 )
             ]
@@ -514,7 +544,7 @@ def _router(m: Model, paths: Paths, tsp: int) -> list[Saved]:
                     + 2 * INT64 * tsp * k
                     + INT64 * tsp * m.moe_router_num_groups
                     + 2 * FP32 * tsp
-                    + 8 * 2 * e
+                    + seq_cost
                     + 4,
                 ),
             ]
@@ -531,6 +561,14 @@ def _router(m: Model, paths: Paths, tsp: int) -> list[Saved]:
     return rows
 
 
+def _seq_aux_loss_cost(experts: int, b: int) -> int:
+    """The [b, experts] tensor the sequence-level load-balancing loss keeps: int64 tokens per
+    (sequence, expert), or fp32 costs where megatron computes the loss in
+    ``sequence_load_balancing_loss_func`` (:func:`megatron_code.seq_aux_loss_keeps_fp32_cost`).
+    (Read at b = 2 and b = 4 on the parity model: b x experts.)"""
+    return (FP32 if megatron_code.seq_aux_loss_keeps_fp32_cost() else INT64) * b * experts
+
+
 def embedding(run: Run, dims: Dims) -> list[Saved]:
     rows = [Saved("embedding", "token ids (int64)", INT64 * dims.b * dims.s)]
     if run.model.position_embedding_type == "learned_absolute":
@@ -540,16 +578,20 @@ def embedding(run: Run, dims: Dims) -> list[Saved]:
 
 def head(run: Run, paths: Paths, dims: Dims, outputs: int = 1) -> list[Saved]:
     """Final norm, output layer and loss (``outputs`` > 1 with multi-token prediction: megatron runs
-    the output layer once on the decoder's and the MTP layers' hidden states concatenated)."""
+    the output layer once on the decoder's and the MTP layers' hidden states concatenated, or, where
+    the MTP block runs it per MTP layer, on the decoder's normed output, which the first MTP layer's
+    ``hnorm`` keeps already when it keeps its input: :func:`_decoder_output_kept_by_mtp`)."""
     m = run.model
     p, t, tsp = dims.p, dims.t, dims.tsp
     out = norm(tsp, dims.h, m, paths, dims, "final_layernorm")
+    shared = 1 if outputs > 1 and _decoder_output_kept_by_mtp(run, paths, dims) else 0
+    note = " (the decoder's is the MTP hnorm's input, counted there)" if shared else ""
     if paths.fused_linear_cross_entropy:
         out += [
             Saved(
                 "loss",
-                "output layer input (gathered hidden states)",
-                p * outputs * t * dims.h,
+                "output layer input (gathered hidden states)" + note,
+                p * (outputs - shared) * t * dims.h,
                 feature="fused-linear-cross-entropy",
             ),
             Saved(
@@ -562,13 +604,25 @@ def head(run: Run, paths: Paths, dims: Dims, outputs: int = 1) -> list[Saved]:
         ]
     else:
         out += [
-            Saved("loss", "output layer input", p * outputs * tsp * dims.h),
+            Saved("loss", "output layer input" + note, p * (outputs - shared) * tsp * dims.h),
             Saved(
                 "loss", "fp32 softmax of the logits (vocab-parallel cross entropy)", FP32 * t * dims.v, count=outputs
             ),
             Saved("loss", "targets (int64) and their vocab-shard mask", (INT64 + BOOL) * t, count=outputs),
         ]
     return out
+
+
+def _decoder_output_kept_by_mtp(run: Run, paths: Paths, dims: Dims) -> bool:
+    """Whether the decoder's output layer reads a storage the first MTP layer's ``hnorm`` keeps:
+    where the MTP block runs the output layer itself (:func:`megatron_code.mtp_block_runs_output_layer`,
+    megatron-core 0.13) and that norm keeps its input (a LayerNorm, a fused RMSNorm). The fused
+    linear cross entropy keeps the hidden states it gathers, the same tensor unless sequence
+    parallelism gathers a new one."""
+    if not megatron_code.mtp_block_runs_output_layer():
+        return False
+    keeps_input = run.model.normalization == "LayerNorm" or fused_rmsnorm(paths, dims)[0]
+    return keeps_input and (not paths.fused_linear_cross_entropy or dims.tsp == dims.t)
 
 
 def mtp_layer(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
@@ -621,4 +675,6 @@ def chunk(run: Run, paths: Paths, layers: tuple[int, ...], first: bool, last: bo
         for i in range(mtp):
             out[f"mtp {i}"] = mtp_layer(run, paths, dims)
         out["head"] = head(run, paths, dims, outputs=1 + mtp)
+    if megatron_code.caches_causal_mask():
+        _one_cached_mask(out)
     return out

@@ -1,0 +1,111 @@
+"""What the installed megatron-core's code keeps for backward where that differs between its
+releases, read from its source files (parsed with ``ast``, never imported: ``plan`` imports neither
+torch nor megatron). Each check looks for the code that makes the difference (a dataclass field,
+a decorator, a parameter, a method), not for a version number, and names the change it follows.
+
+The activation rows (activations.py) were read off megatron-core 0.16.1 and hold on 0.19.2; the
+differences below were found on 0.13.1 by listing every storage the parity model saves (shape,
+dtype, module and megatron's line) under both releases. Where megatron-core is not found, or a file
+cannot be read, the 0.16-0.19 behaviour is taken.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+
+from mindspeed_like.megatron_version import _package_info_path
+
+
+@functools.cache
+def _tree(relative: str) -> ast.Module | None:
+    """The parsed ``megatron/core/<relative>`` that ``import megatron.core`` would load."""
+    info = _package_info_path()
+    if info is None:
+        return None
+    try:
+        with open(os.path.join(os.path.dirname(info), *relative.split("/")), encoding="utf-8") as handle:
+            return ast.parse(handle.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def _member(body: list[ast.stmt], name: str) -> ast.stmt | None:
+    for node in body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return node
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+            return node
+    return None
+
+
+def _class(relative: str, name: str) -> ast.ClassDef | None:
+    tree = _tree(relative)
+    node = _member(tree.body, name) if tree is not None else None
+    return node if isinstance(node, ast.ClassDef) else None
+
+
+@functools.cache
+def glu_copies_linear_half() -> bool:
+    """Whether megatron's unfused GLU keeps a copy of the linear half. 0.16.1 and 0.19.2 compute
+    ``activation_func(x_glu) * (x_linear + config.glu_linear_offset)`` (``glu`` in ``MLP.forward``,
+    transformer/mlp.py, and in ``TEGroupedMLP.forward``'s ``bias_act_func``, transformer/moe/experts.py):
+    the sum is a new tensor, kept by the product beside ``activation_func(x_glu)``. 0.13.1 computes
+    ``activation_func(x[0]) * x[1]``: the product keeps ``x[1]``, a view of fc1's output, which is
+    already kept. Checked as ``TransformerConfig``'s field ``glu_linear_offset`` (the offset and the
+    new ``glu`` came together)."""
+    config = _class("transformer/transformer_config.py", "TransformerConfig")
+    if config is None:
+        return True
+    return _member(config.body, "glu_linear_offset") is not None
+
+
+@functools.cache
+def caches_causal_mask() -> bool:
+    """Whether megatron's unfused softmax takes one causal mask for every layer. 0.13.1's
+    ``get_default_causal_mask`` (transformer/utils.py, called by ``FusedScaleMaskSoftmax.forward_torch_softmax``)
+    is an ``lru_cache``: every layer's masked fill keeps the same s x s bool tensor (and the cache
+    holds it). 0.16.1 and 0.19.2 dropped the cache: each layer makes and keeps its own."""
+    tree = _tree("transformer/utils.py")
+    node = _member(tree.body, "get_default_causal_mask") if tree is not None else None
+    if not isinstance(node, ast.FunctionDef):
+        return False
+    for decorator in node.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+        if name in ("lru_cache", "cache"):
+            return True
+    return False
+
+
+@functools.cache
+def mtp_block_runs_output_layer() -> bool:
+    """Whether the multi-token-prediction block runs the output layer and the loss of each MTP
+    layer itself and returns the decoder's hidden states (0.13.1: ``MultiTokenPredictionBlock.forward``
+    takes ``output_layer`` and ``compute_language_model_loss``, transformer/multi_token_prediction.py),
+    rather than returning the decoder's and the MTP layers' hidden states concatenated for
+    ``GPTModel._postprocess`` to run the output layer on (0.16.1, 0.19.2). Under 0.13.1 the decoder's
+    output layer reads the decoder's normed output, the tensor the first MTP layer's ``hnorm`` reads:
+    one storage where that norm keeps its input."""
+    block = _class("transformer/multi_token_prediction.py", "MultiTokenPredictionBlock")
+    forward = _member(block.body, "forward") if block is not None else None
+    if not isinstance(forward, ast.FunctionDef):
+        return False
+    names = [a.arg for a in forward.args.args + forward.args.kwonlyargs]
+    return "compute_language_model_loss" in names
+
+
+@functools.cache
+def seq_aux_loss_keeps_fp32_cost() -> bool:
+    """Whether the sequence-level load-balancing loss keeps an fp32 [b, experts] cost. 0.13.1's
+    ``TopKRouter.seq_aux_loss_load_balancing`` calls ``moe_utils.sequence_load_balancing_loss_func``,
+    whose ``cost_coeff * probs.mean(0)`` keeps the fp32 cost; 0.16.1's and 0.19.2's
+    ``TopKRouter._apply_seq_aux_loss`` calls ``switch_load_balancing_loss_func`` on the scores
+    reshaped to [s, b x experts], which keeps the int64 tokens per (sequence, expert)."""
+    router = _class("transformer/moe/router.py", "TopKRouter")
+    if router is None:
+        return False
+    return _member(router.body, "_apply_seq_aux_loss") is None and (
+        _member(router.body, "seq_aux_loss_load_balancing") is not None
+    )
