@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mindspeed_like.plan import host_kernels
+from mindspeed_like.plan import host_kernels, megatron_code
 from mindspeed_like.plan.peak import BASELINE_RECORDS
 from mindspeed_like.toolkit import records
 
@@ -113,7 +113,7 @@ def cases_of(path: Path) -> list[Case]:
     flags = options.get("flags") or {}
     switches = features.resolve(values=flags)
     run = run_from_compare(args, flags, rec["host"].get("device", "cpu"))
-    with host_kernels.measured_on(measured_with_bf16_units(rec)):
+    with host_kernels.measured_on(measured_with_bf16_units(rec)), megatron_code.as_measured_by(rec):
         pred = predict(run, switches.paths(run), switches.enabled)
     rows = {row["metric"]: row for row in rec["rows"] if "metric" in row}
     theory_figures = theory.report(run) if run.layout.pp == 1 else None

@@ -105,7 +105,7 @@ def measured_levels(recs: list[dict[str, Any]]) -> dict[int, Measured]:
 
 
 def cases() -> list[FitCase]:
-    from mindspeed_like.plan import features, host_kernels
+    from mindspeed_like.plan import features, host_kernels, megatron_code
     from mindspeed_like.plan.accuracy import measured_with_bf16_units
     from mindspeed_like.plan.compare_args import run_from_compare
     from mindspeed_like.plan.fit import fit
@@ -124,7 +124,7 @@ def cases() -> list[FitCase]:
         args = argparse.Namespace(**options)
         command = ["--preset", options["preset"]] + _size_tokens(options)
         run = run_from_compare(args, {}, recs[0]["host"].get("device", "cpu"), command=command)
-        with host_kernels.measured_on(measured_with_bf16_units(recs[0])):
+        with host_kernels.measured_on(measured_with_bf16_units(recs[0])), megatron_code.as_measured_by(recs[0]):
             result = fit(run, features.resolve(values={"optimization_level": 2}), int(budget), None)
         chosen = result.best or result.leanest
         label = f"{options['preset']} {options['num_layers']}L h{options['hidden_size']} s{options['seq_length']}"

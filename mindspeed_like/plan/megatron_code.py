@@ -12,10 +12,50 @@ cannot be read, the 0.16-0.19 behaviour is taken.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 from mindspeed_like.megatron_version import _package_info_path
+
+_recent: list[bool] = []  # set while predicting what a 0.16-0.19 run measured (:func:`as_measured_on`)
+
+
+@contextlib.contextmanager
+def as_measured_on(version: str | None) -> Iterator[None]:
+    """Predict a record measured on megatron-core ``version``: the installed code decides where it
+    is that version (or the record does not say), the 0.16-0.19 behaviour where the record is from
+    one of those and another release is installed (the version lanes predict the 0.16.1 records).
+    A record of an older release than 0.16 on another install is refused: its code is not at hand."""
+    from packaging.version import Version
+
+    from mindspeed_like.megatron_version import megatron_core_version
+
+    installed = megatron_core_version()
+    if version is None or installed is None or Version(version) == installed:
+        yield
+        return
+    if Version(version) < Version("0.16"):
+        raise ValueError(f"a record measured on megatron-core {version} cannot be predicted on {installed}")
+    _recent.append(True)
+    try:
+        yield
+    finally:
+        _recent.pop()
+
+
+def as_measured_by(record: dict) -> contextlib.AbstractContextManager[None]:
+    """:func:`as_measured_on` the megatron-core version a record (results/*.json) was measured on."""
+    return as_measured_on((record.get("versions") or {}).get("megatron_core"))
+
+
+def as_measured_in(name: str) -> contextlib.AbstractContextManager[None]:
+    """:func:`as_measured_by` the record ``results/<name>.json``; the installed code where it is absent."""
+    from mindspeed_like.toolkit import records
+
+    path = records.results_dir() / f"{name}.json"
+    return as_measured_by(records.read(path)) if path.exists() else contextlib.nullcontext()
 
 
 @functools.cache
@@ -46,8 +86,12 @@ def _class(relative: str, name: str) -> ast.ClassDef | None:
     return node if isinstance(node, ast.ClassDef) else None
 
 
-@functools.cache
 def glu_copies_linear_half() -> bool:
+    return True if _recent else _installed_glu_copies_linear_half()
+
+
+@functools.cache
+def _installed_glu_copies_linear_half() -> bool:
     """Whether megatron's unfused GLU keeps a copy of the linear half. 0.16.1 and 0.19.2 compute
     ``activation_func(x_glu) * (x_linear + config.glu_linear_offset)`` (``glu`` in ``MLP.forward``,
     transformer/mlp.py, and in ``TEGroupedMLP.forward``'s ``bias_act_func``, transformer/moe/experts.py):
@@ -61,8 +105,12 @@ def glu_copies_linear_half() -> bool:
     return _member(config.body, "glu_linear_offset") is not None
 
 
-@functools.cache
 def caches_causal_mask() -> bool:
+    return False if _recent else _installed_caches_causal_mask()
+
+
+@functools.cache
+def _installed_caches_causal_mask() -> bool:
     """Whether megatron's unfused softmax takes one causal mask for every layer. 0.13.1's
     ``get_default_causal_mask`` (transformer/utils.py, called by ``FusedScaleMaskSoftmax.forward_torch_softmax``)
     is an ``lru_cache``: every layer's masked fill keeps the same s x s bool tensor (and the cache
@@ -79,8 +127,12 @@ def caches_causal_mask() -> bool:
     return False
 
 
-@functools.cache
 def mtp_block_runs_output_layer() -> bool:
+    return False if _recent else _installed_mtp_block_runs_output_layer()
+
+
+@functools.cache
+def _installed_mtp_block_runs_output_layer() -> bool:
     """Whether the multi-token-prediction block runs the output layer and the loss of each MTP
     layer itself and returns the decoder's hidden states (0.13.1: ``MultiTokenPredictionBlock.forward``
     takes ``output_layer`` and ``compute_language_model_loss``, transformer/multi_token_prediction.py),
@@ -96,8 +148,12 @@ def mtp_block_runs_output_layer() -> bool:
     return "compute_language_model_loss" in names
 
 
-@functools.cache
 def seq_aux_loss_keeps_fp32_cost() -> bool:
+    return False if _recent else _installed_seq_aux_loss_keeps_fp32_cost()
+
+
+@functools.cache
+def _installed_seq_aux_loss_keeps_fp32_cost() -> bool:
     """Whether the sequence-level load-balancing loss keeps an fp32 [b, experts] cost. 0.13.1's
     ``TopKRouter.seq_aux_loss_load_balancing`` calls ``moe_utils.sequence_load_balancing_loss_func``,
     whose ``cost_coeff * probs.mean(0)`` keeps the fp32 cost; 0.16.1's and 0.19.2's

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from mindspeed_like.plan import megatron_code
 from mindspeed_like.plan.peak import MEGATRON_LM_MEMORY_RECORD
 from mindspeed_like.toolkit import records
 
@@ -114,7 +115,8 @@ def _plan(args: Sequence[str], processes: int):
 
 def predicted(case: tuple[str, int, str]) -> dict[int, int]:
     """rank -> the plan's process peak (the features arm where the case sets a level)."""
-    prediction = _plan(arguments(case), case[1])
+    with megatron_code.as_measured_in(MEASURED):
+        prediction = _plan(arguments(case), case[1])
     arm = prediction.features if "--optimization-level" in case[2] else prediction.megatron
     per_stage = case[1] // len(arm.stages)
     return {rank: arm.stages[rank // per_stage].peak.total for rank in range(case[1])}
@@ -136,7 +138,8 @@ def held_by_tensors(args: Sequence[str], processes: int) -> dict[str, int]:
 
     peak.calibrating.append(True)
     try:
-        prediction = _plan(args, processes)
+        with megatron_code.as_measured_in(MEASURED):
+            prediction = _plan(args, processes)
     finally:
         peak.calibrating.pop()
     return {arm.name: arm.stages[0].peak.total for arm in prediction.arms()}

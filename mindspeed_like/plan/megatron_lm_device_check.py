@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mindspeed_like.plan import megatron_code
 from mindspeed_like.plan.megatron_lm_check import MEMORY_LINE, table_out
 from mindspeed_like.toolkit import records
 
@@ -154,7 +155,8 @@ def predicted(case: tuple[str, str]) -> tuple[int, dict[str, int]]:
     from mindspeed_like.plan import cli
 
     argv = [*arguments(case), "--world-size", "1", "--target-device", DEVICE, "--parser", "builtin"]
-    prediction = cli.predict_argv(argv)
+    with megatron_code.as_measured_in(MEASURED):
+        prediction = cli.predict_argv(argv)
     arm = prediction.features if LEVEL in case[1] else prediction.megatron
     stage = arm.stages[0]
     return stage.peak.total, {"model_state": stage.peak.model_state, "activations": stage.peak.activations}
