@@ -251,9 +251,13 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
         out.append(Saved("core_attn", "q" + (" (rotated)" if new_q else ""), p * t * a * d) if new_q else None)
         if expanded:
             out.append(Saved("core_attn", "k, v expanded to every head (GQA)", p * t * a * d, count=2))
+            if not new_q:
+                # SelfAttention reshapes the grouped q to one head a row: a copy (its group stride is
+                # (heads/groups + 2) heads); the expanded k and v are copies too, so nothing keeps qkv's output
+                out.append(Saved("attention", "q (a copy: the grouped heads' reshape)", p * t * a * d))
         else:
             out.append(Saved("core_attn", "k (rotated)", p * t * a * d) if new_q else None)
-        if not new_q or not expanded:
+        if not expanded:
             qkv_viewed = True
         out += softmax(run, dims)
         out.append(Saved("attention", "attention output (linear_proj input)", p * t * a * d))
@@ -269,6 +273,7 @@ def softmax_upcast(run: Run, dims: Dims) -> bool:
 
 
 CAUSAL_MASK = "causal mask (bool s x s)"
+DATALOADER_MASK = "attention mask (bool b x s x s, the dataloader's: every layer's)"
 
 
 def softmax(run: Run, dims: Dims) -> list[Saved]:
@@ -288,19 +293,23 @@ def softmax(run: Run, dims: Dims) -> list[Saved]:
         rows = [Saved("core_attn", "softmax output (model dtype)", dims.p * elements)]
         if run.model.attention_dropout > 0:
             rows.append(Saved("core_attn", "dropped probabilities (the value matmul's input)", dims.p * elements))
-    rows.append(Saved("core_attn", CAUSAL_MASK, BOOL * dims.s**2))
+    if run.model.attention_mask_in_dataloader:
+        rows.append(Saved("core_attn", DATALOADER_MASK, BOOL * dims.b * dims.s**2))
+    else:
+        rows.append(Saved("core_attn", CAUSAL_MASK, BOOL * dims.s**2))
     return rows + _attention_dropout(run, dims)
 
 
-def _one_cached_mask(rows: dict[str, list[Saved]]) -> None:
-    """Where megatron caches its causal mask (:func:`megatron_code.caches_causal_mask`, megatron-core
-    0.13), every layer's softmax keeps the same tensor: counted at the first layer that keeps it."""
+def _one_shared_mask(rows: dict[str, list[Saved]]) -> None:
+    """Where every layer's softmax keeps the same mask tensor (megatron-core 0.13 caches its causal
+    mask, :func:`megatron_code.caches_causal_mask`; Megatron-LM's dataloader makes one a microbatch
+    for every layer), it is counted at the first layer that keeps it."""
     seen = False
     for group in rows.values():
         for i, row in enumerate(group):
-            if row.what == CAUSAL_MASK:
+            if row.what in (CAUSAL_MASK, DATALOADER_MASK):
                 if seen:
-                    group[i] = Saved(row.component, "causal mask: megatron's cached one (counted once)", 0)
+                    group[i] = Saved(row.component, "the shared mask (counted at its first layer)", 0)
                 seen = True
 
 
@@ -418,10 +427,13 @@ def dense_mlp(
         out.append(linear_input(tsp, dims.h, dims, f"{label} linear_fc1", "mlp"))
     if m.gated_linear_unit:
         out.append(Saved("mlp", f"{label} fc1 output (SwiGLU input)", p * t * 2 * width))
-        if paths.fused_swiglu:
+        if paths.fused_swiglu or m.bias_swiglu_fusion:
             out.append(
                 Saved(
-                    "mlp", f"{label} SwiGLU halves: none (the fused kernel keeps its input)", 0, feature="fused-swiglu"
+                    "mlp",
+                    f"{label} SwiGLU halves: none (the fused kernel keeps its input)",
+                    0,
+                    feature=None if m.bias_swiglu_fusion else "fused-swiglu",
                 )
             )
         else:
@@ -491,8 +503,9 @@ def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[S
             Saved("moe", "experts: fc1 input rows", p * rows_r * dims.h),
             Saved("moe", "experts: fc1 output (activation input)", p * rows_r * 2 * fm),
         ]
-        if paths.fused_swiglu:
-            out.append(Saved("moe", "experts: SwiGLU halves: none (fused weighted SwiGLU)", 0, feature="fused-swiglu"))
+        if paths.fused_swiglu or m.bias_swiglu_fusion:
+            feature = None if m.bias_swiglu_fusion else "fused-swiglu"  # megatron's own weighted_bias_swiglu_impl
+            out.append(Saved("moe", "experts: SwiGLU halves: none (fused weighted SwiGLU)", 0, feature=feature))
         else:
             out.append(
                 _swiglu_halves("moe", "experts: SwiGLU halves", p * rows_r * fm, 1, " and the probs-weighted output")
@@ -675,6 +688,6 @@ def chunk(run: Run, paths: Paths, layers: tuple[int, ...], first: bool, last: bo
         for i in range(mtp):
             out[f"mtp {i}"] = mtp_layer(run, paths, dims)
         out["head"] = head(run, paths, dims, outputs=1 + mtp)
-    if megatron_code.caches_causal_mask():
-        _one_cached_mask(out)
+    if megatron_code.caches_causal_mask() or run.model.attention_mask_in_dataloader:
+        _one_shared_mask(out)
     return out

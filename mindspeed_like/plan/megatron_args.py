@@ -139,6 +139,10 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exp-avg-sq-dtype", default="fp32", choices=_DTYPES)
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "muon", "dist_muon"))
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion")
+    g.add_argument(
+        "--no-create-attention-mask-in-dataloader", action="store_false", dest="create_attention_mask_in_dataloader"
+    )
     g.add_argument("--recompute-activations", action="store_true")
     g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"))
     g.add_argument("--recompute-method", default=None, choices=("uniform", "block"))
@@ -485,6 +489,8 @@ def run_from_namespace(
         ffn_hidden_size=ns.ffn_hidden_size,
         vocab_size=ns.padded_vocab_size,
         vocab_unpadded=unpadded,
+        bias_swiglu_fusion=bool(get("swiglu")) and bool(get("bias_swiglu_fusion", True)),
+        attention_mask_in_dataloader=bool(get("create_attention_mask_in_dataloader", True)),
         vocab_divisible_by=ns.make_vocab_size_divisible_by,
         seq_length=ns.seq_length,
         max_position_embeddings=get("max_position_embeddings"),

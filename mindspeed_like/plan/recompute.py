@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from mindspeed_like.plan.activations import Dims, Saved
+from mindspeed_like.plan.activations import DATALOADER_MASK, Dims, Saved
 from mindspeed_like.plan.spec import Run
 
 MODELED_MODULES = ("core_attn", "mlp", "moe_act", "layernorm")
@@ -37,6 +37,9 @@ def apply_recompute(run: Run, groups: dict[str, list[Saved]], layers: tuple[int,
                 for key in group:
                     out[key] = []
                 out[group[0]] = [hidden]
+        if run.model.attention_mask_in_dataloader and layer_keys:
+            # every checkpoint is given the dataloader's mask: one tensor, kept once
+            out[layer_keys[0]] = [*out[layer_keys[0]], Saved("recompute", DATALOADER_MASK, dims.b * dims.s**2)]
         return out
     for key in layer_keys:
         out[key] = _selective(run, dims, out[key])
@@ -47,14 +50,7 @@ def _selective(run: Run, dims: Dims, rows: list[Saved]) -> list[Saved]:
     modules = run.recompute.modules
     out = list(rows)
     if "core_attn" in modules:
-        kept = [r for r in out if r.component != "core_attn"]  # the output linear_proj keeps is "attention"
-        m = run.model
-        if m.multi_latent_attention:
-            qk = m.qk_head_dim + m.qk_pos_emb_head_dim
-            qkv = dims.p * dims.t * dims.a * (2 * qk + m.v_head_dim)
-        else:
-            qkv = dims.p * dims.t * (dims.a + 2 * dims.g) * dims.d
-        out = kept + [Saved("recompute", "core attention checkpoint inputs (q, k, v)", qkv)]
+        out = _core_attention_inputs(run, dims, out)
     if "mlp" in modules:
         out = [r for r in out if r.component != "mlp" or "linear_fc1" in r.what]
     if "moe_act" in modules:
@@ -68,6 +64,42 @@ def _selective(run: Run, dims: Dims, rows: list[Saved]) -> list[Saved]:
             if not (r.component == "norm" and "rstd" in r.what)
         ]
     return out
+
+
+def _core_attention_inputs(run: Run, dims: Dims, rows: list[Saved]) -> list[Saved]:
+    """Selective ``core_attn``: the checkpoint keeps the core attention's inputs instead of its
+    internals (the s x s scores, masks, probabilities; GQA's expanded keys and values). Megatron's
+    unfused path passes q and k rotated (new tensors: the rows already counted) or as views of the
+    qkv projection's output, and v always as such a view, so what stays is the rotated q, the
+    rotated k at its own (unexpanded) heads, and the qkv output where nothing else kept it; checked
+    on the local spec's model (a user's report: the view-sharing inputs were once counted again, +13%).
+    MLA and the flash kernel's inputs are storages of their own (counted as the checkpoint's)."""
+    m = run.model
+    # the output linear_proj keeps is "attention"; a mask the layer is given is a checkpoint input too
+    kept = [r for r in rows if r.component != "core_attn" or r.what == DATALOADER_MASK or "shared mask" in r.what]
+    flash = any("log-sum-exp" in r.what for r in rows if r.component == "core_attn")
+    if m.multi_latent_attention or flash:
+        if m.multi_latent_attention:
+            qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+            qkv = dims.p * dims.t * dims.a * (2 * qk + m.v_head_dim)
+        else:
+            qkv = dims.p * dims.t * (dims.a + 2 * dims.g) * dims.d
+        return kept + [Saved("recompute", "core attention checkpoint inputs (q, k, v)", qkv)]
+    p, t, d = dims.p, dims.t, dims.d
+    if any(r.component == "core_attn" and r.what.startswith("q (rotated)") for r in rows):
+        kept += [
+            Saved("recompute", "core attention input: q (rotated)", p * t * dims.a * d),
+            Saved("recompute", "core attention input: k (rotated, its own heads)", p * t * dims.g * d),
+        ]
+    if not any(r.what.startswith("qkv projection output") for r in kept):
+        kept.append(
+            Saved(
+                "attention",
+                "qkv projection output (v viewed from it: a checkpoint input)",
+                p * t * (dims.a + 2 * dims.g) * d,
+            )
+        )
+    return kept
 
 
 def reforward_bytes(before: dict[str, list[Saved]], after: dict[str, list[Saved]], layers: tuple[int, ...]) -> int:

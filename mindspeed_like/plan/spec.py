@@ -66,6 +66,11 @@ class Model:
     v_head_dim: int = 0
     # multi-token prediction
     mtp_num_layers: int = 0
+    # Megatron-LM's defaults that compare's models (megatron's TransformerConfig defaults) run without:
+    # --bias-swiglu-fusion (bias_activation_fusion: megatron's fused SwiGLU keeps only its input) and
+    # --create-attention-mask-in-dataloader (one b x s x s bool mask every layer's softmax shares)
+    bias_swiglu_fusion: bool = False
+    attention_mask_in_dataloader: bool = False
     # the tokenizer's vocabulary before megatron pads it (a multiple of vocab_divisible_by x TP), so
     # another TP (``--fit``) pads it again; None where the padded size was given (compare's presets)
     vocab_unpadded: int | None = None

@@ -512,3 +512,38 @@ def test_the_device_memory_is_said_as_given(capsys) -> None:
     out = capsys.readouterr().out
     assert "device memory (--device-memory 80GB: decimal)" in out and "of 74.51 GiB" in out
     assert "FP32 optimizer (no optimizer sharding)" in out  # neither --bf16 nor --fp16
+
+
+_LOCAL = (
+    "--num-layers 3 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 512 "
+    "--micro-batch-size 2 --global-batch-size 2 --vocab-size 1000 --tokenizer-type NullTokenizer --bf16 "
+    "--transformer-impl local --target-device cpu --parser builtin --optimization-level 0 --json"
+).split()
+_SWIGLU = "--swiglu --disable-bias-linear --normalization RMSNorm --position-embedding-type rope".split()
+
+
+def _activations(extra: list[str], capsys) -> int:
+    assert cli.main([*_LOCAL, *extra]) == 0
+    return json.loads(capsys.readouterr().out)["per_rank"][0]["megatron"]["activations_bytes"]
+
+
+def test_megatron_lms_defaults_that_compares_models_lack(capsys) -> None:
+    """Against Megatron-LM's own GPT built on the CPU (docs/plan.md): its default --bias-swiglu-fusion
+    keeps fc1's output only (the unfused GLU two more [t, ffn] tensors); its dataloader's mask is one
+    b x s x s bool tensor every layer's softmax keeps (without it each layer makes its own s x s)."""
+    b, s, t, ffn, layers = 2, 256, 2 * 256, 640, 3  # --swiglu's ffn: 4h x 2/3 down to a multiple of 64
+    fused = _activations(_SWIGLU, capsys)
+    assert _activations([*_SWIGLU, "--no-bias-swiglu-fusion"], capsys) - fused == layers * 2 * 2 * t * ffn
+    own_masks = _activations([*_SWIGLU, "--no-create-attention-mask-in-dataloader"], capsys)
+    assert own_masks - fused == layers * s * s - b * s * s
+
+
+def test_selective_recompute_drops_the_attention_internals_only(capsys) -> None:
+    """core_attn recompute keeps the core attention's inputs (rotated q and k, the qkv output v is a
+    view of), which the rows already hold: what goes is the s x s softmax output (bf16, b x heads x
+    s x s) of every layer."""
+    b, s, heads, layers = 2, 256, 4, 3
+    no_dropout = [*_SWIGLU, "--attention-dropout", "0", "--hidden-dropout", "0"]  # else its s x s rows go too
+    whole = _activations(no_dropout, capsys)
+    selective = _activations([*no_dropout, "--recompute-granularity", "selective"], capsys)
+    assert whole - selective == layers * 2 * b * heads * s * s
