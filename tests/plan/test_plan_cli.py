@@ -532,10 +532,14 @@ def test_megatron_lms_defaults_that_compares_models_lack(capsys) -> None:
     keeps fc1's output only (the unfused GLU two more [t, ffn] tensors); its dataloader's mask is one
     b x s x s bool tensor every layer's softmax keeps (without it each layer makes its own s x s)."""
     b, s, t, ffn, layers = 2, 256, 2 * 256, 640, 3  # --swiglu's ffn: 4h x 2/3 down to a multiple of 64
+    from mindspeed_like.plan import megatron_code
+
+    halves = 2 if megatron_code.glu_copies_linear_half() else 1  # 0.13: x2 is a view of fc1's output
+    masks = 1 if megatron_code.caches_causal_mask() else layers  # 0.13 caches one causal mask
     fused = _activations(_SWIGLU, capsys)
-    assert _activations([*_SWIGLU, "--no-bias-swiglu-fusion"], capsys) - fused == layers * 2 * 2 * t * ffn
+    assert _activations([*_SWIGLU, "--no-bias-swiglu-fusion"], capsys) - fused == layers * halves * 2 * t * ffn
     own_masks = _activations([*_SWIGLU, "--no-create-attention-mask-in-dataloader"], capsys)
-    assert own_masks - fused == layers * s * s - b * s * s
+    assert own_masks - fused == masks * s * s - b * s * s
 
 
 def test_selective_recompute_drops_the_attention_internals_only(capsys) -> None:
