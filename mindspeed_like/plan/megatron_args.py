@@ -87,6 +87,8 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
     ):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     # what the tokenizer's vocabulary is read from (plan/tokenizer_vocab.py)
@@ -426,12 +428,14 @@ def derive(ns: argparse.Namespace, world_size: int | None) -> argparse.Namespace
     ns.world_size = world
     ns.data_parallel_size = world // model_parallel
     ns.virtual_pipeline_model_parallel_size = None
+    # Megatron-LM counts the embedding and the loss as a layer each in the split where asked
+    split = ns.num_layers + ns.account_for_embedding_in_pipeline_split + ns.account_for_loss_in_pipeline_split
     if ns.num_layers_per_virtual_pipeline_stage is not None:
-        if ns.num_layers % pp or (ns.num_layers // pp) % ns.num_layers_per_virtual_pipeline_stage:
+        if split % pp or (split // pp) % ns.num_layers_per_virtual_pipeline_stage:
             raise ConfigError(
                 "plan: number of layers per pipeline stage must be divisible by --num-layers-per-virtual-pipeline-stage"
             )
-        vpp = ns.num_layers // pp // ns.num_layers_per_virtual_pipeline_stage
+        vpp = split // pp // ns.num_layers_per_virtual_pipeline_stage
         ns.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
     elif ns.num_virtual_stages_per_pipeline_rank is not None and ns.num_virtual_stages_per_pipeline_rank > 1:
         ns.virtual_pipeline_model_parallel_size = ns.num_virtual_stages_per_pipeline_rank
@@ -541,6 +545,8 @@ def run_from_namespace(
         distributed_optimizer=bool(ns.use_distributed_optimizer),
         overlap_grad_reduce=bool(get("overlap_grad_reduce")),
         first_stage_layers=get("decoder_first_pipeline_num_layers"),
+        embedding_in_split=bool(get("account_for_embedding_in_pipeline_split")),
+        loss_in_split=bool(get("account_for_loss_in_pipeline_split")),
         last_stage_layers=get("decoder_last_pipeline_num_layers"),
     )
     precision = Precision(

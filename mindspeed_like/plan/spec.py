@@ -108,6 +108,10 @@ class Layout:
     overlap_grad_reduce: bool = False  # megatron's DDP then buckets the gradients (40M elements or more)
     first_stage_layers: int | None = None  # megatron's decoder_first/last_pipeline_num_layers
     last_stage_layers: int | None = None
+    # --account-for-embedding/loss-in-pipeline-split: each counts as a layer of the split (the first
+    # slice builds one decoder layer less, the last one less)
+    embedding_in_split: bool = False
+    loss_in_split: bool = False
 
     @property
     def world_size(self) -> int:
@@ -229,10 +233,18 @@ def stage_layers(model: Model, layout: Layout) -> list[list[tuple[int, ...]]]:
             start += c
         return out
     slices = pp * chunks
-    if n % slices:
+    emb, loss = int(layout.embedding_in_split), int(layout.loss_in_split)
+    split = n + emb + loss
+    if split % slices:
+        named = " and ".join(what for what, on in (("the embedding", emb), ("the loss", loss)) if on)
+        counted = f" (with {named} counted as {'layers' if emb and loss else 'a layer'})" if named else ""
         raise ConfigError(
-            f"plan: --num-layers {n} does not divide into {pp} pipeline stages x {chunks} virtual stages "
+            f"plan: --num-layers {n}{counted} does not divide into {pp} pipeline stages x {chunks} virtual stages "
             "(megatron refuses it)"
         )
-    per = n // slices
-    return [[tuple(range((c * pp + s) * per, (c * pp + s + 1) * per)) for c in range(chunks)] for s in range(pp)]
+    per = split // slices
+
+    def decoder(k: int) -> tuple[int, ...]:  # slice k's positions of the split, less the embedding's and the loss's
+        return tuple(g - emb for g in range(k * per, (k + 1) * per) if 0 <= g - emb < n)
+
+    return [[decoder(c * pp + s) for c in range(chunks)] for s in range(pp)]

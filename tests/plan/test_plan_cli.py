@@ -551,3 +551,19 @@ def test_selective_recompute_drops_the_attention_internals_only(capsys) -> None:
     whole = _activations(no_dropout, capsys)
     selective = _activations([*no_dropout, "--recompute-granularity", "selective"], capsys)
     assert whole - selective == layers * 2 * b * heads * s * s
+
+
+def test_the_embedding_and_the_loss_can_count_as_layers_of_the_pipeline_split(capsys) -> None:
+    """--account-for-embedding/loss-in-pipeline-split (megatron's get_num_layers_to_build): 6 layers +
+    the embedding + the loss over PP 4 are 2 a stage, so the first and the last build one layer each."""
+    command = (
+        "--num-layers 6 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256 "
+        "--micro-batch-size 1 --global-batch-size 8 --vocab-size 1000 --tokenizer-type NullTokenizer --bf16 "
+        "--pipeline-model-parallel-size 4 --world-size 4 --parser builtin"
+    ).split()
+    both = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    assert cli.main([*command, *both, "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["per_rank"]
+    assert [s["layers"] for s in stages] == [[[0]], [[1, 2]], [[3, 4]], [[5]]]
+    assert cli.main([*command, both[0]]) == 2  # 7 does not divide over 4 stages
+    assert "with the embedding counted as a layer" in capsys.readouterr().err
