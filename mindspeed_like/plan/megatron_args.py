@@ -87,6 +87,7 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
     ):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-layout", default=None)
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     g.add_argument("--group-query-attention", action="store_true")
@@ -439,6 +440,11 @@ def derive(ns: argparse.Namespace, world_size: int | None) -> argparse.Namespace
         ns.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
     elif ns.num_virtual_stages_per_pipeline_rank is not None and ns.num_virtual_stages_per_pipeline_rank > 1:
         ns.virtual_pipeline_model_parallel_size = ns.num_virtual_stages_per_pipeline_rank
+    elif ns.pipeline_model_parallel_layout is not None:
+        from mindspeed_like.plan import layer_layout
+
+        vpp = layer_layout.virtual_stages(ns.pipeline_model_parallel_layout, pp)
+        ns.virtual_pipeline_model_parallel_size = vpp if vpp > 1 else None
     if ns.micro_batch_size is None:
         ns.micro_batch_size = 1
     if ns.global_batch_size is None:
@@ -546,6 +552,7 @@ def run_from_namespace(
         overlap_grad_reduce=bool(get("overlap_grad_reduce")),
         first_stage_layers=get("decoder_first_pipeline_num_layers"),
         embedding_in_split=bool(get("account_for_embedding_in_pipeline_split")),
+        layer_layout=_layout_text(get("pipeline_model_parallel_layout")),
         loss_in_split=bool(get("account_for_loss_in_pipeline_split")),
         last_stage_layers=get("decoder_last_pipeline_num_layers"),
     )
@@ -625,6 +632,13 @@ MUON_NOTE = (
     "--optimizer muon: its state is not modeled and is counted as Adam's (two fp32 moments a parameter); "
     "Muon keeps one momentum for each matrix and Adam's two for the rest, so the optimizer figure is an upper bound"
 )
+
+
+def _layout_text(layout: Any) -> str | None:
+    """--pipeline-model-parallel-layout as given (Megatron-LM may hold its parsed object instead)."""
+    if layout is None or isinstance(layout, str):
+        return layout
+    return str(getattr(layout, "input_data", layout))
 
 
 def check_exclusive(ns: argparse.Namespace, argv: Sequence[str]) -> None:

@@ -112,6 +112,7 @@ class Layout:
     # slice builds one decoder layer less, the last one less)
     embedding_in_split: bool = False
     loss_in_split: bool = False
+    layer_layout: str | None = None  # --pipeline-model-parallel-layout (plan/layer_layout.py)
 
     @property
     def world_size(self) -> int:
@@ -213,6 +214,10 @@ def stage_layers(model: Model, layout: Layout) -> list[list[tuple[int, ...]]]:
     (megatron's even split, with --decoder-first/last-pipeline-num-layers honoured at VPP 1; the
     interleaved schedule gives chunk c of stage p the (c x PP + p)-th slice)."""
     pp, chunks, n = layout.pp, layout.chunks, model.num_layers
+    if layout.layer_layout is not None:
+        from mindspeed_like.plan import layer_layout
+
+        return layer_layout.decoder_layers(layout.layer_layout, pp, n)
     first, last = layout.first_stage_layers, layout.last_stage_layers
     if chunks == 1 and (first is not None or last is not None):
         counts = [0] * pp

@@ -567,3 +567,22 @@ def test_the_embedding_and_the_loss_can_count_as_layers_of_the_pipeline_split(ca
     assert [s["layers"] for s in stages] == [[[0]], [[1, 2]], [[3, 4]], [[5]]]
     assert cli.main([*command, both[0]]) == 2  # 7 does not divide over 4 stages
     assert "with the embedding counted as a layer" in capsys.readouterr().err
+
+
+def test_a_pipeline_layout_places_the_layers_it_lists(capsys) -> None:
+    """--pipeline-model-parallel-layout "Et*3|t|t*3|tL" at PP 2: stage k is rank k % 2's chunk k // 2
+    and layers are numbered in stage order (megatron's PipelineParallelLayerLayout); a layout that
+    does not list --num-layers decoder layers, or lacks the loss, is refused."""
+    command = (
+        "--num-layers 8 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256 "
+        "--micro-batch-size 1 --global-batch-size 8 --vocab-size 1000 --tokenizer-type NullTokenizer --bf16 "
+        "--pipeline-model-parallel-size 2 --world-size 2 --parser builtin --pipeline-model-parallel-layout"
+    ).split()
+    assert cli.main([*command, "Et*3|t|t*3|tL", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [s["layers"] for s in out["per_rank"]] == [[[0, 1, 2], [4, 5, 6]], [[3], [7]]]
+    assert out["not_modeled"] == []
+    assert cli.main([*command, "Et*3|t|t*2|tL"]) == 2
+    assert "has 7 decoder layers ('t'), --num-layers is 8" in capsys.readouterr().err
+    assert cli.main([*command, "Et*3|t|t*3|t"]) == 2
+    assert "needs one 'L'" in capsys.readouterr().err
