@@ -88,6 +88,12 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
         g.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     g.add_argument("--num-query-groups", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-layout", default=None)
+    g.add_argument(
+        "--microbatch-group-size-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        dest="microbatch_group_size_per_vp_stage",
+    )
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     g.add_argument("--group-query-attention", action="store_true")
@@ -553,6 +559,7 @@ def run_from_namespace(
         first_stage_layers=get("decoder_first_pipeline_num_layers"),
         embedding_in_split=bool(get("account_for_embedding_in_pipeline_split")),
         layer_layout=_layout_text(get("pipeline_model_parallel_layout")),
+        microbatch_group=get("microbatch_group_size_per_vp_stage"),
         loss_in_split=bool(get("account_for_loss_in_pipeline_split")),
         last_stage_layers=get("decoder_last_pipeline_num_layers"),
     )
@@ -754,8 +761,18 @@ def check(model: Model, layout: Layout) -> None:
         raise ConfigError("plan: --sequence-parallel needs --tensor-model-parallel-size > 1")
     if layout.vpp and layout.pp == 1:
         raise ConfigError("plan: virtual pipeline stages need --pipeline-model-parallel-size > 1")
-    if layout.pp > 1 and layout.vpp and layout.num_microbatches % layout.pp:
-        raise ConfigError(
-            f"plan: the interleaved schedule needs the microbatches per step ({layout.num_microbatches}) to be a "
-            f"multiple of PP ({layout.pp}); raise --global-batch-size"
-        )
+    if layout.pp > 1 and layout.vpp:
+        # megatron's forward_backward_pipelining_with_interleaving refuses these at the first step
+        m, group = layout.num_microbatches, layout.microbatch_group or layout.pp
+        if not layout.pp <= group <= m:
+            raise ConfigError(
+                f"plan: the interleaved schedule needs its microbatch group ({group}: "
+                f"--microbatch-group-size-per-virtual-pipeline-stage, else PP) between PP ({layout.pp}) and the "
+                f"microbatches per step ({m}); raise --global-batch-size or change the group"
+            )
+        if 0 < m % group < layout.pp:
+            raise ConfigError(
+                f"plan: the interleaved schedule needs the microbatches per step ({m}) to be a multiple of its "
+                f"microbatch group ({group}: --microbatch-group-size-per-virtual-pipeline-stage, else PP), or to "
+                f"leave at least PP ({layout.pp}) over; raise --global-batch-size"
+            )

@@ -96,8 +96,10 @@ def predict_arm(run: Run, name: str, paths: Paths) -> Arm:
             groups = activations.chunk(run, paths, layers, first, last)
             rows.append(apply_recompute(run, groups, layers))
             reforward = max(reforward, reforward_bytes(groups, rows[-1], layers))
-        in_flight = schedule.in_flight_chunks(lay.pp, s, lay.chunks, lay.num_microbatches)
-        measured = schedule.last_forward_chunk(lay.pp, lay.chunks, lay.num_microbatches)
+        weights = [sum(r.total for group in chunk.values() for r in group) for chunk in rows]
+        group = lay.microbatch_group
+        in_flight = schedule.in_flight_chunks(lay.pp, s, lay.chunks, lay.num_microbatches, group, weights)
+        measured = schedule.last_forward_chunk(lay.pp, lay.chunks, lay.num_microbatches, group)
         stage_peak = peak.estimate(run, paths, lines, rows, in_flight, name, s, reforward)
         stages.append(
             Stage(

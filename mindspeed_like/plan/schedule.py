@@ -7,8 +7,12 @@ compare with megatron's own ``get_pp_rank_microbatches`` and ``get_schedule_tabl
   forwards, then one forward per backward: ``min(PP - r, M)`` in flight.
 - Interleaved (``..._with_interleaving``, V model chunks per rank): ``(PP - r - 1) x 2 + (V - 1) x
   G`` warm-up chunk-forwards (G = ``microbatch_group_size_per_vp_stage``, PP by default), all
-  ``M x V`` when that reaches them, then one more before the first backward; which chunk each
-  forward runs is megatron's schedule table (groups of G microbatches, chunk by chunk).
+  ``M x V`` when that reaches them, then one forward per backward; which chunk each forward runs is
+  megatron's schedule table (groups of G microbatches, chunk by chunk), and the k-th backward runs
+  the k-th entry's microbatch on chunk ``V - 1 - c`` (``get_model_chunk_id(..., forward=False)``).
+  The number in flight is the same at every steady step, but the mix moves toward the first chunks:
+  where the chunks' activations differ (MoE and dense layers, the head's chunk) the rank's peak is
+  the heaviest of these states, not the first.
 """
 
 from __future__ import annotations
@@ -37,17 +41,40 @@ def schedule_table(microbatches: int, chunks: int, group: int) -> list[tuple[int
     return table
 
 
-def in_flight_chunks(pp: int, rank: int, chunks: int, microbatches: int, group: int | None = None) -> dict[int, int]:
-    """model chunk -> microbatches of it whose activations are held at the rank's peak (the
-    warm-up forwards and the first steady-state forward, before the first backward)."""
+def in_flight_states(pp: int, rank: int, chunks: int, microbatches: int, group: int | None = None) -> list[Counter]:
+    """The chunk counts held after each forward of the interleaved schedule's warm-up end and steady
+    phase (before that forward's paired backward), in order."""
+    table = schedule_table(microbatches, chunks, group or pp)
+    total = len(table)
+    first = min(warmup(pp, rank, chunks, microbatches, group) + 1, total)
+    held = Counter(chunk for _, chunk in table[:first])
+    states = [Counter(held)]
+    for k in range(total - first):
+        held[chunks - 1 - table[k][1]] -= 1  # the k-th backward
+        held[table[first + k][1]] += 1  # the next forward
+        states.append(Counter(held))
+    return states
+
+
+def in_flight_chunks(
+    pp: int,
+    rank: int,
+    chunks: int,
+    microbatches: int,
+    group: int | None = None,
+    chunk_bytes: list[int] | None = None,
+) -> dict[int, int]:
+    """model chunk -> microbatches of it whose activations are held at the rank's peak: the
+    heaviest state by ``chunk_bytes`` (one microbatch's activations of each chunk), the first
+    (the warm-up's end) where they are not given or alike."""
     if pp == 1:
         return {0: 1}
     if chunks == 1:
         return {0: min(pp - rank, microbatches)}
-    total = microbatches * chunks
-    held = min(warmup(pp, rank, chunks, microbatches, group) + 1, total)
-    counts = Counter(chunk for _, chunk in schedule_table(microbatches, chunks, group or pp)[:held])
-    return {c: counts.get(c, 0) for c in range(chunks)}
+    states = in_flight_states(pp, rank, chunks, microbatches, group)
+    weights = chunk_bytes or [1] * chunks
+    worst = max(states, key=lambda held: sum(weights[c] * n for c, n in held.items()))  # first of equals
+    return {c: worst.get(c, 0) for c in range(chunks)}
 
 
 def last_forward_chunk(pp: int, chunks: int, microbatches: int, group: int | None = None) -> int:

@@ -113,6 +113,7 @@ class Layout:
     embedding_in_split: bool = False
     loss_in_split: bool = False
     layer_layout: str | None = None  # --pipeline-model-parallel-layout (plan/layer_layout.py)
+    microbatch_group: int | None = None  # --microbatch-group-size-per-virtual-pipeline-stage (PP by default)
 
     @property
     def world_size(self) -> int:
