@@ -192,16 +192,29 @@ def attention(run: Run, paths: Paths, dims: Dims) -> list[Saved]:
     qkv = p * t * (a + 2 * g) * d  # the projection's output: q, k and v are views of it
     rope_on = m.position_embedding_type == "rope"
     qkv_viewed = False
+    # q is sliced from each query group's block of the projection: reshaping it to one head a row
+    # copies it where a group holds several heads of several groups (GQA), a view otherwise
+    q_copied = 1 < g < a
     if m.qk_layernorm:
         fused, feature = fused_rmsnorm(paths, dims)
-        if fused and m.normalization == "RMSNorm":
+        if m.normalization == "LayerNorm":
+            # torch's layer norm keeps its input (q: the copy or a view of qkv; k: a view) and its mean
+            # and rstd in the input's dtype; checked against Megatron-LM's built model (local spec)
             out.append(
                 Saved(
                     "attention",
-                    # q is sliced from each query group's block of the projection: reshaping it to
-                    # heads copies it unless there is one group on the rank
-                    "q_layernorm: q (a copy unless one query group) + fp32 rstd",
-                    (p * t * a * d if g > 1 else 0) + FP32 * t * a,
+                    "q_layernorm: " + ("q (a copy) + " if q_copied else "") + "mean, rstd",
+                    (p * t * a * d if q_copied else 0) + 2 * p * t * a,
+                )
+            )
+            out.append(Saved("attention", "k_layernorm: mean, rstd (input: a view of qkv)", 2 * p * t * g))
+            qkv_viewed = True
+        elif fused:
+            out.append(
+                Saved(
+                    "attention",
+                    "q_layernorm: " + ("q (a copy) + " if q_copied else "") + "fp32 rstd",
+                    (p * t * a * d if q_copied else 0) + FP32 * t * a,
                     feature=feature,
                 )
             )

@@ -2,7 +2,7 @@
 saves for backward (its builder, its command-line defaults, its dataloader's mask; local spec, CPU),
 byte for byte. These command lines found four defects the compare records could not (their models
 take TransformerConfig's defaults): --bias-swiglu-fusion, the dataloader's shared mask, selective
-recompute's inputs counted twice, GQA's query copy."""
+recompute's inputs counted twice, GQA's query copy, the query/key LayerNorm's saves."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ CASES = {
     "--recompute-granularity selective",
     "gpt gqa (no rope)": "--group-query-attention --num-query-groups 2",
     "gpt gqa, selective recompute": "--group-query-attention --num-query-groups 2 --recompute-granularity selective",
+    "gpt qk-layernorm": "--qk-layernorm",
+    "gpt gqa qk-layernorm": "--qk-layernorm --group-query-attention --num-query-groups 2",
+    "llama gqa qk-layernorm (RMSNorm)": f"{LLAMA} --qk-layernorm --group-query-attention --num-query-groups 2",
     # without hidden dropout: with it this model keeps two more [b, s, h] tensors a layer (not found yet)
     "gpt full recompute": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
     "--attention-dropout 0 --hidden-dropout 0",
