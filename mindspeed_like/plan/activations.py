@@ -536,6 +536,10 @@ def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[S
     if m.moe_shared_expert_intermediate_size:
         fs = m.moe_shared_expert_intermediate_size // lay.tp
         out += dense_mlp(run, paths, dims, layer_in_chunk, fs, "shared experts", norm_rows=False, input_saved=True)
+        if m.moe_shared_expert_gate:
+            # SharedExpertMLP.forward: output * sigmoid(linear(input, gate_weight)) keeps the output and
+            # the [t, 1] score (the linear's input is the layer's, counted)
+            out.append(Saved("moe", "shared experts' gate: their output and its sigmoid score", p * tsp * (dims.h + 1)))
     return out
 
 

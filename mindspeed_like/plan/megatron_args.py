@@ -88,6 +88,7 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
         g.add_argument("--" + name.replace("_", "-"), type=int, default=None)
     g.add_argument("--num-query-groups", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-layout", default=None)
+    g.add_argument("--moe-shared-expert-gate", action="store_true")
     g.add_argument(
         "--microbatch-group-size-per-virtual-pipeline-stage",
         type=int,
@@ -529,6 +530,7 @@ def run_from_namespace(
         moe_router_topk=get("moe_router_topk", 2),
         moe_layer_pattern=moe_pattern(get("moe_layer_freq", 1), ns.num_layers) if experts else (),
         moe_shared_expert_intermediate_size=get("moe_shared_expert_intermediate_size") or 0,
+        moe_shared_expert_gate=bool(get("moe_shared_expert_gate")),
         moe_router_dtype=get("moe_router_dtype"),
         moe_router_score_function=get("moe_router_score_function", "softmax"),
         moe_router_num_groups=get("moe_router_num_groups"),

@@ -89,6 +89,8 @@ def layer(run: Run, index: int) -> list[Param]:
         rows += mlp(m, m.moe_ffn_hidden_size, f"mlp.experts.{e}.", lay.expert_tp, expert=True)
     if m.moe_shared_expert_intermediate_size:
         rows += mlp(m, m.moe_shared_expert_intermediate_size, "mlp.shared_experts.", lay.tp)
+        if m.moe_shared_expert_gate:
+            rows.append(Param("mlp.shared_experts.gate_weight", m.hidden_size))
     return rows
 
 

@@ -51,6 +51,7 @@ class Model:
     moe_router_topk: int = 2
     moe_layer_pattern: tuple[int, ...] = ()  # 1 = MoE layer, 0 = dense (megatron's moe_layer_freq)
     moe_shared_expert_intermediate_size: int = 0
+    moe_shared_expert_gate: bool = False  # a sigmoid gate (one [1, h] weight) on the shared experts' output
     moe_router_dtype: str | None = None  # fp32 / fp64 / None (the model's dtype)
     moe_router_score_function: str = "softmax"
     moe_router_num_groups: int | None = None

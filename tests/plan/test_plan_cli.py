@@ -586,3 +586,19 @@ def test_a_pipeline_layout_places_the_layers_it_lists(capsys) -> None:
     assert "has 7 decoder layers ('t'), --num-layers is 8" in capsys.readouterr().err
     assert cli.main([*command, "Et*3|t|t*3|t"]) == 2
     assert "needs one 'L'" in capsys.readouterr().err
+
+
+def test_the_shared_experts_gate_has_its_weight_and_saves(capsys) -> None:
+    """--moe-shared-expert-gate: one [1, h] weight a MoE layer (megatron's SharedExpertMLP.gate_weight),
+    and output * sigmoid(score) keeps the shared experts' output and the [t, 1] score."""
+    command = (
+        "--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256 "
+        "--micro-batch-size 1 --global-batch-size 1 --vocab-size 1000 --tokenizer-type NullTokenizer --bf16 --swiglu "
+        "--num-experts 4 --moe-shared-expert-intermediate-size 256 --parser builtin --optimization-level 0 --json"
+    ).split()
+    rows = []
+    for gate in ([], ["--moe-shared-expert-gate"]):
+        assert cli.main([*command, *gate]) == 0
+        rows.append(json.loads(capsys.readouterr().out)["per_rank"][0]["megatron"])
+    assert rows[1]["weights_bytes"] - rows[0]["weights_bytes"] == 2 * 2 * 256  # bf16, 2 MoE layers
+    assert rows[1]["activations_bytes"] - rows[0]["activations_bytes"] == 2 * 2 * 256 * (256 + 1)
