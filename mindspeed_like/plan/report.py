@@ -204,8 +204,8 @@ def _rows_detail(stage: Stage, name: str) -> list[str]:
     for group, rows in stage.chunk_rows[stage.measured_chunk].items():
         for r in rows:
             tag = f" [{r.feature}]" if r.feature else ""
-            count = f"{r.count} x " if r.count > 1 else ""
-            out.append(f"    {group:10s} {count}{size(r.bytes):>12}  {r.what}{tag}")
+            count = f"{r.count} x" if r.count > 1 else ""
+            out.append(f"    {group:10s} {count:>5} {size(r.bytes):>12}  {r.what}{tag}")
     for line in stage.state:
         tag = f" [{line.feature}]" if line.feature else ""
         out.append(f"    {line.kind:10s} {size(line.bytes):>12}  {line.what}{tag}")
