@@ -698,8 +698,13 @@ def chunk(run: Run, paths: Paths, layers: tuple[int, ...], first: bool, last: bo
     out: dict[str, list[Saved]] = {}
     if first:
         out["embedding"] = embedding(run, dims)
+    made: dict[tuple[bool, bool], list[Saved]] = {}  # a layer's rows depend on these two only (80 layers x 720 fits)
+    limit = paths.recompute_activation_layers
     for position, index in enumerate(layers):
-        out[f"layer {index}"] = layer(run, paths, dims, index, position)
+        key = (run.model.layer_is_moe(index), paths.recompute_activation and (limit is None or position < limit))
+        if key not in made:
+            made[key] = layer(run, paths, dims, index, position)
+        out[f"layer {index}"] = list(made[key])
     if last:
         mtp = run.model.mtp_num_layers
         for i in range(mtp):
