@@ -287,6 +287,7 @@ def softmax_upcast(run: Run, dims: Dims) -> bool:
 
 CAUSAL_MASK = "causal mask (bool s x s)"
 DATALOADER_MASK = "attention mask (bool b x s x s, the dataloader's: every layer's)"
+SHARED_MASK = "the shared mask (counted at its first layer)"
 
 
 def softmax(run: Run, dims: Dims) -> list[Saved]:
@@ -322,7 +323,7 @@ def _one_shared_mask(rows: dict[str, list[Saved]]) -> None:
         for i, row in enumerate(group):
             if row.what in (CAUSAL_MASK, DATALOADER_MASK):
                 if seen:
-                    group[i] = Saved(row.component, "the shared mask (counted at its first layer)", 0)
+                    group[i] = Saved(row.component, SHARED_MASK, 0)
                 seen = True
 
 

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import io
 import re
+import sys
 from collections.abc import Iterator, Sequence
 
 from mindspeed_like.toolkit.errors import ConfigError
@@ -30,11 +31,11 @@ def values_attached(argv: Sequence[str], options: Sequence[str] = VALUE_OPTIONS)
     tokens = list(argv)
     i = 0
     while i < len(tokens):
-        if tokens[i] in options and i + 1 < len(tokens) and tokens[i + 1].startswith("-") and tokens[i + 1] != "--":
-            if not tokens[i + 1].startswith("--"):
-                out.append(f"{tokens[i]}={tokens[i + 1]}")
-                i += 2
-                continue
+        value = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if tokens[i] in options and value.startswith("-") and not value.startswith("--"):
+            out.append(f"{tokens[i]}={value}")
+            i += 2
+            continue
         out.append(tokens[i])
         i += 1
     return out
@@ -56,6 +57,4 @@ def megatron_lm_usage_errors() -> Iterator[None]:
     finally:
         leftover = err.getvalue()
         if leftover and "error:" not in leftover:
-            import sys
-
             sys.stderr.write(leftover)

@@ -134,18 +134,14 @@ def main(argv: Sequence[str] | None = None, *, own_process: bool | None = None) 
     argv = values_attached(sys.argv[1:] if argv is None else argv)
     try:
         own, rest = plan_parser().parse_known_args(argv)
-    except ConfigError as error:
-        print(f"mindspeed-like plan: {str(error).removeprefix('plan: ')}", file=sys.stderr)
-        return 2
-    own.own_process = own_process
-    if own.help:
-        plan_parser().print_help()
-        print("\nMegatron-LM's model/layout options read (the rest are accepted):")
-        from mindspeed_like.plan.megatron_args import build_parser
+        own.own_process = own_process
+        if own.help:
+            plan_parser().print_help()
+            print("\nMegatron-LM's model/layout options read (the rest are accepted):")
+            from mindspeed_like.plan.megatron_args import build_parser
 
-        print("  " + " ".join(sorted(o for a in build_parser()._actions for o in a.option_strings)))
-        return 0
-    try:
+            print("  " + " ".join(sorted(o for a in build_parser()._actions for o in a.option_strings)))
+            return 0
         result = plan(rest, own)
     except ConfigError as error:
         print(f"mindspeed-like plan: {str(error).removeprefix('plan: ')}", file=sys.stderr)
@@ -238,15 +234,14 @@ def switches_line(switches) -> str:
 
 
 def fits_line(pred, budget: int) -> str:
-    from mindspeed_like.plan.report import size
+    from mindspeed_like.plan.report import as_given, size
 
     out = []
     for arm in pred.arms():
         peak = max(s.peak.total for s in arm.stages)
         verdict = "fits" if peak <= budget else f"does NOT fit ({size(peak - budget)} over)"
         out.append(f"{arm.name}: {size(peak)} of {size(budget)}: {verdict}")
-    said = f" ({budget.said})" if getattr(budget, "said", "") else ""
-    return f"device memory{said}: " + "; ".join(out)
+    return f"device memory{as_given(budget)}: " + "; ".join(out)
 
 
 def predict_argv(argv: Sequence[str]):

@@ -29,7 +29,7 @@ from typing import Any
 from mindspeed_like.plan import features, timing
 from mindspeed_like.plan.paths import megatron_paths
 from mindspeed_like.plan.predict import predict_arm
-from mindspeed_like.plan.report import size
+from mindspeed_like.plan.report import as_given, size
 from mindspeed_like.plan.spec import Layout, Recompute, Run
 from mindspeed_like.toolkit.errors import ConfigError
 
@@ -296,8 +296,8 @@ def _drop(tokens: list[str], options: dict[str, int]) -> list[str]:
 
 def render_fit(result: FitResult) -> str:
     budget, usable = size(result.budget), size(result.usable)
-    said = f" ({result.budget.said})" if getattr(result.budget, "said", "") else ""
-    lines = [f"--fit: {result.tried} configurations tried against {budget} a device{said} (usable: {usable})"]
+    given = as_given(result.budget)
+    lines = [f"--fit: {result.tried} configurations tried against {budget} a device{given} (usable: {usable})"]
     chosen = result.best
     if chosen is None:
         lean = result.leanest

@@ -15,7 +15,7 @@ import ast
 import contextlib
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from mindspeed_like.megatron_version import _package_info_path
 
@@ -86,12 +86,24 @@ def _class(relative: str, name: str) -> ast.ClassDef | None:
     return node if isinstance(node, ast.ClassDef) else None
 
 
+def _trait(recent: bool) -> Callable[[Callable[[], bool]], Callable[[], bool]]:
+    """A check of the installed code (read once), answered as megatron 0.16-0.19's (``recent``)
+    inside :func:`as_measured_on` a record of those releases."""
+
+    def wrap(check: Callable[[], bool]) -> Callable[[], bool]:
+        installed = functools.cache(check)
+
+        @functools.wraps(check)
+        def trait() -> bool:
+            return recent if _recent else installed()
+
+        return trait
+
+    return wrap
+
+
+@_trait(recent=True)
 def glu_copies_linear_half() -> bool:
-    return True if _recent else _installed_glu_copies_linear_half()
-
-
-@functools.cache
-def _installed_glu_copies_linear_half() -> bool:
     """Whether megatron's unfused GLU keeps a copy of the linear half. 0.16.1 and 0.19.2 compute
     ``activation_func(x_glu) * (x_linear + config.glu_linear_offset)`` (``glu`` in ``MLP.forward``,
     transformer/mlp.py, and in ``TEGroupedMLP.forward``'s ``bias_act_func``, transformer/moe/experts.py):
@@ -105,12 +117,8 @@ def _installed_glu_copies_linear_half() -> bool:
     return _member(config.body, "glu_linear_offset") is not None
 
 
+@_trait(recent=False)
 def caches_causal_mask() -> bool:
-    return False if _recent else _installed_caches_causal_mask()
-
-
-@functools.cache
-def _installed_caches_causal_mask() -> bool:
     """Whether megatron's unfused softmax takes one causal mask for every layer. 0.13.1's
     ``get_default_causal_mask`` (transformer/utils.py, called by ``FusedScaleMaskSoftmax.forward_torch_softmax``)
     is an ``lru_cache``: every layer's masked fill keeps the same s x s bool tensor (and the cache
@@ -127,12 +135,8 @@ def _installed_caches_causal_mask() -> bool:
     return False
 
 
+@_trait(recent=False)
 def mtp_block_runs_output_layer() -> bool:
-    return False if _recent else _installed_mtp_block_runs_output_layer()
-
-
-@functools.cache
-def _installed_mtp_block_runs_output_layer() -> bool:
     """Whether the multi-token-prediction block runs the output layer and the loss of each MTP
     layer itself and returns the decoder's hidden states (0.13.1: ``MultiTokenPredictionBlock.forward``
     takes ``output_layer`` and ``compute_language_model_loss``, transformer/multi_token_prediction.py),
@@ -148,12 +152,8 @@ def _installed_mtp_block_runs_output_layer() -> bool:
     return "compute_language_model_loss" in names
 
 
+@_trait(recent=False)
 def seq_aux_loss_keeps_fp32_cost() -> bool:
-    return False if _recent else _installed_seq_aux_loss_keeps_fp32_cost()
-
-
-@functools.cache
-def _installed_seq_aux_loss_keeps_fp32_cost() -> bool:
     """Whether the sequence-level load-balancing loss keeps an fp32 [b, experts] cost. 0.13.1's
     ``TopKRouter.seq_aux_loss_load_balancing`` calls ``moe_utils.sequence_load_balancing_loss_func``,
     whose ``cost_coeff * probs.mean(0)`` keeps the fp32 cost; 0.16.1's and 0.19.2's

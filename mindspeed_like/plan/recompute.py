@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from mindspeed_like.plan.activations import DATALOADER_MASK, Dims, Saved
+from mindspeed_like.plan.activations import DATALOADER_MASK, SHARED_MASK, Dims, Saved
 from mindspeed_like.plan.spec import Run
 
 MODELED_MODULES = ("core_attn", "mlp", "moe_act", "layernorm")
@@ -76,7 +76,7 @@ def _core_attention_inputs(run: Run, dims: Dims, rows: list[Saved]) -> list[Save
     MLA and the flash kernel's inputs are storages of their own (counted as the checkpoint's)."""
     m = run.model
     # the output linear_proj keeps is "attention"; a mask the layer is given is a checkpoint input too
-    kept = [r for r in rows if r.component != "core_attn" or r.what == DATALOADER_MASK or "shared mask" in r.what]
+    kept = [r for r in rows if r.component != "core_attn" or r.what in (DATALOADER_MASK, SHARED_MASK)]
     flash = any("log-sum-exp" in r.what for r in rows if r.component == "core_attn")
     if m.multi_latent_attention or flash:
         if m.multi_latent_attention:

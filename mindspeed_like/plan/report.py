@@ -26,6 +26,13 @@ def size(n: float) -> str:
     return f"{n / MIB:,.1f} MiB"
 
 
+def as_given(budget: int) -> str:
+    """`` (--device-memory 80GB: decimal)`` where the budget came from plan's command line (cli's
+    MemorySize says how it was written), else ''."""
+    said = getattr(budget, "said", "")
+    return f" ({said})" if said else ""
+
+
 def describe(run: Run) -> list[str]:
     m, lay = run.model, run.layout
     kind = []
