@@ -75,6 +75,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mindspeed_like.adapters.cpu.host_view import NullEvent
+from mindspeed_like.testing import host_round_trips
 
 _REAL_DEVICE = torch.device  # the block replaces torch.device (see _OneGpuDevice)
 CUDA0 = _REAL_DEVICE("cuda", 0)
@@ -198,12 +199,14 @@ class _Placement(TorchDispatchMode):
                 args, kwargs = tree_unflatten(flat, spec)
             operands = _operand_tensors(func, args, kwargs)
             computes_on_gpu = _check_placement(func, operands)
+            to_host = target is not None and getattr(_state, "to_host", False)
+            host_round_trips.observe(func, args, kwargs, on_fake_cuda, to_host)
             if to_gpu:
                 label = True
             elif func is aten._to_copy.default:
                 # to the host only when Python moved it there (``.cpu()``, ``.to("cpu")``); a copy torch's
                 # C++ makes with its operand's options (``type_as``: the host's options here) stays put
-                label = on_fake_cuda(args[0]) and not (target is not None and getattr(_state, "to_host", False))
+                label = on_fake_cuda(args[0]) and not to_host
             elif func in _CROSS_DEVICE:  # a copy keeps its destination's place
                 label = False
             elif operands:
@@ -329,7 +332,15 @@ def _record_stream(func, args: tuple, kwargs: dict) -> None:
         raise RuntimeError("record_stream: the tensor is on the host, not on the GPU (fake_cuda)")
 
 
+def _tensor_tolist(func, args: tuple, kwargs: dict) -> Any:
+    """``.tolist()`` reads the storage below the dispatcher: counted here as the device-to-host copy CUDA makes."""
+    if on_fake_cuda(args[0]):
+        host_round_trips.count("to-host")
+    return func(*args, **kwargs)
+
+
 _HANDLERS = {
+    torch.Tensor.tolist: _tensor_tolist,
     torch.Tensor.record_stream: _record_stream,
     torch.Tensor.device.__get__: lambda func, args, kwargs: _view_device(args[0]),
     torch.Tensor.is_cuda.__get__: lambda func, args, kwargs: on_fake_cuda(args[0]),

@@ -97,3 +97,22 @@ def test_torch_cuda_answers_as_a_one_gpu_host_inside_only():
     assert torch.device is torch._C.device and not torch.cuda.is_available()
     with pytest.raises(RuntimeError):
         torch.ones(1, device="cuda")  # the CPU-only torch again
+
+
+def test_host_round_trips_are_counted_by_kind():
+    """What makes the host wait for a GPU, counted on the fake GPU's tensors only (host_round_trips)."""
+    from mindspeed_like.testing.host_round_trips import count_host_round_trips
+
+    with fake_cuda(), count_host_round_trips() as trips:
+        gpu = torch.arange(6.0, device="cuda")
+        host = torch.arange(6.0)
+        host.sum().item(), host.tolist(), host[host > 2], host.nonzero()  # the host's own: nothing
+        gpu[torch.tensor([0, 1])], gpu + 1, host.cuda(), gpu.masked_fill(gpu > 2, 0)  # no wait on CUDA
+        counts = ones = torch.ones(6, dtype=torch.long, device="cuda")
+        gpu.repeat_interleave(counts, output_size=6)
+        assert trips.total == 0, dict(trips.by_kind)
+        gpu.sum().item(), bool(gpu.sum() > 0)
+        gpu.tolist(), gpu.cpu(), torch.zeros(6).copy_(gpu)
+        gpu.nonzero(), torch.where(gpu > 1)
+        gpu[gpu > 2], gpu.unique(), gpu.repeat_interleave(ones)
+    assert dict(trips.by_kind) == {"item": 2, "to-host": 3, "nonzero": 2, "data-dependent-shape": 3}
