@@ -76,6 +76,15 @@ def patches(ctx: Context) -> list[Patch]:
     ]
 
 
+def _megatrons_default_dispatcher() -> str | None:
+    """megatron's default ``moe_token_dispatcher_type`` (TransformerConfig's, which Megatron-LM's
+    ``--moe-token-dispatcher-type`` defaults to): allgather in 0.13-0.19."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    field = TransformerConfig.__dataclass_fields__.get("moe_token_dispatcher_type")
+    return None if field is None else field.default
+
+
 @contextlib.contextmanager
 def megatron_args_check(args) -> Iterator[None]:
     """validate_args hook: on Megatron-LM's command line a MoE model with another dispatcher is
@@ -84,15 +93,27 @@ def megatron_args_check(args) -> Iterator[None]:
     Checked BEFORE megatron's validation runs (both values are the parser's): a conflict raised
     there lets the feature step aside when only ``--optimization-level`` switched it on (the
     MoE examples' default allgather dispatcher at level 1), and is the error when it was asked for
-    by name. Raised after validation it could only be an error."""
-    dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
+    by name. Raised after validation it could only be an error. A dispatcher that is megatron's
+    default is said to be megatron's default, never "given": the user may not have typed it."""
+    default = _megatrons_default_dispatcher()
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None) or default
     if getattr(args, "num_experts", None) and dispatcher != "alltoall":
+        if dispatcher == default:
+            uses = f"megatron's default MoE token dispatcher, {dispatcher} (--moe-token-dispatcher-type)"
+            reason = (
+                f"this MoE run uses megatron's default token dispatcher, {dispatcher}, which has no all-to-alls "
+                "to overlap (--moe-token-dispatcher-type alltoall keeps it on)"
+            )
+        else:
+            uses = f"--moe-token-dispatcher-type {dispatcher}"
+            reason = ""
         raise LevelConflict(
             FEATURE_NAME,
             f"--moe-token-dispatcher-type {dispatcher}",
             f"--moe-alltoall-overlap-comm overlaps the alltoall dispatcher's all-to-alls, but this run uses "
-            f"--moe-token-dispatcher-type {dispatcher}: pass --moe-token-dispatcher-type alltoall, or drop "
+            f"{uses}: pass --moe-token-dispatcher-type alltoall, or drop "
             "--moe-alltoall-overlap-comm / --moe-permutation-async-comm",
+            reason=reason,
         )
     yield
 
