@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -183,11 +184,24 @@ def sweep(
     as its reference run ends, a failed batch's halves as soon as it ends. A case whose command
     line is another group's reference (``--fp16`` alone is the reference of ``--loss-scale``)
     takes that run's result instead of running it again."""
-    previous = previous or {}
-    cases = list(cases)
+    tmp = tempfile.mkdtemp(prefix="megatron-lm-flags-")  # the runs' --save folders, removed after
+    try:
+        return _sweep(list(cases), previous or {}, jobs, runner, log, progress, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sweep(
+    cases: list[Case],
+    previous: dict[str, str],
+    jobs: int,
+    runner: Callable[[list[str]], Run],
+    log: Callable[[str], None],
+    progress: Callable[[list[Result]], None] | None,
+    tmp: str,
+) -> tuple[list[Result], dict[str, float]]:
     results: list[Result] = [Result(c, NOT_TRIED, c.note, 0, 0.0) for c in cases if c.note]
     todo = [c for c in cases if not c.note]
-    tmp = tempfile.mkdtemp(prefix="megatron-lm-flags-")
     checkpoint = os.path.join(tmp, "checkpoint")
     counter = {"runs": 0}
     start = time.monotonic()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 from mindspeed_like.testing import megatron_lm_sweep as sweep
 from mindspeed_like.testing.megatron_lm_flags import Case
 
@@ -65,3 +67,12 @@ def test_a_case_that_is_another_groups_reference_takes_its_run():
     # the references of () and of ("--fp16",), then one batch per group; "--fp16" alone is not run again
     assert sorted(map(tuple, commands)) == [(), ("--fp16",), ("--fp16", "--loss-scale", "8"), ("--math",)]
     assert stats["runs"] == 4
+
+
+def test_the_sweep_leaves_no_folder_behind(monkeypatch, tmp_path):
+    """The runs' --save folders live in one temporary folder, removed when the sweep ends (issue 49
+    item 6: every `make test` left a megatron-lm-flags-* folder in /tmp)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cases = [Case("--log-x", "log_x", "logging"), Case("--math", "math", "logging")]
+    sweep.sweep(cases, runner=fake_run, jobs=1, log=lambda line: None)
+    assert list(tmp_path.iterdir()) == []

@@ -47,6 +47,11 @@ SEQ = 32
 
 
 def mbridge_worker(kinds: list[str]) -> dict:
+    with tempfile.TemporaryDirectory(prefix="mbridge-") as root:  # the HF folders, removed after
+        return _mbridge_worker(kinds, root)
+
+
+def _mbridge_worker(kinds: list[str], root: str) -> dict:
     import mindspeed_like
     import mindspeed_like.megatron_adaptor  # noqa: F401  (the user's import line)
     from mindspeed_like.testing.parallel import init_parallel
@@ -58,7 +63,7 @@ def mbridge_worker(kinds: list[str]) -> dict:
     results: dict = {}
     for kind in kinds:
         hf = hf_model(kind)
-        path = tempfile.mkdtemp(prefix=f"mbridge_{kind}_")
+        path = tempfile.mkdtemp(prefix=f"mbridge_{kind}_", dir=root)
         hf.save_pretrained(path)
         bridge = AutoBridge.from_pretrained(path)
         model = bridge.get_model(weight_path=path, wrap_with_ddp=False, use_cpu_initialization=True)

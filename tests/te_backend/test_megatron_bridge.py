@@ -50,6 +50,11 @@ def _bitwise_mismatches(expected: dict, got: dict) -> list[str]:
 
 
 def bridge_worker(kinds: list[str]) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bridge-") as root:  # the HF folders, removed after
+        return _bridge_worker(kinds, root)
+
+
+def _bridge_worker(kinds: list[str], root: str) -> dict:
     import mindspeed_like
     import mindspeed_like.megatron_adaptor  # noqa: F401  (the user's import line)
     from mindspeed_like.testing.parallel import init_parallel
@@ -62,7 +67,7 @@ def bridge_worker(kinds: list[str]) -> dict:
     for kind in kinds:
         hf = hf_model(kind)
         expected = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-        path = tempfile.mkdtemp(prefix=f"bridge_{kind}_")
+        path = tempfile.mkdtemp(prefix=f"bridge_{kind}_", dir=root)
         hf.save_pretrained(path)
         _save_tiny_tokenizer(path)
         bridge = AutoBridge.from_hf_pretrained(path, torch_dtype=torch.float32)
@@ -80,7 +85,7 @@ def bridge_worker(kinds: list[str]) -> dict:
 
         exported = {name: tensor.detach().cpu().clone() for name, tensor in bridge.export_hf_weights(model, cpu=True)}
         out["export_mismatches"] = _bitwise_mismatches(expected, exported)
-        saved = tempfile.mkdtemp(prefix=f"bridge_{kind}_export_")
+        saved = tempfile.mkdtemp(prefix=f"bridge_{kind}_export_", dir=root)
         bridge.save_hf_pretrained(model, saved)
         reloaded = type(hf).from_pretrained(saved, torch_dtype=torch.float32).state_dict()
         out["save_mismatches"] = _bitwise_mismatches(expected, reloaded)
