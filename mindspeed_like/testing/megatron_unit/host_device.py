@@ -1,0 +1,185 @@
+"""What the harness changes so Megatron-LM's unit tests, written for CUDA GPUs, run on a CPU host.
+
+Harness only: none of this is in the library. The import line (``--device cpu --transfer-to-host``)
+adapts megatron-core's own CUDA call sites; the tests themselves also call CUDA directly
+(``device='cuda'``, ``torch.cuda.device_count()``, NCCL process groups, streams), and 219 of them
+are behind ``skipif(not torch.cuda.is_available())``. Each change below is one reason a test could
+not run on a host, reversible with :func:`uninstall`:
+
+* ``torch.cuda.is_available()`` answers True (``--megatron-host-cuda``, on by default). The tests
+  behind that skipif mostly create tensors on ``'cuda'`` and compare numbers: with the changes
+  below those run on the host and say something real. The library never claims CUDA (torch.compile
+  would believe it and crash in inductor), so dynamo is disabled in the harness
+  (``TORCHDYNAMO_DISABLE=1``: megatron's ``jit_fuser`` runs eagerly, as it does in ``make test``).
+* NCCL becomes gloo (``init_process_group`` / ``new_group``), with a finite timeout so one rank's
+  failure cannot leave the others waiting for the default 30 minutes.
+* ``torch.cuda.device_count()`` is the world size: megatron's ``Utils`` picks ``rank % device_count()``.
+* A ``TorchFunctionMode`` turns ``device='cuda'`` / ``'cuda:N'`` / an index, and ``Tensor.to``'s
+  positional device, into the host; ``pin_memory`` is off (no pinned memory without CUDA).
+* ``torch.cuda`` streams, events, memory statistics and device queries answer as one host device
+  (the null stream/event of the cpu adapter).
+* ``megatron.core.utils._fa_version`` is set when flash_attn is missing: some tests read it at
+  collection and would error before they can skip.
+* megatron's batch-invariant mode is switched off after each test: a test that fails inside it
+  leaves ``aten::mm`` overridden by a Triton kernel and every later test failing with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from mindspeed_like.adapters.cpu.host_view import NullEvent, _NullStream
+
+HOST = torch.device("cpu")
+PG_TIMEOUT_S = float(os.environ.get("MEGATRON_UNIT_PG_TIMEOUT_S", "120"))
+_NULL_STREAM = _NullStream()
+_saved: list[tuple[Any, str, Any]] = []
+_mode: TorchFunctionMode | None = None
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class HostDeviceMode(TorchFunctionMode):
+    """Every torch call's ``device=`` naming CUDA goes to the host; pinned memory is declined."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": HOST}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if func in (torch.Tensor.to, torch.Tensor.type) and len(args) > 1 and _is_cuda(args[1]):
+            if func is torch.Tensor.type:
+                return args[0].type(str(args[1]).replace("torch.cuda.", "torch."), *args[2:], **kwargs)
+            args = (args[0], HOST, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _set(owner: Any, name: str, value: Any) -> None:
+    _saved.append((owner, name, owner.__dict__.get(name, getattr(owner, name, None))))
+    setattr(owner, name, value)
+
+
+def _gloo(original: Callable) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        backend = kwargs.get("backend", args[0] if args and original.__name__ == "init_process_group" else None)
+        if isinstance(backend, str) and "nccl" in backend:
+            backend = "gloo"
+        if original.__name__ == "init_process_group":
+            if args:
+                args = (backend, *args[1:])
+            else:
+                kwargs["backend"] = backend
+            kwargs.setdefault("timeout", datetime.timedelta(seconds=PG_TIMEOUT_S))
+        else:
+            if "backend" in kwargs or backend is not None:
+                kwargs["backend"] = "gloo" if backend is not None else None
+            kwargs.pop("pg_options", None)  # NCCL's options; gloo takes none
+            kwargs.setdefault("timeout", datetime.timedelta(seconds=PG_TIMEOUT_S))
+        return original(*args, **kwargs)
+
+    call.__wrapped__ = original  # type: ignore[attr-defined]
+    call.__name__ = original.__name__
+    return call
+
+
+class _Props:
+    """``torch.cuda.get_device_properties``: a host with the process's memory, named as the harness."""
+
+    name = "cpu (mindspeed_like megatron-unit harness)"
+    major, minor = 8, 0
+    total_memory = 64 << 30
+    multi_processor_count = os.cpu_count() or 1
+
+
+def install(host_cuda: bool = True) -> None:
+    """Apply every change in the module docstring (idempotent)."""
+    global _mode
+    if _mode is not None:
+        return
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for owner in (dist, c10d):
+        for name in ("init_process_group", "new_group"):
+            _set(owner, name, _gloo(getattr(owner, name)))
+    cuda = torch.cuda
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    answers: dict[str, Any] = {
+        "device_count": lambda: world,
+        "Stream": lambda *a, **k: _NULL_STREAM,
+        "Event": NullEvent,
+        "current_stream": lambda device=None: _NULL_STREAM,
+        "default_stream": lambda device=None: _NULL_STREAM,
+        "stream": lambda stream=None: contextlib.nullcontext(),
+        "empty_cache": lambda: None,
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "memory_reserved": lambda device=None: 0,
+        "max_memory_reserved": lambda device=None: 0,
+        "reset_peak_memory_stats": lambda device=None: None,
+        "get_device_name": lambda device=None: _Props.name,
+        "get_device_capability": lambda device=None: (_Props.major, _Props.minor),
+        "get_device_properties": lambda device=None: _Props(),
+        "is_bf16_supported": lambda including_emulation=True: True,
+        # the "device" generator is the host's (as the cpu adapter's view of torch.cuda has it)
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+        "set_rng_state": lambda new_state, device="cuda": torch.set_rng_state(new_state),
+        "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
+        "manual_seed_all": lambda seed: torch.default_generator.manual_seed(int(seed)),
+    }
+    if host_cuda:
+        answers["is_available"] = lambda: True
+    for name, value in answers.items():
+        _set(cuda, name, value)
+    _set_fa_version()
+    _mode = HostDeviceMode()
+    _mode.__enter__()
+
+
+def _set_fa_version() -> None:
+    import importlib.util
+
+    import megatron.core.utils as utils
+    from packaging.version import Version
+
+    if importlib.util.find_spec("flash_attn") is None and getattr(utils, "_fa_version", None) is None:
+        _set(utils, "_fa_version", Version("0.0"))
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (the function mode and every attribute, in reverse)."""
+    global _mode
+    if _mode is not None:
+        _mode.__exit__(None, None, None)
+        _mode = None
+    while _saved:
+        owner, name, value = _saved.pop()
+        setattr(owner, name, value)
+
+
+def after_test() -> None:
+    """Between tests: megatron's batch-invariant mode off (it overrides aten::mm process-wide)."""
+    try:
+        from megatron.core.transformer.custom_layers import batch_invariant_kernels as bik
+    except Exception:  # noqa: BLE001 - no triton: the mode cannot have been switched on
+        return
+    if bik.is_batch_invariant_mode_enabled():
+        with contextlib.suppress(Exception):
+            bik.disable_batch_invariant_mode()

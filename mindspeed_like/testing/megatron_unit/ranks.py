@@ -1,0 +1,205 @@
+"""Tests written for N ranks run under N gloo ranks: one launch per world size, watched.
+
+Megatron-LM's tests are written for ``torchrun --nproc-per-node 8`` (``Utils`` reads ``WORLD_SIZE``
+and ``LOCAL_RANK``); at world size 1 most of those fail with ``world_size (1) is not divisible by
+8``. The plugin first runs every test in its own process; a test that asks for more ranks is set
+aside with the size it asked for (rounded up to an allowed launch size: 2 and 4 by default, 8
+opt-in), and each group is then run by one launch of N pytest processes, one per rank, that
+report every phase as a JSON line. One rank failing while the others wait in a collective would
+hang the group until gloo's timeout, so the launch is watched: a test that makes no progress for
+``stall_s`` seconds, or a rank that dies, is failed with that reason (class ``timeout``) and the
+group is relaunched for the tests after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mindspeed_like.testing.parallel import free_port
+
+SEVERITY = {"passed": 0, "skipped": 1, "failed": 2}
+
+
+@dataclass
+class RankResult:
+    """What the ranks reported for one test: per phase, every rank's serialized report."""
+
+    nodeid: str
+    phases: dict[str, list[dict]] = field(default_factory=dict)
+
+    def merged(self) -> list[dict]:
+        """One report per phase: rank 0's, unless another rank did worse (its report, rank named)."""
+        out = []
+        for when in ("setup", "call", "teardown"):
+            reports = self.phases.get(when)
+            if not reports:
+                continue
+            worst = max(reports, key=lambda r: (SEVERITY.get(r["outcome"], 2), -r.get("_rank", 0)))
+            out.append(worst)
+        return out
+
+
+def group_by_size(needs: Iterable[tuple[str, int]]) -> dict[int, list[str]]:
+    """Node ids grouped by the launch size each asked for, smallest size first, order kept."""
+    groups: dict[int, list[str]] = {}
+    for nodeid, size in needs:
+        groups.setdefault(size, []).append(nodeid)
+    return dict(sorted(groups.items()))
+
+
+def _stalled_report(nodeid: str, why: str, rank_logs: list[Path]) -> dict:
+    tails = []
+    for path in rank_logs:
+        try:
+            tails.append(
+                f"--- {path.name} (last lines)\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+            )
+        except OSError:
+            pass
+    return {
+        "nodeid": nodeid,
+        "when": "call",
+        "outcome": "failed",
+        "longrepr": f"rank-timeout: {why}\n" + "\n".join(tails),
+        "duration": 0.0,
+        "_harness": True,
+    }
+
+
+def launch(
+    nodeids: list[str],
+    size: int,
+    child_args: list[str],
+    *,
+    cwd: str,
+    stall_s: float,
+    on_result: Callable[[RankResult], None],
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run ``nodeids`` under ``size`` ranks; ``on_result`` gets each test's result as it finishes.
+
+    A stall or a dead rank fails the test in progress and relaunches the rest (never hangs).
+    """
+    remaining = list(nodeids)
+    while remaining:
+        done = _launch_once(remaining, size, child_args, cwd=cwd, stall_s=stall_s, on_result=on_result, env=env)
+        remaining = [n for n in remaining if n not in done]
+
+
+def _launch_once(
+    nodeids: list[str],
+    size: int,
+    child_args: list[str],
+    *,
+    cwd: str,
+    stall_s: float,
+    on_result: Callable[[RankResult], None],
+    env: dict[str, str] | None,
+) -> set[str]:
+    workdir = Path(tempfile.mkdtemp(prefix=f"megatron-unit-ws{size}-"))
+    port = free_port()
+    procs, outs, logs = [], [], []
+    for rank in range(size):
+        out = workdir / f"rank{rank}.jsonl"
+        log = workdir / f"rank{rank}.log"
+        rank_env = {
+            **os.environ,
+            **(env or {}),
+            "WORLD_SIZE": str(size),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
+        cmd = [sys.executable, "-m", "pytest", *child_args, "--megatron-child", str(out), *nodeids]
+        with open(log, "w") as handle:
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=rank_env, stdout=handle, stderr=subprocess.STDOUT))
+        outs.append(out)
+        logs.append(log)
+    positions = [0] * size
+    results: dict[str, RankResult] = {}
+    started: dict[int, str] = {}
+    finished: set[str] = set()
+    done: set[str] = set()
+    last_progress = time.monotonic()
+    try:
+        while True:
+            progressed = False
+            for rank, path in enumerate(outs):
+                if not path.exists():
+                    continue
+                with open(path) as handle:
+                    handle.seek(positions[rank])
+                    for line in handle:
+                        if not line.endswith("\n"):
+                            break
+                        positions[rank] += len(line)
+                        progressed = True
+                        event = json.loads(line)
+                        if event.get("event") == "start":
+                            started[rank] = event["nodeid"]
+                            continue
+                        event["_rank"] = rank
+                        result = results.setdefault(event["nodeid"], RankResult(event["nodeid"]))
+                        result.phases.setdefault(event["when"], []).append(event)
+                        if event["when"] == "teardown":
+                            count = len(result.phases["teardown"])
+                            if count == size and event["nodeid"] not in finished:
+                                finished.add(event["nodeid"])
+                                done.add(event["nodeid"])
+                                on_result(result)
+            if progressed:
+                last_progress = time.monotonic()
+            alive = [p.poll() is None for p in procs]
+            if not any(alive):
+                break
+            stalled = time.monotonic() - last_progress > stall_s
+            died = not all(alive) and time.monotonic() - last_progress > 30
+            if stalled or died:
+                current = started.get(0) or next(iter(started.values()), None)
+                why = (
+                    f"no progress for {stall_s:.0f} s at world size {size}"
+                    if stalled
+                    else f"a rank exited ({[p.poll() for p in procs]}) while the others waited"
+                )
+                if current and current not in finished:
+                    result = results.setdefault(current, RankResult(current))
+                    result.phases = {"call": [_stalled_report(current, why, logs)]}
+                    finished.add(current)
+                    done.add(current)
+                    on_result(result)
+                break
+            time.sleep(0.5)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait()
+    # a rank that exited without finishing the test it started (crash): that test failed
+    if len(done) < len(nodeids):
+        current = started.get(0) or next(iter(started.values()), None)
+        if current and current not in done:
+            result = RankResult(
+                current, {"call": [_stalled_report(current, f"ranks exited {[p.returncode for p in procs]}", logs)]}
+            )
+            done.add(current)
+            on_result(result)
+        elif not started:  # nothing ran at all (collection failed in the ranks): fail them all once
+            for nodeid in nodeids:
+                result = RankResult(
+                    nodeid, {"call": [_stalled_report(nodeid, "the ranks ran no test (collection failed?)", logs)]}
+                )
+                done.add(nodeid)
+                on_result(result)
+    return done

@@ -1,0 +1,205 @@
+"""One reason class for every test that does not pass, read from what pytest reported.
+
+The record and docs/megatron-tests.md count tests per class, so a class must say what it would
+take to make those tests run (the table in the docs). A class is decided from the failure's text
+(exception type, message, traceback) by the first matching rule; rules are ordered from the
+specific to the general. ``HOST_SKIPS`` are the classes of tests that cannot run on a CPU host at
+all: the plugin turns those failures into skips with the class as the reason (a GPU-only Triton
+kernel cannot be made to pass by any host), never into a pass. A failure no rule matches is
+``unknown``: the record counts those, and the target is none.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    pattern: re.Pattern[str]
+    what_it_would_take: str
+
+
+def _rule(name: str, pattern: str, take: str) -> Rule:
+    return Rule(name, re.compile(pattern, re.S), take)
+
+
+# ranks: a test written for more ranks than it ran with (the plugin relaunches it at that size)
+_NEEDS_RANKS = [
+    re.compile(r"world_size \((\d+)\) is not divisible by (?:expert_tensor_model_pipeline_parallel size \()?(\d+)"),
+    re.compile(r"(?:requires|needs|at least) (\d+) (?:GPUs|gpus|ranks|processes)"),
+]
+_WORLD_SIZE_SKIP = re.compile(r"world[_ ]size|GPUs|gpus|number of ranks|rank count", re.I)
+
+FAILURE_RULES: list[Rule] = [
+    _rule(
+        "timeout",
+        r"rank-timeout|Timeout|timed out|DeadlineExceeded",
+        "a collective or a test ran past the harness' limit: look at the test's communication on gloo",
+    ),
+    _rule(
+        "triton-kernel-no-gpu",
+        r"0 active drivers|libcuda\.so cannot found|triton.*(?:driver|launch)|Triton",
+        "megatron's Triton kernels need a GPU; a portable path in the cpu adapter for each kernel",
+    ),
+    _rule(
+        "needs-more-ranks",
+        r"is not divisible by|world size .* too small|requires \d+ (?:GPUs|ranks)",
+        "more gloo ranks than the launch sizes allowed (--megatron-ranks 2,4,8)",
+    ),
+    _rule(
+        "hybrid-device-optimizer",
+        r"HybridDeviceOptimizer|hybrid_optimizer|cpu_offloading",
+        "megatron's CPU-offloading optimizer moves state between 'cuda' and 'cpu': with both the host it keeps no state apart",
+    ),
+    _rule(
+        "te-cpp-extensions",
+        r"transformer_engine\.pytorch\.cpp_extensions|cpp_extensions",
+        "TE's compiled GEMM/cast entry points; the te-shim would have to serve them",
+    ),
+    _rule(
+        "te-feature-refused",
+        r"TransformerEngineFeatureUnsupported|TransformerEngineAttributeRefused|mindspeed_like te-backend|te-client-module",
+        "a TE feature the te-backend refuses by name (fp8, TE ops, CUDA graphs): implementing it in the te-backend",
+    ),
+    _rule(
+        "packed-thd-attention",
+        r"thd|packed_seq|PackedSeqParams|cu_seqlens",
+        "packed-sequence (thd) attention without TE/flash-attn: a varlen path in the attention backend",
+    ),
+    _rule(
+        "adamw-lr-none",
+        r"lr=None|Invalid learning rate|'<=' not supported between instances of 'float' and 'NoneType'",
+        "torch AdamW given lr=None on megatron's no-TE/apex path (megatron sets lr per group later)",
+    ),
+    _rule(
+        "cuda-graphs",
+        r"cudagraph|CUDA ?[Gg]raph|cuda_graph",
+        "CUDA graphs (capture/replay, the graph-safe RNG) exist only on a CUDA device",
+    ),
+    _rule(
+        "numerics",
+        r"(?m)^(?:assert |AssertionError\s*$|AssertionError: assert|AssertionError: Tensor)"
+        r"|Mismatched elements|not close|allclose|torch\.equal|are not equal",
+        "the test's numbers differ on the host (tolerances set for CUDA kernels, or a real difference)",
+    ),
+    _rule("fp8", r"fp8|FP8|Float8|float8|mxfp8|nvfp4", "FP8/FP4 training needs TE and an FP8-capable GPU"),
+    _rule(
+        "cuda-only-api",
+        r"Torch not compiled with CUDA enabled|not linked with support for cuda|CUDA driver|cudaGetDevice|torch\._C\._cuda|_cuda_|nvml|pynvml|CUDA error|cuda runtime|NCCL|nccl",
+        "an API that exists only with a CUDA build (CUDA graphs, NVML, CUDA IPC, NCCL-only features)",
+    ),
+    _rule(
+        "asserts-cuda-device",
+        r"device\(type='cpu'\).*cuda|is_cuda|device.type == .cuda.|Expected .*cuda",
+        "the test asserts its tensors are on a CUDA device",
+    ),
+    _rule(
+        "gloo-unsupported",
+        r"ProcessGroupGloo|gloo|Gloo",
+        "a collective or option gloo does not implement (NCCL-only): an emulation in the harness",
+    ),
+    _rule(
+        "missing-package",
+        r"ModuleNotFoundError|No module named|ImportError",
+        "an optional package the test needs (apex, flash_attn, nvidia-resiliency, ...): not installable on a CPU host",
+    ),
+    _rule("memory", r"MemoryError|out of memory|Cannot allocate memory|Killed", "the test is sized for a GPU's memory"),
+    _rule(
+        "test-assertion", r"AssertionError", "the test asserts a condition the host run does not meet (see the reason)"
+    ),
+]
+
+SKIP_RULES: list[Rule] = [
+    _rule(
+        "needs-more-ranks",
+        r"rank|world.size|GPUs|gpus|devices",
+        "launch at the size the test asks for (--megatron-ranks)",
+    ),
+    _rule(
+        "cuda-not-available",
+        r"CUDA not available|CUDA is required|cuda.*available|requires? CUDA",
+        "a CUDA device (the harness answers for one with --megatron-host-cuda)",
+    ),
+    _rule(
+        "needs-transformer-engine",
+        r"(?i)transformer.?engine|\bTE\b|te_version|is_te_min_version",
+        "real TransformerEngine (the te-backend reports 2.0.0 and refuses TE-only features)",
+    ),
+    _rule("triton-kernel-no-gpu", r"0 active drivers|Triton|triton", "megatron's Triton kernels need a GPU"),
+    _rule(
+        "needs-newer-hardware", r"Hopper|Blackwell|Ampere|sm_?\d|compute capability|arch", "a specific GPU architecture"
+    ),
+    _rule("fp8", r"fp8|FP8|mxfp8|fp4|FP4", "FP8/FP4 needs TE and an FP8-capable GPU"),
+    _rule(
+        "missing-package",
+        r"(?i)not installed|not available|required for|requires|No module named|kitchen|apex|flash|mamba|nvidia",
+        "an optional package the test needs",
+    ),
+    _rule(
+        "deselected-gpu-sized",
+        r"GPU-sized|megatron-unit harness: deselected",
+        "sized for a GPU (time or memory): deselected by the harness",
+    ),
+    _rule(
+        "megatron-skip",
+        r".",
+        "skipped by the test itself for a reason unrelated to the host (a known issue, a flaky test, a config it does not cover)",
+    ),
+]
+
+HOST_SKIPS = {"triton-kernel-no-gpu", "fp8"}
+UNKNOWN = "unknown"
+
+
+def error_lines(text: str) -> str:
+    """The exception's own lines of a pytest longrepr (``E ...``), else the whole text.
+
+    Classes are read from these, not from the traceback: a traceback through megatron's
+    ``_cuda_rng_state`` helpers says nothing about why an assertion failed.
+    """
+    lines = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    return "\n".join(lines) if lines else text
+
+
+def classify_failure(text: str) -> str:
+    """The class of a failed or errored test, from its longrepr text (its ``E`` lines first)."""
+    for source in (error_lines(text), text):
+        for rule in FAILURE_RULES:
+            if rule.pattern.search(source):
+                return rule.name
+    return UNKNOWN
+
+
+def classify_skip(reason: str) -> str:
+    """The class of a skipped test, from its skip reason."""
+    for rule in SKIP_RULES:
+        if rule.pattern.search(reason):
+            return rule.name
+    return UNKNOWN
+
+
+def ranks_needed(text: str) -> int | None:
+    """How many ranks a failure asks for (``world_size (1) is not divisible by 8`` -> 8), else None."""
+    for pattern in _NEEDS_RANKS:
+        match = pattern.search(text)
+        if match:
+            return int(match.groups()[-1])
+    return None
+
+
+def launch_size(needed: int, sizes: list[int]) -> int | None:
+    """The smallest allowed launch size that the needed size divides, else None (not opted in)."""
+    for size in sorted(sizes):
+        if size >= needed and size % needed == 0:
+            return size
+    return None
+
+
+def what_it_would_take(name: str) -> str:
+    for rule in [*FAILURE_RULES, *SKIP_RULES]:
+        if rule.name == name:
+            return rule.what_it_would_take
+    return ""

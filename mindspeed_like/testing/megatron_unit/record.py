@@ -1,0 +1,98 @@
+"""The run's record, results/megatron-unit-<level>.json: per directory and per test the outcome,
+the world size it ran at and, for every test that did not pass, one reason class.
+
+Written with the project's record format (``mindspeed_like.toolkit.records``: command, versions,
+host, load average at start), so docs/megatron-tests.md renders its tables from it
+(``make docs``) and ``tests/docs/test_doc_tables.py`` catches a hand edit. Rows: one per test
+(``table: tests``) and one per directory (``table: dirs``); ``extra`` holds the totals, the
+classes' counts, the wall time of the whole run and of each world size's launches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from mindspeed_like.toolkit.records import Record
+
+
+def directory_of(nodeid: str) -> str:
+    """``tests/unit_tests/transformer/moe/test_x.py::T::t`` -> ``transformer/moe``; top-level files: their name."""
+    path = nodeid.split("::")[0]
+    if "unit_tests/" in path:
+        path = path.split("unit_tests/", 1)[1]
+    parts = path.split("/")
+    if len(parts) == 1:
+        return parts[0].removesuffix(".py")
+    return "/".join(parts[:-1])
+
+
+class Outcomes:
+    """Each test's final outcome as the plugin settles it (a relaunched test's last word counts)."""
+
+    def __init__(self) -> None:
+        self.tests: dict[str, dict[str, Any]] = {}
+        self.started = time.monotonic()
+        self.size_wall_s: dict[int, float] = {}
+
+    def settle(self, nodeid: str, outcome: str, world_size: int, cls: str | None, reason: str = "") -> None:
+        self.tests[nodeid] = {
+            "dir": directory_of(nodeid),
+            "test": nodeid,
+            "outcome": outcome,
+            "world_size": world_size,
+            "class": cls if outcome != "passed" else None,
+            "reason": reason[:500] if outcome != "passed" else "",
+        }
+
+    def per_directory(self) -> dict[str, Counter]:
+        out: dict[str, Counter] = {}
+        for row in self.tests.values():
+            out.setdefault(row["dir"], Counter())[row["outcome"]] += 1
+        return out
+
+    def summary_line(self, directory: str) -> str:
+        counts = self.per_directory().get(directory, Counter())
+        total = sum(counts.values())
+        return f"{directory}: {total} tests, " + ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "skipped"))
+
+
+def write(outcomes: Outcomes, path: Path, *, level: int, options: dict[str, Any], command: list[str]) -> Path:
+    """The record at ``path`` (totals, per directory, per test, classes, wall times)."""
+    record = Record(path.stem, command=command)
+    record.options = {"level": level, **options}
+    rows = sorted(outcomes.tests.values(), key=lambda r: r["test"])
+    per_dir = outcomes.per_directory()
+    for directory in sorted(per_dir):
+        counts = per_dir[directory]
+        total = sum(counts.values())
+        classes = Counter(r["class"] for r in rows if r["dir"] == directory and r["outcome"] != "passed")
+        record.add_row(
+            table="dirs",
+            dir=directory,
+            collected=total,
+            passed=counts["passed"],
+            failed=counts["failed"],
+            skipped=counts["skipped"],
+            passed_pct=round(100.0 * counts["passed"] / total, 1) if total else 0.0,
+            classes=dict(classes.most_common()),
+        )
+    for row in rows:
+        record.add_row(table="tests", **row)
+    totals = Counter(r["outcome"] for r in rows)
+    record.extra = {
+        "level": level,
+        "collected": len(rows),
+        "passed": totals["passed"],
+        "failed": totals["failed"],
+        "skipped": totals["skipped"],
+        "passed_pct": round(100.0 * totals["passed"] / len(rows), 1) if rows else 0.0,
+        "failure_classes": dict(Counter(r["class"] for r in rows if r["outcome"] == "failed").most_common()),
+        "skip_classes": dict(Counter(r["class"] for r in rows if r["outcome"] == "skipped").most_common()),
+        "world_sizes": dict(Counter(str(r["world_size"]) for r in rows)),
+        "wall_s": round(time.monotonic() - outcomes.started, 1),
+        "wall_s_per_world_size": {str(k): round(v, 1) for k, v in sorted(outcomes.size_wall_s.items())},
+    }
+    return record.write(path)

@@ -1,0 +1,418 @@
+"""pytest plugin: Megatron-LM's own tests/unit_tests on a CPU host, with the import line.
+
+    MEGATRON_LM_PATH=/path/to/Megatron-LM python -m pytest -p mindspeed_like.testing.megatron_unit_tests \
+        -o addopts= -p no:cacheprovider --megatron-level 1 $MEGATRON_LM_PATH/tests/unit_tests/transformer
+
+(``make test-megatron-unit MEGATRON_LM_PATH=... [LEVEL=0|1|2] [DIRS=...]`` runs the directory set and
+writes the record.) What it does, each in its own module of ``mindspeed_like/testing/megatron_unit``:
+
+* ``checkout``: the checkout must be of the installed megatron-core's release and have
+  ``megatron.training``; the tests' own dependencies must import. Otherwise a usage error says what
+  to check out or install. The installed ``megatron.core`` is used, the checkout's
+  ``megatron.training`` merged into the namespace.
+* the import line: ``MINDSPEED_LIKE_ARGS="--device cpu --transfer-to-host --optimization-level N"``
+  then ``import mindspeed_like.megatron_adaptor``, as a user's script would.
+* ``host_device``: the tests' own CUDA calls answered by the host (harness only).
+* ``ranks``: a test that asks for N ranks is relaunched under N gloo ranks (2 and 4 by default,
+  ``--megatron-ranks 2,4,8`` for 8); a size not allowed is a skip that says how to allow it.
+* ``reasons``: every test that does not pass gets one class; failures that no host can fix
+  (megatron's GPU-only Triton kernels, FP8) become skips with the class as the reason.
+* ``record``: ``--megatron-record PATH`` writes per directory and per test the outcome and class.
+
+Downstream projects can run their own megatron-dependent tests with the same plugin (``-p
+mindspeed_like.testing.megatron_unit_tests`` with ``MEGATRON_LM_PATH`` set): their tests get the
+import line, the host device and the rank launches the same way (docs/megatron-tests.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mindspeed_like.testing.megatron_unit import checkout, host_device, ranks, reasons
+from mindspeed_like.testing.megatron_unit.record import Outcomes, directory_of, write
+from mindspeed_like.testing.parallel import free_port
+
+# GPU-sized tests: minutes or gigabytes each on a host; skipped with the reason, not run.
+GPU_SIZED = {
+    "transformer/test_transformer_block_custom_pgs.py": "hidden size 4096 blocks, ~130 s a test on a 2-core host",
+    "transformer/moe/test_moe_layer_discrepancy.py": "compares MoE layers at > 9 GB of activations",
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("megatron-unit", "Megatron-LM's unit tests on a CPU host (mindspeed_like)")
+    group.addoption(
+        "--megatron-level",
+        type=int,
+        default=int(os.environ.get("MEGATRON_UNIT_LEVEL", "0")),
+        help="the import line's --optimization-level (0, 1, 2)",
+    )
+    group.addoption(
+        "--megatron-ranks",
+        default=os.environ.get("MEGATRON_UNIT_RANKS", "2,4"),
+        help="world sizes the plugin may launch for tests that ask for more ranks (default 2,4; add 8 to opt in)",
+    )
+    group.addoption(
+        "--megatron-record", default=None, help="write the record (results/megatron-unit-<level>.json) here"
+    )
+    group.addoption(
+        "--megatron-no-host-cuda",
+        action="store_true",
+        help="leave torch.cuda.is_available() False (the tests behind skipif(not cuda) then skip)",
+    )
+    group.addoption(
+        "--megatron-stall-s",
+        type=float,
+        default=float(os.environ.get("MEGATRON_UNIT_STALL_S", "300")),
+        help="a rank launch making no progress this long fails the test in progress",
+    )
+    group.addoption("--megatron-child", default=None, help=argparse_suppress())
+
+
+def argparse_suppress() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+    """Before megatron's conftest imports anything: the checkout, the import line, the host device."""
+    options = early_config.known_args_namespace
+    try:
+        found = checkout.check(checkout.find_root(args))
+    except checkout.CheckoutError as error:
+        raise pytest.UsageError(f"megatron-unit: {error}") from None
+    checkout.put_on_path(found)
+    if not options.megatron_child and "MASTER_PORT" not in os.environ:
+        # megatron's Utils defaults to port 6000, which another job on the host may hold
+        os.environ["MASTER_PORT"] = str(free_port())
+    level = options.megatron_level
+    os.environ["MINDSPEED_LIKE_ARGS"] = f"--device cpu --transfer-to-host --optimization-level {level}"
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    import mindspeed_like.megatron_adaptor  # noqa: F401 - the import line under test
+
+    host_device.install(host_cuda=not options.megatron_no_host_cuda)
+    early_config.stash[_STATE] = _State(found, level, options)
+
+
+class _State:
+    def __init__(self, found: checkout.Checkout, level: int, options: Any) -> None:
+        self.checkout = found
+        self.level = level
+        self.sizes = [int(s) for s in str(options.megatron_ranks).split(",") if s.strip()]
+        self.child = options.megatron_child
+        self.record = options.megatron_record
+        self.stall_s = options.megatron_stall_s
+        self.host_cuda = not options.megatron_no_host_cuda
+        self.outcomes = Outcomes()
+        self.deferred: dict[int, list[str]] = {}
+        self.items: dict[str, pytest.Item] = {}
+        self.current_dir: str | None = None
+        self.dir_started = time.monotonic()
+        self.child_out = open(self.child, "a") if self.child else None  # noqa: SIM115 - closed at sessionfinish
+
+
+_STATE = pytest.StashKey[_State]()
+
+
+def _state(config: pytest.Config) -> _State | None:
+    return config.stash.get(_STATE, None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    state = _state(config)
+    if state is None:
+        return
+    _CONFIG.append(config)
+    if config.option.maxfail == 1 and "-x" in " ".join(config.getini("addopts")):
+        config.option.maxfail = 0  # Megatron-LM's pyproject adds -x: the harness runs every test
+    config.addinivalue_line("markers", "megatron_unit_gpu_sized: skipped by the megatron-unit harness")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    state = _state(config)
+    if state is None:
+        return
+    for item in items:
+        state.items[item.nodeid] = item
+        path = item.nodeid.split("::")[0].split("unit_tests/", 1)[-1]
+        if path in GPU_SIZED:
+            item.add_marker(pytest.mark.skip(reason=f"megatron-unit harness: deselected, GPU-sized: {GPU_SIZED[path]}"))
+
+
+def _text(report: pytest.TestReport) -> str:
+    if isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2])
+    return str(report.longrepr or "")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """A failure no host can fix (GPU-only Triton kernel, FP8) becomes a skip naming its class."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if report.failed and _state(item.config) is not None:
+        text = _text(report)
+        cls = reasons.classify_failure(text)
+        if cls in reasons.HOST_SKIPS:
+            crash = getattr(report.longrepr, "reprcrash", None)
+            first = crash.message.splitlines()[0] if crash is not None and crash.message else text.splitlines()[-1:]
+            path, lineno, _ = item.location
+            report.outcome = "skipped"
+            report.longrepr = (
+                str(path),
+                (lineno or 0) + 1,
+                f"Skipped: megatron-unit {cls}: cannot run on a CPU host: {first}",
+            )
+
+
+def _final(reports: list[pytest.TestReport]) -> tuple[str, str | None, str]:
+    """A test's outcome, class and reason from its phase reports."""
+    for report in reports:
+        if report.failed:
+            text = _text(report)
+            return "failed", reasons.classify_failure(text), _last_line(text)
+    for report in reports:
+        if report.skipped:
+            reason = _text(report).removeprefix("Skipped: ")
+            if hasattr(report, "wasxfail"):
+                return "skipped", "megatron-xfail", f"xfail: {report.wasxfail}"
+            if reason.startswith("megatron-unit "):
+                return "skipped", reason.split()[1].rstrip(":"), reason
+            return "skipped", reasons.classify_skip(reason), reason
+    return "passed", None, ""
+
+
+def _last_line(text: str) -> str:
+    """The exception's lines (the record keeps 500 characters: enough to re-read the class)."""
+    errors = reasons.error_lines(text)
+    if errors is text:
+        lines = [line for line in text.splitlines() if line.strip()]
+        return lines[-1].strip() if lines else ""
+    return " | ".join(errors.splitlines()[-6:])
+
+
+def _wanted_size(reports: list[pytest.TestReport], state: _State) -> int | None:
+    """The world size a test asked for, when it failed or skipped for want of ranks at size 1."""
+    for report in reports:
+        if report.failed or report.skipped:
+            needed = reasons.ranks_needed(_text(report))
+            if needed and needed > int(os.environ.get("WORLD_SIZE", "1")):
+                return needed
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    state = _state(item.config)
+    if state is None or state.child:
+        if state is not None and state.child_out:
+            state.child_out.write(json.dumps({"event": "start", "nodeid": item.nodeid}) + "\n")
+            state.child_out.flush()
+        return None  # a rank: pytest's own protocol; its reports go out in pytest_runtest_logreport
+    from _pytest.runner import runtestprotocol
+
+    _progress(item, state)
+    with _time_limit(TEST_TIMEOUT_S):
+        reports = runtestprotocol(item, nextitem=nextitem, log=False)
+    host_device.after_test()
+    needed = _wanted_size(reports, state)
+    if needed:
+        size = reasons.launch_size(needed, state.sizes)
+        if size is not None:
+            state.deferred.setdefault(size, []).append(item.nodeid)
+            return True
+        for report in reports:
+            if report.failed:
+                report.outcome = "skipped"
+                path, lineno, _ = item.location
+                report.longrepr = (
+                    str(path),
+                    (lineno or 0) + 1,
+                    f"Skipped: megatron-unit needs-more-ranks: written for {needed} ranks; the harness launches "
+                    f"{state.sizes} (--megatron-ranks {','.join(map(str, sorted({*state.sizes, needed})))} to run it)",
+                )
+    _log(item, reports, state, 1)
+    return True
+
+
+TEST_TIMEOUT_S = int(os.environ.get("MEGATRON_UNIT_TEST_TIMEOUT_S", "600"))
+
+
+class TestTimeout(Exception):
+    """A test ran past MEGATRON_UNIT_TEST_TIMEOUT_S in the world-size-1 process (class ``timeout``)."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: int) -> Any:
+    """SIGALRM raises in the test (a test stuck inside C code is only caught when it returns)."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TestTimeout(f"megatron-unit: Timeout: the test ran past {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _log(item: pytest.Item, reports: list[pytest.TestReport], state: _State, world_size: int) -> None:
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in reports:
+        item.ihook.pytest_runtest_logreport(report=report)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    outcome, cls, reason = _final(reports)
+    state.outcomes.settle(item.nodeid, outcome, world_size, cls, reason)
+
+
+def _say(config: pytest.Config, line: str) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(line)
+    else:
+        print(line, file=sys.stderr)
+
+
+def _progress(item: pytest.Item, state: _State) -> None:
+    directory = directory_of(item.nodeid)
+    if directory != state.current_dir:
+        _dir_done(item.config, state)
+        state.current_dir, state.dir_started = directory, time.monotonic()
+
+
+def _dir_done(config: pytest.Config, state: _State) -> None:
+    if state.current_dir is not None:
+        waiting = sum(directory_of(n) == state.current_dir for ids in state.deferred.values() for n in ids)
+        _say(
+            config,
+            f"[megatron-unit L{state.level}] {state.outcomes.summary_line(state.current_dir)}"
+            f" at world size 1, {waiting} set aside for more ranks ({time.monotonic() - state.dir_started:.0f} s)",
+        )
+
+
+_CONFIG: list[pytest.Config] = []  # the session's config, for the rank reports below
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """In a rank: every phase report as one JSON line for the launching process."""
+    state = _state(_CONFIG[-1]) if _CONFIG else None
+    if state is not None and state.child_out is not None:
+        data = _CONFIG[-1].hook.pytest_report_to_serializable(config=_CONFIG[-1], report=report)
+        state.child_out.write(json.dumps(data, default=str) + "\n")
+        state.child_out.flush()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtestloop(session: pytest.Session) -> Any:
+    yield
+    state = _state(session.config)
+    if state is None or state.child:
+        return
+    _dir_done(session.config, state)
+    config = session.config
+    child_args = [
+        "-p",
+        "mindspeed_like.testing.megatron_unit_tests",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-o",
+        "addopts=",
+        "--rootdir",
+        str(config.rootpath),
+        "--megatron-level",
+        str(state.level),
+        "--megatron-ranks",
+        ",".join(map(str, state.sizes)),
+    ]
+    if not state.host_cuda:
+        child_args.append("--megatron-no-host-cuda")
+    for size, nodeids in ranks.group_by_size(_pairs(state)).items():
+        _say(
+            config,
+            f"[megatron-unit L{state.level}] {len(nodeids)} tests at world size {size} "
+            f"({', '.join(sorted({directory_of(n) for n in nodeids}))})",
+        )
+        started = time.monotonic()
+
+        def on_result(result: ranks.RankResult, size: int = size) -> None:
+            item = state.items[result.nodeid]
+            reports = []
+            for data in result.merged():
+                data = {
+                    "$report_type": "TestReport",
+                    "location": item.location,
+                    "keywords": {},
+                    "sections": [],
+                    "user_properties": [],
+                    **data,
+                }
+                data["location"] = item.location
+                data.pop("_rank", None)
+                data.pop("_harness", None)
+                reports.append(config.hook.pytest_report_from_serializable(config=config, data=data))
+            _log(item, reports, state, size)
+
+        ranks.launch(
+            nodeids,
+            size,
+            child_args,
+            cwd=str(config.rootpath),
+            stall_s=state.stall_s,
+            on_result=on_result,
+            env={"MEGATRON_LM_PATH": str(state.checkout.root)},
+        )
+        state.outcomes.size_wall_s[size] = time.monotonic() - started
+        for directory in sorted({directory_of(n) for n in nodeids}):
+            _say(
+                config,
+                f"[megatron-unit L{state.level}] {state.outcomes.summary_line(directory)} (after world size {size})",
+            )
+
+
+def _pairs(state: _State) -> list[tuple[str, int]]:
+    return [(nodeid, size) for size, ids in state.deferred.items() for nodeid in ids]
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    state = _state(config)
+    if state is None or state.child:
+        return
+    rows = state.outcomes.tests.values()
+    classes: dict[str, int] = {}
+    for row in rows:
+        if row["outcome"] != "passed":
+            key = f"{row['outcome']}: {row['class']}"
+            classes[key] = classes.get(key, 0) + 1
+    terminalreporter.section(f"megatron-unit level {state.level}: reason classes")
+    for key, count in sorted(classes.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{count:6d}  {key}")
+    if state.record:
+        path = write(
+            state.outcomes,
+            Path(state.record),
+            level=state.level,
+            options={"ranks": state.sizes, "host_cuda": state.host_cuda, "megatron_lm": state.checkout.tag},
+            command=["pytest", *config.invocation_params.args],
+        )
+        terminalreporter.write_line(f"megatron-unit: record written to {path}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    state = _state(session.config)
+    if state is not None and state.child_out is not None:
+        state.child_out.close()
