@@ -40,6 +40,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from mindspeed_like.te_backend.attention_backend import _backend_name, _flash_forward, flash_attention_on
 from mindspeed_like.te_backend.extra_state import TEExtraState
 from mindspeed_like.te_backend.sharding import sharded_tensors
+from mindspeed_like.te_shim import pytorch as te_pytorch
 from mindspeed_like.toolkit.binding import accepted
 
 
@@ -135,3 +136,6 @@ class TEDotProductAttention(TEExtraState, DotProductAttention):
         return sharded_tensors(
             state_dict, prefix, {"softmax_offset": 0}, sharded_offsets, getattr(self, "tp_group", None), metadata
         )
+
+
+te_pytorch.DotProductAttention.register(TEDotProductAttention)  # TE's base of megatron's wrapper

@@ -32,6 +32,7 @@ from mindspeed_like.te_backend.extra_state import TEExtraState
 from mindspeed_like.te_backend.linear import parameter_device
 from mindspeed_like.te_backend.refusals import check_config
 from mindspeed_like.te_backend.sharding import dp_cp_group, sharded_tensors
+from mindspeed_like.te_shim import pytorch as te_pytorch
 
 
 def _expert_groups(pg_collection, tp_group) -> tuple[Any, Any, Any]:
@@ -202,6 +203,9 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.use_bias}"
         )
+
+
+te_pytorch.GroupedLinear.register(TEGroupedLinear)  # and its column / row subclasses
 
 
 class TEColumnParallelGroupedLinear(TEGroupedLinear):

@@ -19,6 +19,7 @@ import torch
 
 from mindspeed_like.te_backend.linear import TEColumnParallelLinear
 from mindspeed_like.te_backend.norm import build_norm
+from mindspeed_like.te_shim import pytorch as te_pytorch
 
 
 class TELayerNormColumnParallelLinear(TEColumnParallelLinear):
@@ -80,3 +81,6 @@ class TELayerNormColumnParallelLinear(TEColumnParallelLinear):
     @property
     def normalization(self) -> str:
         return "RMSNorm" if isinstance(self._norm, torch.nn.RMSNorm) else "LayerNorm"
+
+
+te_pytorch.LayerNormLinear.register(TELayerNormColumnParallelLinear)  # TE's base of megatron's wrapper

@@ -17,7 +17,8 @@ TP ranks; MLA's down projections, MoE latent projections): weight ``[out, in]``,
 the data-parallel RNG tracker as TE does (the same weights on every TP rank), parameters marked
 ``sequence_parallel`` under SP (their inputs are sequence shards, so their gradients are summed
 over TP), computed by megatron's ``linear_with_grad_accumulation_and_async_allreduce`` without
-communication. ``isinstance(x, TELinear)`` holds for the column and row linears, as in megatron.
+communication. ``isinstance(x, TELinear)`` holds for the column and row linears, as in megatron,
+and so does ``isinstance(x, transformer_engine.pytorch.Linear)`` (the te-client-module's class).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from mindspeed_like.te_backend.extra_state import TEExtraState
 from mindspeed_like.te_backend.refusals import check_config
 from mindspeed_like.te_backend.sharding import sharded_tensors
+from mindspeed_like.te_shim import pytorch as te_pytorch
 from mindspeed_like.toolkit.binding import accepted
 
 
@@ -157,6 +159,9 @@ class TELinear(TEExtraState, torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.input_size}, out_features={self.output_size}, bias={self.bias is not None}"
+
+
+te_pytorch.Linear.register(TELinear)  # the column and row linears too: one class per TE name
 
 
 class TEColumnParallelLinear(TELinear, ColumnParallelLinear):

@@ -50,9 +50,15 @@ class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
 
 
 @functools.cache
-def with_te_extra_state(cls: type) -> type:
-    """``cls`` with TE's ``_extra_state`` (one subclass per norm class, made once)."""
-    return type(f"TE{cls.__name__}", (TEExtraState, cls), {"__module__": __name__})
+def with_te_extra_state(cls: type, normalization: str) -> type:
+    """``cls`` with TE's ``_extra_state`` (one subclass per norm class, made once), registered under
+    TE's class for ``normalization`` (``transformer_engine.pytorch.LayerNorm`` / ``RMSNorm``, the
+    te-client-module's): megatron's ``TENorm`` returns an instance of TE's, and clients check it."""
+    from mindspeed_like.te_shim import pytorch as te_pytorch
+
+    te_class = type(f"TE{cls.__name__}", (TEExtraState, cls), {"__module__": __name__})
+    getattr(te_pytorch, normalization).register(te_class)
+    return te_class
 
 
 def build_norm(config, hidden_size: int, eps: float = 1e-5, has_residual: bool = False) -> torch.nn.Module:
@@ -78,7 +84,7 @@ def build_norm(config, hidden_size: int, eps: float = 1e-5, has_residual: bool =
     if config.sequence_parallel:
         for param in norm.parameters():
             param.sequence_parallel = True
-    norm.__class__ = with_te_extra_state(type(norm))
+    norm.__class__ = with_te_extra_state(type(norm), normalization)
     return norm
 
 

@@ -13,7 +13,14 @@ What clients build themselves (Megatron-Bridge subclasses ``te.Linear`` at impor
   fp8_autocast, autocast, fp8_model_init, quantized_model_init: with ``enabled=False`` nothing to do
 
 Single-device semantics (``tp_size`` 1: TE's ``parallel_mode`` then changes nothing); tensor
-parallelism is megatron's (its TE layers, the te-backend). Every module keeps TE's
+parallelism is megatron's (its TE layers, the te-backend). One class per TE name: the te-backend's
+classes for megatron's TE wrappers derive from these, as megatron's derive from TE's
+(``TELinear``, ``TEColumnParallelLinear``, ``TERowParallelLinear`` -> ``Linear``,
+``TELayerNormColumnParallelLinear`` -> ``LayerNormLinear``, ``TEDotProductAttention`` ->
+``DotProductAttention``, the grouped linears -> ``GroupedLinear``, and ``TENorm`` builds a
+``LayerNorm`` or ``RMSNorm``), so a client's ``isinstance(m, te.pytorch.X)`` answers as with TE.
+They are registered subclasses (``_TEModule`` is an ``ABCMeta`` class): built on megatron's own
+layers, whose methods and constructors stay theirs. Every module keeps TE's
 ``_extra_state`` (an empty uint8 tensor). Refused by name, with the alternative: fp8 (enabled
 autocasts, recipes), userbuffers (``ub_*``, ``initialize_ub``), CUDA graphs
 (``make_graphed_callables``), TE's CPU offload (``get_cpu_offload_context``), fusible ``ops``,
@@ -22,6 +29,7 @@ whole-layer modules (``TransformerLayer``, ``MultiheadAttention``, ``LayerNormML
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any
 
@@ -102,6 +110,14 @@ def _init(weight: torch.Tensor, init_method) -> None:
             init_method(weight)
 
 
+class _TEModule(TEExtraState, torch.nn.Module, metaclass=abc.ABCMeta):
+    """TE's module base here: ``_extra_state`` as TE writes it without fp8. An ``ABCMeta`` class,
+    so the te-backend registers its classes for megatron's TE wrappers under the TE name they
+    derive from in TE (``register``): they are built on megatron's own layers (whose cooperative
+    ``super().__init__()`` would reach a real base's TE constructor), and ``isinstance`` /
+    ``issubclass`` against the TE name holds for them, as with TE."""
+
+
 class _Norm(torch.nn.Module):
     """One normalization (the parameters belong to the caller: plain or LayerNormLinear's)."""
 
@@ -124,10 +140,10 @@ def _norm_params(module: torch.nn.Module, prefix: str, hidden: int, normalizatio
         module.register_parameter(f"{prefix}bias", None)
 
 
-class LayerNorm(TEExtraState, torch.nn.Module):
-    """TE's ``LayerNorm(hidden_size, eps=1e-5, ..., zero_centered_gamma=False)``."""
+class _BaseNorm(_TEModule):
+    """TE's ``LayerNorm`` / ``RMSNorm`` (siblings in TE: neither is an instance of the other)."""
 
-    normalization = "LayerNorm"
+    normalization = ""
 
     def __init__(
         self,
@@ -154,13 +170,19 @@ class LayerNorm(TEExtraState, torch.nn.Module):
         return _Norm.apply(x, self.normalization, self.weight, self.bias, self.eps, self.zero_centered_gamma)
 
 
-class RMSNorm(LayerNorm):
+class LayerNorm(_BaseNorm):
+    """TE's ``LayerNorm(hidden_size, eps=1e-5, ..., zero_centered_gamma=False)``."""
+
+    normalization = "LayerNorm"
+
+
+class RMSNorm(_BaseNorm):
     """TE's ``RMSNorm(hidden_size, eps=1e-5, ..., zero_centered_gamma=False)`` (our RMSNorm kernel)."""
 
     normalization = "RMSNorm"
 
 
-class Linear(TEExtraState, torch.nn.Module):
+class Linear(_TEModule):
     """TE's ``Linear(in_features, out_features, bias=True, init_method=None, return_bias=False,
     params_dtype=None, parallel_mode=None, device="cuda", ...)``; ``forward(x, is_first_microbatch=None)``."""
 
@@ -250,7 +272,7 @@ class LayerNormLinear(Linear):
         return result if len(result) > 1 else result[0]
 
 
-class GroupedLinear(TEExtraState, torch.nn.Module):
+class GroupedLinear(_TEModule):
     """TE's ``GroupedLinear(num_gemms, in_features, out_features, bias=True, ...)``: ``weight{i}`` /
     ``bias{i}``; ``forward(x, m_splits)`` multiplies the rows of group ``i`` by ``weight{i}``."""
 
@@ -303,7 +325,7 @@ _BANDS = {"no_mask": None, "padding": None, "arbitrary": None, "causal": CAUSAL,
 _BOTTOM_RIGHT = {"causal_bottom_right": CAUSAL, "padding_causal_bottom_right": CAUSAL}
 
 
-class DotProductAttention(TEExtraState, torch.nn.Module):
+class DotProductAttention(_TEModule):
     """TE's ``DotProductAttention(num_attention_heads, kv_channels, num_gqa_groups=None,
     attention_dropout=0.0, qkv_format="sbhd", attn_mask_type="causal", window_size=None,
     softmax_scale=None, ...)``; forward ``(query, key, value, attention_mask=None, ...)`` returns
