@@ -52,7 +52,8 @@ FAILURE_RULES: list[Rule] = [
     _rule(
         "hybrid-device-optimizer",
         r"HybridDeviceOptimizer|hybrid_optimizer|cpu_offloading",
-        "megatron's CPU-offloading optimizer moves state between 'cuda' and 'cpu': with both the host it keeps no state apart",
+        "megatron's CPU-offloading optimizer moves state between 'cuda' and 'cpu': "
+        "with both the host it keeps no state apart",
     ),
     _rule(
         "te-cpp-extensions",
@@ -61,7 +62,8 @@ FAILURE_RULES: list[Rule] = [
     ),
     _rule(
         "te-feature-refused",
-        r"TransformerEngineFeatureUnsupported|TransformerEngineAttributeRefused|mindspeed_like te-backend|te-client-module",
+        r"TransformerEngineFeatureUnsupported|TransformerEngineAttributeRefused"
+        r"|mindspeed_like te-backend|te-client-module",
         "a TE feature the te-backend refuses by name (fp8, TE ops, CUDA graphs): implementing it in the te-backend",
     ),
     _rule(
@@ -88,7 +90,8 @@ FAILURE_RULES: list[Rule] = [
     _rule("fp8", r"fp8|FP8|Float8|float8|mxfp8|nvfp4", "FP8/FP4 training needs TE and an FP8-capable GPU"),
     _rule(
         "cuda-only-api",
-        r"Torch not compiled with CUDA enabled|not linked with support for cuda|CUDA driver|cudaGetDevice|torch\._C\._cuda|_cuda_|nvml|pynvml|CUDA error|cuda runtime|NCCL|nccl",
+        r"Torch not compiled with CUDA enabled|not linked with support for cuda|CUDA driver|cudaGetDevice"
+        r"|torch\._C\._cuda|_cuda_|nvml|pynvml|CUDA error|cuda runtime|NCCL|nccl",
         "an API that exists only with a CUDA build (CUDA graphs, NVML, CUDA IPC, NCCL-only features)",
     ),
     _rule(
@@ -146,7 +149,8 @@ SKIP_RULES: list[Rule] = [
     _rule(
         "megatron-skip",
         r".",
-        "skipped by the test itself for a reason unrelated to the host (a known issue, a flaky test, a config it does not cover)",
+        "skipped by the test itself for a reason unrelated to the host "
+        "(a known issue, a flaky test, a config it does not cover)",
     ),
 ]
 

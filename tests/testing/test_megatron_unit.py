@@ -1,0 +1,195 @@
+"""The megatron-unit plugin's own logic, without a Megatron-LM checkout: reason classes, the world
+sizes tests are grouped by, the rank reports merged, the checkout refusals and the record.
+
+The opt-in test at the end runs the plugin on one small folder of a real checkout
+(``MEGATRON_LM_PATH``), as `make test-megatron-unit` does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mindspeed_like.testing.megatron_unit import checkout, ranks, reasons
+from mindspeed_like.testing.megatron_unit.record import Outcomes, directory_of, write
+
+
+@pytest.mark.parametrize(
+    ("text", "cls"),
+    [
+        ("E   RuntimeError: 0 active drivers ([]). There should only be one.", "triton-kernel-no-gpu"),
+        ("E   AssertionError: libcuda.so cannot found!", "triton-kernel-no-gpu"),
+        ("E   RuntimeError: world_size (1) is not divisible by 8", "needs-more-ranks"),
+        ("E   AssertionError: Tried using cudagraphs with RNG, however not detected in pytorch!", "cuda-graphs"),
+        ("E   assert False\nE    +  where False = torch.equal(a, b)", "numerics"),
+        ("E   AssertionError: Torch not compiled with CUDA enabled", "cuda-only-api"),
+        ("E   ModuleNotFoundError: No module named 'transformers'", "missing-package"),
+        (
+            "E   mindspeed_like...TransformerEngineFeatureUnsupported: mindspeed_like te-backend: "
+            "TransformerEngine's fp8 is not available",
+            "te-feature-refused",
+        ),
+        ("rank-timeout: no progress for 180 s at world size 4", "timeout"),
+    ],
+)
+def test_failures_are_classified_from_their_exception_lines(text: str, cls: str) -> None:
+    assert reasons.classify_failure(text) == cls
+
+
+def test_the_exception_lines_win_over_the_traceback() -> None:
+    """A traceback through megatron's `_get_cuda_rng_state` says nothing of why an assert failed."""
+    text = (
+        "    state = torch.cuda.get_rng_state()  # _cuda_ helper\nE   assert False\nE    +  where False = torch.equal"
+    )
+    assert reasons.classify_failure(text) == "numerics"
+
+
+def test_skips_are_classified_and_unknown_is_never_a_default_for_skips() -> None:
+    assert reasons.classify_skip("CUDA not available") == "cuda-not-available"
+    assert reasons.classify_skip("Requires TransformerEngine >= 1.10.0") == "needs-transformer-engine"
+    assert reasons.classify_skip("some reason of the test's own") == "megatron-skip"
+
+
+def test_every_class_says_what_it_would_take() -> None:
+    for rule in [*reasons.FAILURE_RULES, *reasons.SKIP_RULES]:
+        assert reasons.what_it_would_take(rule.name), rule.name
+
+
+@pytest.mark.parametrize(
+    ("needed", "sizes", "launch"),
+    [(2, [2, 4], 2), (4, [2, 4], 4), (8, [2, 4], None), (8, [2, 4, 8], 8), (3, [2, 4], None)],
+)
+def test_launch_size_is_the_smallest_allowed_multiple(needed: int, sizes: list[int], launch: int | None) -> None:
+    assert reasons.launch_size(needed, sizes) == launch
+
+
+def test_ranks_needed_reads_megatrons_messages() -> None:
+    assert reasons.ranks_needed("world_size (1) is not divisible by 8") == 8
+    assert (
+        reasons.ranks_needed("world_size (2) is not divisible by expert_tensor_model_pipeline_parallel size (4)") == 4
+    )
+    assert reasons.ranks_needed("AssertionError: nope") is None
+
+
+def test_tests_are_grouped_by_world_size_one_launch_each_in_order() -> None:
+    groups = ranks.group_by_size([("a", 4), ("b", 2), ("c", 4), ("d", 8)])
+    assert list(groups) == [2, 4, 8]
+    assert groups[4] == ["a", "c"]
+
+
+def test_rank_reports_merge_to_the_worst_rank() -> None:
+    result = ranks.RankResult("t")
+    result.phases["call"] = [
+        {"outcome": "passed", "_rank": 0, "when": "call"},
+        {"outcome": "failed", "_rank": 1, "when": "call"},
+    ]
+    result.phases["setup"] = [{"outcome": "passed", "_rank": r, "when": "setup"} for r in (0, 1)]
+    merged = result.merged()
+    assert [r["when"] for r in merged] == ["setup", "call"]
+    assert merged[1]["_rank"] == 1 and merged[1]["outcome"] == "failed"
+    assert merged[0]["_rank"] == 0  # a tie keeps rank 0's report
+
+
+def test_directory_of_a_node_id() -> None:
+    assert directory_of("tests/unit_tests/transformer/moe/test_x.py::T::t[1]") == "transformer/moe"
+    assert directory_of("tests/unit_tests/test_optimizer.py::t") == "test_optimizer"
+
+
+def _fake_checkout(root: Path, version: str = "0.16.1", training: bool = True) -> Path:
+    (root / "tests" / "unit_tests").mkdir(parents=True)
+    (root / "tests" / "unit_tests" / "conftest.py").write_text("")
+    core = root / "megatron" / "core"
+    core.mkdir(parents=True)
+    major, minor, patch = version.split(".")
+    (core / "package_info.py").write_text(f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch}\nPRE_RELEASE = ''\n")
+    if training:
+        (root / "megatron" / "training").mkdir()
+        (root / "megatron" / "training" / "__init__.py").write_text("")
+    return root
+
+
+def test_a_checkout_of_another_release_is_refused_naming_the_tag(tmp_path: Path) -> None:
+    root = _fake_checkout(tmp_path / "mlm", version="0.15.3")
+    installed = checkout.installed_version()
+    if installed == "0.15.3":
+        pytest.skip("megatron-core 0.15.3 is installed here")
+    with pytest.raises(checkout.CheckoutError, match=rf"core_v{installed}"):
+        checkout.check(root)
+
+
+def test_a_checkout_without_megatron_training_is_refused(tmp_path: Path) -> None:
+    root = _fake_checkout(tmp_path / "mlm", version=checkout.installed_version() or "0.16.1", training=False)
+    with pytest.raises(checkout.CheckoutError, match="megatron/training"):
+        checkout.check(root)
+
+
+def test_missing_test_dependencies_are_named_with_the_pip_command(tmp_path: Path, monkeypatch) -> None:
+    root = _fake_checkout(tmp_path / "mlm", version=checkout.installed_version() or "0.16.1")
+    monkeypatch.setitem(checkout.TEST_DEPENDENCIES, "surely_not_installed_mod", "surely-not-installed")
+    with pytest.raises(checkout.CheckoutError, match="pip install surely-not-installed"):
+        checkout.check(root)
+
+
+def test_the_root_is_found_from_the_test_path(tmp_path: Path) -> None:
+    root = _fake_checkout(tmp_path / "mlm")
+    (root / "tests" / "unit_tests" / "fusions").mkdir()
+    assert checkout.find_root([str(root / "tests" / "unit_tests" / "fusions")], env={}) == root.resolve()
+    assert checkout.find_root([], env={"MEGATRON_LM_PATH": str(root)}) == root.resolve()
+    assert checkout.find_root([str(tmp_path)], env={}) is None
+
+
+def test_the_record_has_directories_tests_classes_and_wall_time(tmp_path: Path) -> None:
+    outcomes = Outcomes()
+    outcomes.settle("tests/unit_tests/fusions/test_a.py::t1", "passed", 1, None)
+    outcomes.settle("tests/unit_tests/fusions/test_a.py::t2", "failed", 2, "numerics", "E assert False")
+    outcomes.settle("tests/unit_tests/fusions/test_b.py::t3", "skipped", 1, "triton-kernel-no-gpu", "no GPU")
+    outcomes.size_wall_s[2] = 1.5
+    path = write(outcomes, tmp_path / "megatron-unit-0.json", level=0, options={}, command=["pytest"])
+    record = json.loads(path.read_text())
+    dirs = [r for r in record["rows"] if r["table"] == "dirs"]
+    assert dirs == [
+        {
+            "table": "dirs",
+            "dir": "fusions",
+            "collected": 3,
+            "passed": 1,
+            "failed": 1,
+            "skipped": 1,
+            "passed_pct": 33.3,
+            "classes": {"numerics": 1, "triton-kernel-no-gpu": 1},
+        }
+    ]
+    assert record["extra"]["failure_classes"] == {"numerics": 1}
+    assert record["extra"]["wall_s_per_world_size"] == {"2": 1.5}
+    assert "wall_s" in record["extra"]
+    tests = {r["test"]: r for r in record["rows"] if r["table"] == "tests"}
+    assert tests["tests/unit_tests/fusions/test_a.py::t1"]["class"] is None
+
+
+MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH", "")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.path.isfile(os.path.join(MEGATRON_LM, "tests", "unit_tests", "conftest.py")),
+    reason="set MEGATRON_LM_PATH to a Megatron-LM checkout of the installed megatron-core's tag to run",
+)
+def test_the_plugin_runs_megatrons_fusions_tests(tmp_path: Path) -> None:
+    """Megatron-LM's tests/unit_tests/fusions under the plugin: it writes a record with every test."""
+    record_path = tmp_path / "megatron-unit-0.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "mindspeed_like.testing.megatron_unit_tests", "-p", "no:cacheprovider",
+         "-o", "addopts=", "-q", "-W", "ignore", "--megatron-record", str(record_path),
+         os.path.join(MEGATRON_LM, "tests", "unit_tests", "fusions")],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert record_path.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads(record_path.read_text())
+    assert record["extra"]["collected"] >= 20
+    assert record["extra"]["passed"] >= 20
+    assert "unknown" not in record["extra"]["failure_classes"]
+    assert "[megatron-unit L0] fusions:" in done.stdout
