@@ -87,3 +87,18 @@ def test_a_cuda_only_flag_is_refused_at_start_up_with_its_reason():
     assert "cannot run on this CPU host" in output, output[-3000:]
     assert "--record-memory-history: CUDA caching allocator snapshots" in output, output[-3000:]
     assert not megatron_lm.ITERATION.search(output), "refused before any iteration"
+
+
+@pytest.mark.slow
+def test_fp16_checkpoint_saved_before_the_first_step_loads(tmp_path):
+    """Issue 49 item 5: at megatron's default --initial-loss-scale (2**32) every step before the save
+    is skipped, the checkpoint held no Adam moments and the load stopped with ``KeyError:
+    "optimizer.state.exp_avg... not in state dict"`` (fix-checkpoint-before-first-step)."""
+    checkpoint = str(tmp_path / "checkpoint")
+    extra = ["--fp16", "--train-iters", "4"]
+    straight = _printed(megatron_lm.torchrun_output(1, megatron_lm.launcher(), extra))
+    assert all(straight[i]["number of skipped iterations"] == "1" for i in (1, 2)), straight
+    save = ["--save", checkpoint, "--save-interval", "2", "--exit-interval", "2"]
+    megatron_lm.torchrun_output(1, megatron_lm.launcher(), [*extra, *save])
+    resumed = _printed(megatron_lm.torchrun_output(1, megatron_lm.launcher(), [*extra, "--load", checkpoint]))
+    assert resumed == {i: straight[i] for i in (3, 4)}
