@@ -226,6 +226,14 @@ def _wanted_size(reports: list[pytest.TestReport], state: _State) -> int | None:
 
 
 @pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """In a rank too: the groups a test left behind go after its teardown (threads stay flat)."""
+    state = _state(item.config)
+    if state is not None and state.child:
+        host_device.after_test()
+
+
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
     state = _state(item.config)
     if state is None or state.child:

@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from mindspeed_like.testing.megatron_unit.reasons import what_it_would_take
 from mindspeed_like.toolkit.records import Record
 
 
@@ -92,6 +93,9 @@ def write(outcomes: Outcomes, path: Path, *, level: int, options: dict[str, Any]
         "failure_classes": dict(Counter(r["class"] for r in rows if r["outcome"] == "failed").most_common()),
         "skip_classes": dict(Counter(r["class"] for r in rows if r["outcome"] == "skipped").most_common()),
         "world_sizes": dict(Counter(str(r["world_size"]) for r in rows)),
+        "what_it_would_take": {
+            cls: what_it_would_take(cls) for cls in sorted({r["class"] for r in rows if r["outcome"] != "passed"})
+        },
         "wall_s": round(time.monotonic() - outcomes.started, 1),
         "wall_s_per_world_size": {str(k): round(v, 1) for k, v in sorted(outcomes.size_wall_s.items())},
     }
