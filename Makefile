@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all test-compile test-cuda lint bench bench-gpu docs megatron-lm-smoke megatron-lm-smoke-versions test-megatron-lm-flags megatron-bridge-smoke mbridge-smoke test-versions clean
+.PHONY: install demo test test-all test-compile test-cuda lint bench bench-gpu docs megatron-lm-smoke megatron-lm-smoke-versions test-megatron-lm-flags test-megatron-unit test-megatron-unit-ci megatron-bridge-smoke mbridge-smoke test-versions clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -165,6 +165,37 @@ test-megatron-lm-flags: $(STAMP)
 	@if [ -f "$(MEGATRON_LM_PATH)/pretrain_gpt.py" ]; then $(PY) -m pip install -q -e '.[test,megatron-lm]'; fi
 	PATH="$(abspath $(VENV))/bin:$$PATH" MEGATRON_LM_PATH="$(MEGATRON_LM_PATH)" \
 		$(PY) -m pytest -q -rs -m '' tests/megatron_lm_flags
+
+# Megatron-LM's own tests/unit_tests on this CPU host with the import line, at LEVEL (0, 1, 2):
+# `pytest -p mindspeed_like.testing.megatron_unit_tests` (docs/megatron-tests.md), one session per directory
+# (mindspeed_like/testing/megatron_unit/run.py), merged into results/megatron-unit-$(LEVEL).json
+# (MEGATRON_UNIT_RECORD=path for another). Needs a Megatron-LM checkout of the installed megatron-core's tag
+# (core_v0.16.1); installs the tests' own dependencies; tests written for N ranks run under N gloo ranks
+# (MEGATRON_UNIT_RANKS, default 2,4; add 8 to opt in). DIRS: directories (or files) under tests/unit_tests;
+# `optimizer` is test_optimizer*.py plus optimizer/. `test-megatron-unit-ci`: the CI-sized part (1 and 2 ranks).
+LEVEL ?= 0
+DIRS ?= fusions tensor_parallel pipeline_parallel models optimizer transformer transformer/moe dist_checkpointing
+MEGATRON_UNIT_RANKS ?= 2,4
+MEGATRON_UNIT_RECORD ?= results/megatron-unit-$(LEVEL).json
+MEGATRON_UNIT_DEPS := click requests pytest-mock mock six regex pyyaml pydantic
+test-megatron-unit: $(STAMP)
+	@test -f "$(MEGATRON_LM_PATH)/tests/unit_tests/conftest.py" || \
+		(echo "set MEGATRON_LM_PATH=/path/to/Megatron-LM (a checkout of tag core_v$(PRIMARY_VERSION))"; exit 2)
+	$(PY) -m pip install -q $(MEGATRON_UNIT_DEPS)
+	MEGATRON_LM_PATH="$(MEGATRON_LM_PATH)" $(PY) -m mindspeed_like.testing.megatron_unit.run --level $(LEVEL) \
+		--ranks $(MEGATRON_UNIT_RANKS) --record $(MEGATRON_UNIT_RECORD) --dirs $(DIRS)
+
+# The CI-sized part: the fastest directories at world size 1 and 2 (under 10 minutes on 2 cores); without
+# MEGATRON_LM_PATH it says it skipped and succeeds (CI has no checkout).
+CI_DIRS ?= fusions tensor_parallel models/test_gpt_model.py
+test-megatron-unit-ci: $(STAMP)
+	@if [ ! -f "$(MEGATRON_LM_PATH)/tests/unit_tests/conftest.py" ]; then \
+		echo "test-megatron-unit-ci: SKIPPED: MEGATRON_LM_PATH is not set to a Megatron-LM checkout (tag core_v$(PRIMARY_VERSION)), so Megatron-LM's unit tests did not run"; \
+	else \
+		$(PY) -m pip install -q $(MEGATRON_UNIT_DEPS) && \
+		MEGATRON_LM_PATH="$(MEGATRON_LM_PATH)" $(PY) -m mindspeed_like.testing.megatron_unit.run --level $(LEVEL) \
+			--ranks 2 --record build/megatron-unit-ci-$(LEVEL).json --dirs $(CI_DIRS); \
+	fi
 
 # Megatron-Bridge (NVIDIA's HF <-> Megatron converter) as a client, without TransformerEngine: its own
 # `import transformer_engine.pytorch` gets the te-client-module; tiny random Qwen3 / Qwen3-MoE convert,

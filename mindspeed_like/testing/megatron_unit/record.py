@@ -100,3 +100,51 @@ def write(outcomes: Outcomes, path: Path, *, level: int, options: dict[str, Any]
         "wall_s_per_world_size": {str(k): round(v, 1) for k, v in sorted(outcomes.size_wall_s.items())},
     }
     return record.write(path)
+
+
+def merge(out: Path, parts: list[Path], *, level: int) -> Path:
+    """One level's record from the records of its pieces (directories run one pytest at a time, so
+    the host is never loaded by one long session): tests and classes as the pieces recorded them,
+    the wall time the sum of the pieces', each piece's command kept in ``options.pieces``."""
+    import json
+
+    outcomes = Outcomes()
+    wall = 0.0
+    pieces = []
+    for part in parts:
+        data = json.loads(Path(part).read_text())
+        for row in data["rows"]:
+            if row.get("table") == "tests":
+                outcomes.settle(row["test"], row["outcome"], row["world_size"], row["class"], row["reason"])
+        wall += data["extra"]["wall_s"]
+        for size, seconds in data["extra"].get("wall_s_per_world_size", {}).items():
+            outcomes.size_wall_s[int(size)] = outcomes.size_wall_s.get(int(size), 0.0) + seconds
+        pieces.append({"command": data["command"], "started_at": data["started_at"], "wall_s": data["extra"]["wall_s"]})
+    options = dict(json.loads(Path(parts[0]).read_text())["options"]) if parts else {}
+    options.pop("level", None)
+    options["pieces"] = pieces
+    path = write(outcomes, out, level=level, options=options, command=["make", "test-megatron-unit", f"LEVEL={level}"])
+    data = json.loads(path.read_text())
+    data["extra"]["wall_s"] = round(wall, 1)
+    data["started_at"] = min(p["started_at"] for p in pieces) if pieces else data["started_at"]
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mindspeed_like.testing.megatron_unit.record merge --level N OUT PIECE...``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mindspeed_like.testing.megatron_unit.record")
+    sub = parser.add_subparsers(dest="command", required=True)
+    merging = sub.add_parser("merge", help="one level's record from its pieces' records")
+    merging.add_argument("--level", type=int, required=True)
+    merging.add_argument("out", type=Path)
+    merging.add_argument("parts", type=Path, nargs="+")
+    args = parser.parse_args(argv)
+    print(merge(args.out, args.parts, level=args.level))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
