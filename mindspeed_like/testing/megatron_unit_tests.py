@@ -93,6 +93,8 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
     except checkout.CheckoutError as error:
         raise pytest.UsageError(f"megatron-unit: {error}") from None
     checkout.put_on_path(found)
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(name, value)  # as torchrun sets them for one process (tests use env://)
     if not options.megatron_child and "MASTER_PORT" not in os.environ:
         # megatron's Utils defaults to port 6000, which another job on the host may hold
         os.environ["MASTER_PORT"] = str(free_port())
@@ -215,12 +217,12 @@ def _last_line(text: str) -> str:
     return " | ".join(errors.splitlines()[-6:])
 
 
-def _wanted_size(reports: list[pytest.TestReport], state: _State) -> int | None:
-    """The world size a test asked for, when it failed or skipped for want of ranks at size 1."""
+def _wanted_size(reports: list[pytest.TestReport], state: _State, size: int = 1) -> int | None:
+    """The world size a test asked for, when it failed or skipped for want of ranks at ``size``."""
     for report in reports:
         if report.failed or report.skipped:
             needed = reasons.ranks_needed(_text(report))
-            if needed and needed > int(os.environ.get("WORLD_SIZE", "1")):
+            if needed and needed > size:
                 return needed
     return None
 
@@ -253,16 +255,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if size is not None:
             state.deferred.setdefault(size, []).append(item.nodeid)
             return True
-        for report in reports:
-            if report.failed:
-                report.outcome = "skipped"
-                path, lineno, _ = item.location
-                report.longrepr = (
-                    str(path),
-                    (lineno or 0) + 1,
-                    f"Skipped: megatron-unit needs-more-ranks: written for {needed} ranks; the harness launches "
-                    f"{state.sizes} (--megatron-ranks {','.join(map(str, sorted({*state.sizes, needed})))} to run it)",
-                )
+        _as_rank_skip(item, reports, needed, state)
     _log(item, reports, state, 1)
     return True
 
@@ -288,6 +281,20 @@ def _time_limit(seconds: int) -> Any:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _as_rank_skip(item: pytest.Item, reports: list[pytest.TestReport], needed: int, state: _State) -> None:
+    """A test asking for a world size the harness may not launch: a skip saying how to allow it."""
+    for report in reports:
+        if report.failed:
+            report.outcome = "skipped"
+            path, lineno, _ = item.location
+            report.longrepr = (
+                str(path),
+                (lineno or 0) + 1,
+                f"Skipped: megatron-unit needs-more-ranks: written for {needed} ranks; the harness launches "
+                f"{state.sizes} (--megatron-ranks {','.join(map(str, sorted({*state.sizes, needed})))} to run it)",
+            )
 
 
 def _log(item: pytest.Item, reports: list[pytest.TestReport], state: _State, world_size: int) -> None:
@@ -362,7 +369,15 @@ def pytest_runtestloop(session: pytest.Session) -> Any:
     ]
     if not state.host_cuda:
         child_args.append("--megatron-no-host-cuda")
-    for size, nodeids in ranks.group_by_size(_pairs(state)).items():
+    launched: set[int] = set()
+    while True:
+        # smallest size first; a test that asks a launch for still more ranks joins a later size
+        pending = {size: ids for size, ids in ranks.group_by_size(_pairs(state)).items() if size not in launched}
+        if not pending:
+            break
+        size = min(pending)
+        nodeids = pending[size]
+        launched.add(size)
         _say(
             config,
             f"[megatron-unit L{state.level}] {len(nodeids)} tests at world size {size} "
@@ -386,6 +401,13 @@ def pytest_runtestloop(session: pytest.Session) -> Any:
                 data.pop("_rank", None)
                 data.pop("_harness", None)
                 reports.append(config.hook.pytest_report_from_serializable(config=config, data=data))
+            needed = _wanted_size(reports, state, size)
+            if needed:
+                bigger = reasons.launch_size(needed, state.sizes)
+                if bigger is not None and bigger > size and bigger not in launched:
+                    state.deferred.setdefault(bigger, []).append(item.nodeid)
+                    return
+                _as_rank_skip(item, reports, needed, state)
             _log(item, reports, state, size)
 
         ranks.launch(

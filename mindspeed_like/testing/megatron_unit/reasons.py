@@ -11,6 +11,7 @@ kernel cannot be made to pass by any host), never into a pass. A failure no rule
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ FAILURE_RULES: list[Rule] = [
     ),
     _rule(
         "needs-more-ranks",
-        r"is not divisible by|world size .* too small|requires \d+ (?:GPUs|ranks)",
+        r"is not divisible by|is over sized with world size|world size .* too small|requires \d+ (?:GPUs|ranks)",
         "more gloo ranks than the launch sizes allowed (--megatron-ranks 2,4,8)",
     ),
     _rule(
@@ -185,8 +186,15 @@ def classify_skip(reason: str) -> str:
     return UNKNOWN
 
 
+_GRID = re.compile(r"Grid shape \[([\d, ]+)\] is over sized")
+
+
 def ranks_needed(text: str) -> int | None:
-    """How many ranks a failure asks for (``world_size (1) is not divisible by 8`` -> 8), else None."""
+    """How many ranks a failure asks for (``world_size (1) is not divisible by 8`` -> 8, megatron's
+    ``HyperCommGrid`` ``Grid shape [2, 1, 1, 4] is over sized`` -> 8), else None."""
+    grid = _GRID.search(text)
+    if grid:
+        return math.prod(int(n) for n in grid.group(1).split(","))
     for pattern in _NEEDS_RANKS:
         match = pattern.search(text)
         if match:
