@@ -69,6 +69,7 @@ class TEDotProductAttention(TEExtraState, DotProductAttention):
             raise ValueError("TEDotProductAttention: num_splits (TE's flash-attention split count) is not supported")
         if (k_channels is None) != (v_channels is None):
             raise ValueError("TEDotProductAttention: give both k_channels and v_channels, or neither")
+        window_size = _te_window(config, layer_number, attn_mask_type)
         head_dims = {} if k_channels is None else {"k_channels": k_channels, "v_channels": v_channels}
         groups = accepted(DotProductAttention.__init__, pg_collection=pg_collection, model_comm_pgs=model_comm_pgs)
         DotProductAttention.__init__(  # head dims: fixes/local_attention_head_dims.py (megatron's takes none)
@@ -88,6 +89,11 @@ class TEDotProductAttention(TEExtraState, DotProductAttention):
         # (scaled_masked_softmax_cuda, which masked_softmax_fusion=True asks for in fp16/bf16) is not one
         # of them, and is absent on a host and on GPUs without megatron's compiled kernels (issue 37 9b)
         self.scale_mask_softmax.scaled_masked_softmax_fusion = False
+        # TE's sliding window, as megatron's wrapper hands it to TE and reads it back; megatron's math and
+        # the flash kernel read the softmax's window (None: no window, where megatron's own mask would take
+        # TE's -1 "unbounded" literally)
+        self.window_size = window_size
+        self.scale_mask_softmax.window_size = window_size if te_pytorch.is_window(window_size) else None
 
     def forward(
         self,
@@ -102,6 +108,10 @@ class TEDotProductAttention(TEExtraState, DotProductAttention):
     ) -> torch.Tensor:
         if num_splits is not None:
             raise ValueError("TEDotProductAttention: num_splits (TE's flash-attention split count) is not supported")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        self._check_window_with_mask(attention_mask, mask_type)
+        if _is_thd(packed_seq_params) and not self._thd_in_one_call(packed_seq_params, attention_bias):
+            return self._per_sequence(query, key, value, mask_type, attention_bias, packed_seq_params)
         if self._flash_without_feature():
             return _flash_forward()(
                 DotProductAttention.forward.__get__(self, type(self)),
@@ -120,6 +130,74 @@ class TEDotProductAttention(TEExtraState, DotProductAttention):
             packed_seq_params=packed_seq_params,
         )
 
+    def _check_window_with_mask(self, attention_mask, mask_type) -> None:
+        """TE applies a padding mask and a sliding window together; megatron's math and the flash
+        kernel apply the window in place of the mask (megatron's local semantics). A causal layer's
+        mask is inside its window; any other mask with a window is refused, not dropped."""
+        if attention_mask is None or not te_pytorch.is_window(self.window_size) or "causal" in mask_type.name:
+            return
+        raise ValueError(
+            f"TEDotProductAttention (mindspeed_like te-backend): a sliding window (config.window_size="
+            f"{self.window_size}) together with an attention_mask of type {mask_type.name} is not supported: the "
+            "window would replace the mask; use a causal mask type, or no window"
+        )
+
+    def _thd_in_one_call(self, packed, attention_bias) -> bool:
+        """Whether packed (thd) sequences go to the kernels in one call: context-parallel's at CP > 1,
+        the flash kernel when it runs here and the sequences lie back to back (no padding between them)
+        with TE's vanilla softmax. Otherwise :meth:`_per_sequence`."""
+        if getattr(self.config, "context_parallel_size", 1) > 1:
+            return True
+        if attention_bias is not None:
+            raise ValueError(
+                "TEDotProductAttention (mindspeed_like te-backend): attention_bias with packed sequences (thd) is not "
+                "supported; run the batch unpacked (sbhd)"
+            )
+        flash = flash_attention_on() or self._flash_without_feature()
+        vanilla = getattr(self.config, "softmax_type", "vanilla") == "vanilla"
+        return flash and vanilla and not _padded(packed)
+
+    def _per_sequence(self, query, key, value, mask_type, attention_bias, packed) -> torch.Tensor:
+        """Packed sequences (thd, ``[t, heads, dim]``) one sequence at a time through this module's
+        attention for one unpacked sequence (``[s_i, 1, heads, dim]``: megatron's math, or the flash
+        kernel where flash-attention is on), so each sequence attends only to itself, causally per
+        sequence for causal masks, at ``cu_seqlens_*_padded`` offsets when TE's padded layout is given.
+        Rows between and after the sequences (padding) come out zero. Returns ``[t, heads * v_dim]``."""
+        from megatron.core.transformer.enums import AttnMaskType
+
+        starts_q, lens_q = _segments(packed.cu_seqlens_q, getattr(packed, "cu_seqlens_q_padded", None))
+        starts_kv, lens_kv = _segments(packed.cu_seqlens_kv, getattr(packed, "cu_seqlens_kv_padded", None))
+        if len(lens_q) != len(lens_kv):
+            raise ValueError(
+                f"TEDotProductAttention: cu_seqlens_q has {len(lens_q)} sequences, cu_seqlens_kv {len(lens_kv)}"
+            )
+        causal = "causal" in mask_type.name
+        bottom_right = "bottom_right" in mask_type.name
+        forward = DotProductAttention.forward.__get__(self, type(self))  # through the features' wrappers
+        pieces: list[torch.Tensor] = []
+        end = 0
+        for start_q, len_q, start_kv, len_kv in zip(starts_q, lens_q, starts_kv, lens_kv, strict=True):
+            if len_q == 0:
+                continue
+            q = query[start_q : start_q + len_q].unsqueeze(1)
+            k = key[start_kv : start_kv + len_kv].unsqueeze(1)
+            v = value[start_kv : start_kv + len_kv].unsqueeze(1)
+            mask = None
+            if causal:
+                offset = len_kv - len_q if bottom_right else 0
+                mask = torch.ones(len_q, len_kv, dtype=torch.bool, device=q.device).triu(1 + offset)[None, None]
+            out = forward(q, k, v, mask, attn_mask_type=AttnMaskType.causal if causal else AttnMaskType.no_mask)
+            out = out.reshape(len_q, -1)
+            if start_q > end:
+                pieces.append(out.new_zeros(start_q - end, out.shape[-1]))
+            pieces.append(out)
+            end = start_q + len_q
+        if not pieces:
+            raise ValueError("TEDotProductAttention: packed sequences (thd) with no tokens")
+        if query.shape[0] > end:
+            pieces.append(pieces[-1].new_zeros(query.shape[0] - end, pieces[-1].shape[-1]))
+        return torch.cat(pieces, dim=0)
+
     def _flash_without_feature(self) -> bool:
         """``--attention-backend flash`` while flash-attention is off (at CP > 1 context-parallel's
         kernels run either way)."""
@@ -136,6 +214,54 @@ class TEDotProductAttention(TEExtraState, DotProductAttention):
         return sharded_tensors(
             state_dict, prefix, {"softmax_offset": 0}, sharded_offsets, getattr(self, "tp_group", None), metadata
         )
+
+
+def _te_window(config, layer_number: int, attn_mask_type) -> tuple[int, int]:
+    """TE's window for this layer: ``config.window_size`` where megatron's wrapper hands it to TE
+    (``is_layer_window_attention``: ``window_attn_skip_freq`` leaves some layers full), checked as TE
+    checks it (an int or a malformed pair: a ``ValueError`` naming ``config.window_size``)."""
+    window = getattr(config, "window_size", None)
+    try:
+        from megatron.core.transformer.utils import is_layer_window_attention
+    except ImportError:  # releases before window_attn_skip_freq: every layer has the window
+        on_this_layer = bool(window)
+    else:
+        if window is not None and not isinstance(window, (tuple, list)):
+            on_this_layer = True  # refused just below, with its name
+        else:
+            on_this_layer = is_layer_window_attention(
+                window, getattr(config, "window_attn_skip_freq", None), layer_number
+            )
+    try:
+        return te_pytorch.check_set_window_size(attn_mask_type.name, window if on_this_layer else None)
+    except ValueError as error:
+        raise ValueError(f"TEDotProductAttention: config.window_size={window!r}: {error}") from None
+
+
+def _is_thd(packed) -> bool:
+    return packed is not None and getattr(packed, "qkv_format", None) == "thd"
+
+
+def _padded(packed) -> bool:
+    """Whether TE's padded thd layout puts padding between (or after) the sequences."""
+    for real, padded in (
+        (packed.cu_seqlens_q, getattr(packed, "cu_seqlens_q_padded", None)),
+        (packed.cu_seqlens_kv, getattr(packed, "cu_seqlens_kv_padded", None)),
+    ):
+        if padded is not None and not torch.equal(padded.to(real.device, real.dtype), real):
+            return True
+    return False
+
+
+def _segments(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    """(start, length) of each packed sequence: lengths from the real ``cu_seqlens``, starts from the
+    padded ones where given (TE's layout: sequence i at ``cu_seqlens_padded[i]``)."""
+    real = [int(x) for x in cu_seqlens.tolist()]
+    offsets = real if cu_seqlens_padded is None else [int(x) for x in cu_seqlens_padded.tolist()]
+    if len(offsets) != len(real):
+        raise ValueError("TEDotProductAttention: cu_seqlens and cu_seqlens_padded differ in length")
+    lengths = [b - a for a, b in zip(real[:-1], real[1:])]
+    return offsets[:-1], lengths
 
 
 te_pytorch.DotProductAttention.register(TEDotProductAttention)  # TE's base of megatron's wrapper

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -321,6 +322,49 @@ class GroupedLinear(_TEModule):
         return (out, biases) if self.return_bias else out
 
 
+def check_set_window_size(attn_mask_type: str, window_size=None) -> tuple[int, int]:
+    """TE's ``check_set_window_size``: the sliding window ``(left, right)`` TE's attention uses for
+    ``attn_mask_type`` (``-1``: unbounded on that side). ``None`` is no window: ``(-1, 0)`` for causal
+    masks, ``(-1, -1)`` otherwise; a causal mask keeps no keys to the right (``right`` becomes 0, with
+    TE's warning). What TE rejects with an assertion (or a ``TypeError`` on an int) is a
+    ``ValueError`` here naming the argument."""
+    if window_size is not None:
+        if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+            raise ValueError(
+                f"window_size must be a (left, right) pair of ints (TE's sliding window; -1: unbounded), got "
+                f"{window_size!r}"
+            )
+        window_size = (int(window_size[0]), int(window_size[1]))
+    if "causal" in attn_mask_type:
+        if window_size is None:
+            return (-1, 0)
+        if window_size == (-1, -1) or (window_size[0] >= 0 and window_size[1] != 0):
+            warnings.warn(
+                f"window_size should be (-1, 0) or (>=0, 0) for attn_mask_type={attn_mask_type}", stacklevel=2
+            )
+            return (window_size[0], 0)
+        if window_size != (-1, 0) and (window_size[0] < 0 or window_size[1] != 0):
+            raise ValueError(f"window_size should be (-1, 0) or (>=0, 0) for attn_mask_type={attn_mask_type}")
+        return window_size
+    if attn_mask_type in ("no_mask", "padding", "arbitrary"):
+        if window_size is None:
+            return (-1, -1)
+        if window_size == (-1, 0):
+            warnings.warn(
+                f"window_size should be (-1, -1) or (>=0, >=0) for attn_mask_type={attn_mask_type}", stacklevel=2
+            )
+            return (-1, -1)
+        if window_size != (-1, -1) and (window_size[0] < 0 or window_size[1] < 0):
+            raise ValueError(f"window_size should be (-1, -1) or (>=0, >=0) for attn_mask_type={attn_mask_type}")
+        return window_size
+    raise ValueError(f"attn_mask_type {attn_mask_type!r} is not one of TE's")
+
+
+def is_window(window_size: tuple[int, int] | None) -> bool:
+    """Whether ``window_size`` (after :func:`check_set_window_size`) limits attention at all."""
+    return window_size is not None and tuple(window_size) not in ((-1, 0), (-1, -1))
+
+
 _BANDS = {"no_mask": None, "padding": None, "arbitrary": None, "causal": CAUSAL, "padding_causal": CAUSAL}
 _BOTTOM_RIGHT = {"causal_bottom_right": CAUSAL, "padding_causal_bottom_right": CAUSAL}
 
@@ -366,9 +410,9 @@ class DotProductAttention(_TEModule):
         self.attention_dropout = attention_dropout
         self.qkv_format = qkv_format
         self.attn_mask_type = attn_mask_type
-        self.window_size = window_size
+        self._band(attn_mask_type, None)  # refuse an unknown mask type now
+        self.window_size = check_set_window_size(attn_mask_type, window_size)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_dim)
-        self._band(attn_mask_type, window_size)  # refuse an unknown mask type now
 
     @staticmethod
     def _band(mask_type: str, window_size) -> Band | None:
@@ -378,7 +422,7 @@ class DotProductAttention(_TEModule):
             band, bottom_right = _BOTTOM_RIGHT[mask_type], True
         else:
             raise ValueError(f"DotProductAttention: attn_mask_type {mask_type!r} is not one of TE's")
-        if window_size is not None and tuple(window_size) != (-1, -1):
+        if is_window(window_size):
             left, right = (None if w < 0 else w for w in window_size)
             if band is not None:
                 right = 0
@@ -401,7 +445,9 @@ class DotProductAttention(_TEModule):
         if kwargs.get("fp8_output") or kwargs.get("fp8"):
             refuse(*FP8)
         layout = qkv_format or self.qkv_format
-        band = self._band(attn_mask_type or self.attn_mask_type, window_size or self.window_size)
+        mask_type = attn_mask_type or self.attn_mask_type
+        window = self.window_size if window_size is None else check_set_window_size(mask_type, window_size)
+        band = self._band(mask_type, window)
         if isinstance(attention_mask, tuple):  # TE's (q mask, kv mask) for cross attention
             q_mask, kv_mask = attention_mask
             attention_mask = q_mask.transpose(-1, -2) | kv_mask if q_mask is not None else kv_mask
