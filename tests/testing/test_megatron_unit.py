@@ -193,3 +193,37 @@ def test_the_plugin_runs_megatrons_fusions_tests(tmp_path: Path) -> None:
     assert record["extra"]["passed"] >= 20
     assert "unknown" not in record["extra"]["failure_classes"]
     assert "[megatron-unit L0] fusions:" in done.stdout
+
+
+def test_pieces_name_their_paths(tmp_path: Path) -> None:
+    """`optimizer` is test_optimizer*.py plus optimizer/; `transformer` leaves moe to its own piece."""
+    from mindspeed_like.testing.megatron_unit.run import piece_args
+
+    unit = tmp_path / "unit_tests"
+    (unit / "optimizer").mkdir(parents=True)
+    for name in ("test_optimizer.py", "test_optimizer_cpu_offloading.py", "test_other.py"):
+        (unit / name).write_text("")
+    assert piece_args(unit, "optimizer", ["optimizer"]) == [
+        str(unit / "test_optimizer.py"),
+        str(unit / "test_optimizer_cpu_offloading.py"),
+        str(unit / "optimizer"),
+    ]
+    assert piece_args(unit, "transformer", ["transformer", "transformer/moe"])[1] == (
+        f"--ignore={unit / 'transformer' / 'moe'}"
+    )
+    assert piece_args(unit, "transformer", ["transformer"]) == [str(unit / "transformer")]
+
+
+def test_pieces_merge_into_one_level_record(tmp_path: Path) -> None:
+    from mindspeed_like.testing.megatron_unit.record import merge
+
+    parts = []
+    for i, directory in enumerate(("fusions", "models")):
+        outcomes = Outcomes()
+        outcomes.settle(f"tests/unit_tests/{directory}/test_a.py::t", "passed", 1, None)
+        outcomes.size_wall_s[2] = 1.0
+        parts.append(write(outcomes, tmp_path / f"p{i}.json", level=1, options={"ranks": [2]}, command=["pytest"]))
+    record = json.loads(merge(tmp_path / "megatron-unit-1.json", parts, level=1).read_text())
+    assert record["extra"]["collected"] == 2 and record["extra"]["passed"] == 2
+    assert record["extra"]["wall_s_per_world_size"] == {"2": 2.0}
+    assert len(record["options"]["pieces"]) == 2 and record["options"]["level"] == 1
