@@ -12,6 +12,9 @@ that class at call time, so everything that acts on the local core attention act
 (flash-attention's kernel, context-parallel's ring / Ulysses / hybrid / all-gather-KV at CP > 1,
 megatron's own unfused math when neither is on). What TE adds over the local module:
 
+* the mask type decides, as in TE: ``attention_mask`` is not read for causal and no-mask layers
+  (``MASK_NOT_READ``; megatron's local math would apply whatever mask it is given);
+
 * the softmax never routes to megatron's compiled ``scaled_masked_softmax_cuda`` extension, whatever
   the client's ``masked_softmax_fusion`` (mbridge's and verl's configs set it True): TE's attention
   has its own kernels and never uses that extension; megatron's softmax in torch runs instead;
@@ -42,6 +45,10 @@ from mindspeed_like.te_backend.extra_state import TEExtraState
 from mindspeed_like.te_backend.sharding import sharded_tensors
 from mindspeed_like.te_shim import pytorch as te_pytorch
 from mindspeed_like.toolkit.binding import accepted
+
+MASK_NOT_READ = ("causal", "causal_bottom_right", "no_mask")
+"""Mask types for which TE's attention never reads ``attention_mask`` (it is None for them in TE's
+documentation; megatron hands its dataloader's mask over regardless)."""
 
 
 class TEDotProductAttention(TEExtraState, DotProductAttention):
@@ -109,6 +116,11 @@ class TEDotProductAttention(TEExtraState, DotProductAttention):
         if num_splits is not None:
             raise ValueError("TEDotProductAttention: num_splits (TE's flash-attention split count) is not supported")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type.name in MASK_NOT_READ:
+            # TE's contract: the mask type decides, attention_mask is read only for padding / arbitrary
+            # types (megatron passes the dataloader's causal mask anyway); megatron's math would apply it
+            # (issue 48 item 5: megatron's test gives an all-True mask to a causal layer)
+            attention_mask = None
         self._check_window_with_mask(attention_mask, mask_type)
         if _is_thd(packed_seq_params) and not self._thd_in_one_call(packed_seq_params, attention_bias):
             return self._per_sequence(query, key, value, mask_type, attention_bias, packed_seq_params)

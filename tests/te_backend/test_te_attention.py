@@ -164,3 +164,41 @@ def test_packed_padded_sequences_through_te_spec_self_attention(level):
         for start, n in zip(params.cu_seqlens_q_padded[:-1].tolist(), lengths, strict=True):
             alone, _ = attention(hidden[start : start + n], None)
             torch.testing.assert_close(out[start : start + n], alone, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the mask type decides (item 5)
+
+
+def test_a_causal_layer_reads_no_attention_mask_as_te(level):
+    """megatron's test_multi_latent_attention.py::TestParallelMLAAttentionPrecision hands a causal TE
+    layer an all-True mask (every key masked, in megatron's convention) in sbhd and None in thd, and
+    asserts the two outputs equal bitwise: TE never reads the mask of a causal layer. Honouring it gave
+    megatron's uniform average of V in sbhd (with V ~ U(0, 0.02): max 1.3e-2 against the causal 2.0e-2,
+    1.2e-2 apart), at level 0 and 1 alike. MLA's head dims: K 192, V 128."""
+    import math as _math
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mindspeed_like.te_backend.attention import TEDotProductAttention
+
+    config = gpt_config(bf16=True, num_attention_heads=4)
+    attention = TEDotProductAttention(
+        config, 1, AttnMaskType.causal, "self", softmax_scale=1 / _math.sqrt(192), k_channels=192, v_channels=128
+    )
+    s, b, h = 32, 4, 4
+    gen = torch.Generator().manual_seed(SEED)
+    q, k = torch.randn(2, s, b, h, 192, generator=gen).bfloat16().unbind(0)
+    v = torch.randn(s, b, h, 128, generator=gen).bfloat16()
+    params, _ = _packed([s] * b)
+    all_masked = torch.ones(1, 1, s, s, dtype=torch.bool)
+    sbhd = attention(q, k, v, all_masked, attn_mask_type=AttnMaskType.causal)
+    thd = attention(
+        *(x.transpose(0, 1).reshape(b * s, h, -1) for x in (q, k, v)),
+        None,
+        attn_mask_type=AttnMaskType.causal,
+        packed_seq_params=params,
+    )
+    assert torch.equal(sbhd.transpose(0, 1).reshape(thd.shape), thd)
+    assert torch.equal(sbhd, attention(q, k, v, None, attn_mask_type=AttnMaskType.causal))
+    for i in range(b):
+        assert_close_to_reference(sbhd[:, i], _reference(q[:, i], k[:, i], v[:, i], _band(s, s, -1, 0)), torch.bfloat16)
