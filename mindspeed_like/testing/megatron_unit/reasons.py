@@ -31,6 +31,7 @@ def _rule(name: str, pattern: str, take: str) -> Rule:
 _NEEDS_RANKS = [
     re.compile(r"world_size \((\d+)\) is not divisible by (?:expert_tensor_model_pipeline_parallel size \()?(\d+)"),
     re.compile(r"(?:requires|needs|at least) (\d+) (?:GPUs|gpus|ranks|processes)"),
+    re.compile(r"[Tt]est requires world_size=(\d+), but got"),
 ]
 _WORLD_SIZE_SKIP = re.compile(r"world[_ ]size|GPUs|gpus|number of ranks|rank count", re.I)
 
