@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import statistics
+import types
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -29,24 +30,44 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     return out
 
 
-def _inner_optimizers(optimizer) -> list:
-    """megatron's optimizer, unchained: each member of a ChainedOptimizer, or itself."""
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+# What holds no state of a run (a class, a module, a function) and what is measured as its own
+# kind (the model's modules: weights and gradients), where the walk below stops.
+_LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device, torch.Size)
+_STOP = (torch.nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
 def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
-    """Every tensor the optimizer holds: the inner torch optimizer's params (fp32 masters) and
-    state (moments, remainders), and megatron's master groups."""
-    for member in _inner_optimizers(optimizer):
-        inner = getattr(member, "optimizer", None)
-        if inner is not None:
-            for group in inner.param_groups:
-                yield from group["params"]
-            for state in inner.state.values():
-                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
-        for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups", "shard_fp32_groups"):
-            for group in getattr(member, name, None) or []:
-                yield from (t for t in group if isinstance(t, torch.Tensor))
+    """Every tensor megatron's optimizer keeps alive, found by walking its object graph: the
+    attributes of every object it reaches (``__dict__`` and ``__slots__``), the items of its
+    containers (dict keys and values), the attributes set on tensors. That is the inner torch
+    optimizers' params (fp32 masters) and state (moments), megatron's master groups and flags
+    (``found_inf``), and whatever a feature keeps on them under its own name (reuse-fp32-param's
+    int16 residual shards beside the DistributedOptimizer's bf16 buffer), without a list of names
+    to keep up to date. The walk stops at ``torch.nn.Module`` (the model chunks the optimizer
+    refers to: their parameters and gradients are counted as weights and gradients; storages are
+    deduplicated against those kinds in :func:`state_bytes`) and at classes, modules and functions."""
+    seen: set[int] = set()
+    stack: list = [optimizer]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, _LEAVES) or isinstance(obj, _STOP) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            yield obj
+            stack.extend(getattr(obj, "__dict__", {}).values())  # e.g. main_grad on a master
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        else:
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            for cls in type(obj).__mro__:
+                slots = getattr(cls, "__slots__", ())
+                for slot in (slots,) if isinstance(slots, str) else slots:
+                    if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
+                        stack.append(getattr(obj, slot))
 
 
 def state_bytes(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer) -> dict[str, int]:

@@ -7,12 +7,13 @@ predicted from its own options and compared metric by metric, with Megatron-LM's
 
 Compared as compare reports them: per rank, the largest rank of each arm. Model state and
 activations are exact byte counts (storages); the process peak is the OS's peak RSS on a CPU host.
-Two kinds of bytes are compared as measured, and the table says where:
+One kind of bytes is compared as measured, and the table says where:
 
 - expert parallel: a rank's experts get the rows its router sends, which the plan cannot know; the
-  plan's balanced split is compared with the mean over the ranks (the largest rank beside it);
-- reuse-fp32-param's int16 residual shard under the distributed optimizer is held outside the
-  tensors compare's optimizer meter reads; the plan counts it (peak) but compares the metered part.
+  plan's balanced split is compared with the mean over the ranks (the largest rank beside it).
+
+Every byte the plan counts is compared: compare's optimizer meter walks the optimizer's object graph
+(reuse-fp32-param's int16 residual shard under the distributed optimizer included, issue 49 item 4).
 
 The baseline records (``compare-plan-baseline*``) calibrate the CPU process runtime and are left out.
 """
@@ -128,7 +129,7 @@ def cases_of(path: Path) -> list[Case]:
         measured, predicted, notes = {}, {}, []
         for metric in METRICS:
             values = rows[metric][f"{arm.name}_per_rank"]
-            mine = [arm.stages[r // per_stage].metrics(metered_only=True)[metric] for r in range(len(values))]
+            mine = [arm.stages[r // per_stage].metrics()[metric] for r in range(len(values))]
             if metric == "activations_bytes" and run.layout.ep > 1:
                 measured[metric] = statistics.fmean(values)
                 notes.append(f"EP: activations vs the mean over ranks (largest rank {max(values) / 2**20:.1f} MiB)")
@@ -139,8 +140,6 @@ def cases_of(path: Path) -> list[Case]:
             notes.append(
                 "torch.compile on: its process runtime is not the eager baselines' (peak not held to the target)"
             )
-        if any(not line.metered for s in arm.stages for line in s.state):
-            notes.append("reuse-fp32-param's residual shard is not in compare's optimizer meter: compared without it")
         theory_arm = None
         if theory_figures is not None and arm.name == "megatron":
             theory_arm = {k: theory_figures[k] for k in ("model_state_bytes", "activations_bytes")}

@@ -42,12 +42,12 @@ class Stage:
     def activations_in_flight(self) -> int:
         return sum(self.chunk_bytes(c) * n for c, n in self.in_flight.items())
 
-    def totals(self, metered_only: bool = False) -> dict[str, int]:
-        return state.totals(list(self.state), metered_only)
+    def totals(self) -> dict[str, int]:
+        return state.totals(list(self.state))
 
-    def metrics(self, metered_only: bool = False) -> dict[str, int]:
+    def metrics(self) -> dict[str, int]:
         """compare's record rows, by their names, for this stage's ranks."""
-        t = self.totals(metered_only)
+        t = self.totals()
         return {
             "weights_bytes": t["weights"],
             "gradients_bytes": t["gradients"],
@@ -64,8 +64,8 @@ class Arm:
     paths: Paths
     stages: tuple[Stage, ...]
 
-    def max_metric(self, name: str, metered_only: bool = False) -> int:
-        return max(s.metrics(metered_only)[name] for s in self.stages)
+    def max_metric(self, name: str) -> int:
+        return max(s.metrics()[name] for s in self.stages)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ class Line:
     what: str
     bytes: int
     feature: str | None = None
-    metered: bool = True  # False: held outside what compare's meters read (said in the accuracy table)
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -140,7 +139,6 @@ def model_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]
                     "int16 residual shard (the fp32 master shard's low halves)",
                     2 * shard,
                     "reuse-fp32-param",
-                    metered=False,
                 )
             )
         elif paths.reuse_fp32_param:
@@ -166,11 +164,9 @@ def model_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]
     return lines
 
 
-def totals(lines: list[Line], metered_only: bool = False) -> dict[str, int]:
+def totals(lines: list[Line]) -> dict[str, int]:
     out = {"weights": 0, "gradients": 0, "optimizer": 0}
     for line in lines:
-        if metered_only and not line.metered:
-            continue
         out[line.kind] += line.bytes
     out["model_state"] = out["weights"] + out["gradients"] + out["optimizer"]
     return out
