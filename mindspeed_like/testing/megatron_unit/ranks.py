@@ -25,6 +25,7 @@ from pathlib import Path
 
 from mindspeed_like.testing.parallel import free_port
 
+STARTUP_S = float(os.environ.get("MEGATRON_UNIT_STARTUP_S", "900"))
 SEVERITY = {"passed": 0, "skipped": 1, "failed": 2}
 
 
@@ -68,7 +69,7 @@ def _stalled_report(nodeid: str, why: str, rank_logs: list[Path]) -> dict:
         "nodeid": nodeid,
         "when": "call",
         "outcome": "failed",
-        "longrepr": f"rank-timeout: {why}\n" + "\n".join(tails),
+        "longrepr": f"rank-timeout: {why}\n" + "\n".join(tails) + f"\nrank-timeout: {why}",
         "duration": 0.0,
         "_harness": True,
     }
@@ -163,12 +164,15 @@ def _launch_once(
             alive = [p.poll() is None for p in procs]
             if not any(alive):
                 break
-            stalled = time.monotonic() - last_progress > stall_s
+            # before the first test starts, the ranks are importing torch and megatron: on a loaded
+            # host that alone can take minutes, so the limit then is STARTUP_S, not stall_s
+            limit = stall_s if started else max(stall_s, STARTUP_S)
+            stalled = time.monotonic() - last_progress > limit
             died = not all(alive) and time.monotonic() - last_progress > 30
             if stalled or died:
                 current = started.get(0) or next(iter(started.values()), None)
                 why = (
-                    f"no progress for {stall_s:.0f} s at world size {size}"
+                    f"no progress for {limit:.0f} s at world size {size}"
                     if stalled
                     else f"a rank exited ({[p.poll() for p in procs]}) while the others waited"
                 )
