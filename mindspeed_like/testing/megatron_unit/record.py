@@ -102,7 +102,7 @@ def write(outcomes: Outcomes, path: Path, *, level: int, options: dict[str, Any]
     return record.write(path)
 
 
-def merge(out: Path, parts: list[Path], *, level: int) -> Path:
+def merge(out: Path, parts: list[Path], *, level: int, command: list[str] | None = None) -> Path:
     """One level's record from the records of its pieces (directories run one pytest at a time, so
     the host is never loaded by one long session): tests and classes as the pieces recorded them,
     the wall time the sum of the pieces', each piece's command kept in ``options.pieces``."""
@@ -123,7 +123,9 @@ def merge(out: Path, parts: list[Path], *, level: int) -> Path:
     options = dict(json.loads(Path(parts[0]).read_text())["options"]) if parts else {}
     options.pop("level", None)
     options["pieces"] = pieces
-    path = write(outcomes, out, level=level, options=options, command=["make", "test-megatron-unit", f"LEVEL={level}"])
+    path = write(
+        outcomes, out, level=level, options=options, command=command or ["make", "test-megatron-unit", f"LEVEL={level}"]
+    )
     data = json.loads(path.read_text())
     data["extra"]["wall_s"] = round(wall, 1)
     data["started_at"] = min(p["started_at"] for p in pieces) if pieces else data["started_at"]
@@ -141,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     merging.add_argument("--level", type=int, required=True)
     merging.add_argument("out", type=Path)
     merging.add_argument("parts", type=Path, nargs="+")
+    merging.add_argument("--command", default=None, help="the command that ran the pieces (the record's command)")
     args = parser.parse_args(argv)
-    print(merge(args.out, args.parts, level=args.level))
+    print(merge(args.out, args.parts, level=args.level, command=args.command.split() if args.command else None))
     return 0
 
 

@@ -77,7 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         if part.exists():
             parts.append(part)
     if parts:
-        print(merge(args.record, parts, level=args.level))
+        command = [
+            "python",
+            "-m",
+            "mindspeed_like.testing.megatron_unit.run",
+            *(argv if argv is not None else sys.argv[1:]),
+        ]
+        print(merge(args.record, parts, level=args.level, command=command))
     return 1 if failed or not parts else 0
 
 
