@@ -108,7 +108,8 @@ FAILURE_RULES: list[Rule] = [
     ),
     _rule(
         "missing-package",
-        r"ModuleNotFoundError|No module named|ImportError|is not (?:available|installed)\. Please (?:run `)?pip install",
+        r"ModuleNotFoundError|No module named|ImportError"
+        r"|is not (?:available|installed)\. Please (?:run `)?pip install",
         "an optional package the test needs (apex, flash_attn, nvidia-resiliency, ...): not installable on a CPU host",
     ),
     _rule("memory", r"MemoryError|out of memory|Cannot allocate memory|Killed", "the test is sized for a GPU's memory"),
