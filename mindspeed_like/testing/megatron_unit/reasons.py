@@ -120,6 +120,11 @@ FAILURE_RULES: list[Rule] = [
 
 SKIP_RULES: list[Rule] = [
     _rule(
+        "measures-cuda-memory",
+        r"measures CUDA memory",
+        "the test's subject is CUDA memory (max_memory_allocated): a host has none to measure",
+    ),
+    _rule(
         "needs-more-ranks",
         r"rank|world.size|GPUs|gpus|devices",
         "launch at the size the test asks for (--megatron-ranks)",
