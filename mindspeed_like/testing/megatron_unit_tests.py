@@ -205,7 +205,7 @@ def _final(reports: list[pytest.TestReport]) -> tuple[str, str | None, str]:
     for report in reports:
         if report.failed:
             text = _text(report)
-            return "failed", reasons.classify_failure(text), _last_line(text)
+            return "failed", reasons.classify_failure(text, report.nodeid), _last_line(text)
     for report in reports:
         if report.skipped:
             reason = _text(report).removeprefix("Skipped: ")
