@@ -37,6 +37,18 @@ _WORLD_SIZE_SKIP = re.compile(r"world[_ ]size|GPUs|gpus|number of ranks|rank cou
 
 FAILURE_RULES: list[Rule] = [
     _rule(
+        "te-names-unbound",
+        r"LayerNorm\.__init__\(\) got an unexpected keyword argument 'config'"
+        r"|cannot unpack non-iterable NoneType object when instantiating",
+        "megatron modules that chose their no-TE fallback at import (clip_vit_model's NORM_IMPL = torch.nn.LayerNorm "
+        "given config=; heterogeneous_layer_specs' None modules): the te-backend binding TE's names there too",
+    ),
+    _rule(
+        "asserts-cuda-device",
+        r"'cpu' == 'cuda'|device\(type='cpu'\) == device\(type='cuda'",
+        "the test asserts its tensors are on a CUDA device",
+    ),
+    _rule(
         "cuda-rng-is-host-rng",
         r"(?!x)x",  # only through BY_FILE
         "the cpu adapter's CUDA RNG is the CPU generator: seeding the 'device' reseeds CPU initialization; "
@@ -54,7 +66,8 @@ FAILURE_RULES: list[Rule] = [
     ),
     _rule(
         "needs-more-ranks",
-        r"is not divisible by|is over sized with world size|world size .* too small|requires \d+ (?:GPUs|ranks)",
+        r"is not divisible by|is over sized with world size|world size .* too small|requires \d+ (?:GPUs|ranks)"
+        r"|where \d+ = Utils\.world_size",
         "more gloo ranks than the launch sizes allowed (--megatron-ranks 2,4,8)",
     ),
     _rule(

@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from mindspeed_like.testing.megatron_unit.reasons import what_it_would_take
+from mindspeed_like.testing.megatron_unit.reasons import classify_failure, what_it_would_take
 from mindspeed_like.toolkit.records import Record
 
 
@@ -102,7 +102,9 @@ def write(outcomes: Outcomes, path: Path, *, level: int, options: dict[str, Any]
     return record.write(path)
 
 
-def merge(out: Path, parts: list[Path], *, level: int, command: list[str] | None = None) -> Path:
+def merge(
+    out: Path, parts: list[Path], *, level: int, command: list[str] | None = None, reclassify: bool = False
+) -> Path:
     """One level's record from the records of its pieces (directories run one pytest at a time, so
     the host is never loaded by one long session): tests and classes as the pieces recorded them,
     the wall time the sum of the pieces', each piece's command kept in ``options.pieces``."""
@@ -115,7 +117,11 @@ def merge(out: Path, parts: list[Path], *, level: int, command: list[str] | None
         data = json.loads(Path(part).read_text())
         for row in data["rows"]:
             if row.get("table") == "tests":
-                outcomes.settle(row["test"], row["outcome"], row["world_size"], row["class"], row["reason"])
+                cls = row["class"]
+                if reclassify and row["outcome"] == "failed":  # the rules as they are now, on the kept text
+                    cls = classify_failure(row["reason"], row["test"]) if cls != "timeout" else cls
+                    cls = row["class"] if cls == "unknown" else cls
+                outcomes.settle(row["test"], row["outcome"], row["world_size"], cls, row["reason"])
         wall += data["extra"]["wall_s"]
         for size, seconds in data["extra"].get("wall_s_per_world_size", {}).items():
             outcomes.size_wall_s[int(size)] = outcomes.size_wall_s.get(int(size), 0.0) + seconds
@@ -123,6 +129,7 @@ def merge(out: Path, parts: list[Path], *, level: int, command: list[str] | None
     options = dict(json.loads(Path(parts[0]).read_text())["options"]) if parts else {}
     options.pop("level", None)
     options["pieces"] = pieces
+    options["failures_reclassified_from_kept_reason"] = reclassify
     path = write(
         outcomes, out, level=level, options=options, command=command or ["make", "test-megatron-unit", f"LEVEL={level}"]
     )
@@ -144,8 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     merging.add_argument("out", type=Path)
     merging.add_argument("parts", type=Path, nargs="+")
     merging.add_argument("--command", default=None, help="the command that ran the pieces (the record's command)")
+    merging.add_argument(
+        "--reclassify", action="store_true", help="re-read failures' classes from their kept reason (rules refined)"
+    )
     args = parser.parse_args(argv)
-    print(merge(args.out, args.parts, level=args.level, command=args.command.split() if args.command else None))
+    command = args.command.split() if args.command else None
+    print(merge(args.out, args.parts, level=args.level, command=command, reclassify=args.reclassify))
     return 0
 
 
