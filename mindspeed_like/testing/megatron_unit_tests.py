@@ -211,7 +211,7 @@ def _final(reports: list[pytest.TestReport]) -> tuple[str, str | None, str]:
             reason = _text(report).removeprefix("Skipped: ")
             if hasattr(report, "wasxfail"):
                 return "skipped", "megatron-xfail", f"xfail: {report.wasxfail}"
-            if reason.startswith("megatron-unit "):
+            if reason.startswith("megatron-unit ") and not reason.startswith("megatron-unit harness"):
                 return "skipped", reason.split()[1].rstrip(":"), reason
             return "skipped", reasons.classify_skip(reason), reason
     return "passed", None, ""

@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from mindspeed_like.testing.megatron_unit.reasons import classify_failure, what_it_would_take
+from mindspeed_like.testing.megatron_unit.reasons import classify_failure, classify_skip, what_it_would_take
 from mindspeed_like.toolkit.records import Record
 
 
@@ -121,6 +121,8 @@ def merge(
                 if reclassify and row["outcome"] == "failed":  # the rules as they are now, on the kept text
                     cls = classify_failure(row["reason"], row["test"]) if cls != "timeout" else cls
                     cls = row["class"] if cls == "unknown" else cls
+                if reclassify and row["outcome"] == "skipped" and str(cls).startswith("harness"):
+                    cls = classify_skip(row["reason"])  # the harness' own skips, read as their reason says
                 outcomes.settle(row["test"], row["outcome"], row["world_size"], cls, row["reason"])
         wall += data["extra"]["wall_s"]
         for size, seconds in data["extra"].get("wall_s_per_world_size", {}).items():
