@@ -361,21 +361,12 @@ def pytest_runtestloop(session: pytest.Session) -> Any:
         return
     _dir_done(session.config, state)
     config = session.config
+    # `--option=value` in one token (pytest finds the rootdir before it knows the plugin's options)
     child_args = [
-        "-p",
-        "mindspeed_like.testing.megatron_unit_tests",
-        "-p",
-        "no:cacheprovider",
-        "-q",
-        "-o",
-        "addopts=",
-        "--rootdir",
-        str(config.rootpath),
-        "--megatron-level",
-        str(state.level),
-        "--megatron-ranks",
-        ",".join(map(str, state.sizes)),
-    ]
+        "-p", "mindspeed_like.testing.megatron_unit_tests", "-p", "no:cacheprovider", "-q", "-o", "addopts=",
+        f"--rootdir={config.rootpath}", f"--megatron-level={state.level}",
+        f"--megatron-ranks={','.join(map(str, state.sizes))}",
+    ]  # fmt: skip
     if not state.host_cuda:
         child_args.append("--megatron-no-host-cuda")
     launched: set[int] = set()

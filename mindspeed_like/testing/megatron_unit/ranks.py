@@ -122,7 +122,7 @@ def _launch_once(
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
-        cmd = [sys.executable, "-m", "pytest", *child_args, "--megatron-child", str(out), *nodeids]
+        cmd = [sys.executable, "-m", "pytest", *child_args, f"--megatron-child={out}", *nodeids]
         with open(log, "w") as handle:
             procs.append(subprocess.Popen(cmd, cwd=cwd, env=rank_env, stdout=handle, stderr=subprocess.STDOUT))
         outs.append(out)

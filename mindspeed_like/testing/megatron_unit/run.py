@@ -62,12 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     parts, failed = [], False
     for piece in args.dirs:
         part = args.pieces_dir / f"L{args.level}-{piece.replace('/', '-').replace('.py', '')}.json"
+        # `--option=value` in one token: pytest finds its rootdir before it knows the plugin's options,
+        # and a separate value naming an existing file (a record of an earlier run) moved the rootdir
         cmd = [
             sys.executable, "-m", "pytest", "-p", "mindspeed_like.testing.megatron_unit_tests",
-            "-p", "no:cacheprovider", "-o", "addopts=", "-q", "-W", "ignore", "-rN",
-            "--megatron-level", str(args.level),
-            "--megatron-ranks", args.ranks, "--megatron-record", str(part), *args.pytest_args,
-            *piece_args(found.unit_tests, piece, args.dirs),
+            "-p", "no:cacheprovider", "-o", "addopts=", "-q", "-W", "ignore", "-rN", f"--rootdir={found.root}",
+            f"--megatron-level={args.level}", f"--megatron-ranks={args.ranks}", f"--megatron-record={part}",
+            *args.pytest_args, *piece_args(found.unit_tests, piece, args.dirs),
         ]  # fmt: skip
         started = time.monotonic()
         print(f"== megatron-unit L{args.level} {piece}", flush=True)
