@@ -73,8 +73,8 @@ FAILURE_RULES: list[Rule] = [
     _rule(
         "hybrid-device-optimizer",
         r"HybridDeviceOptimizer|hybrid_optimizer|cpu_offloading",
-        "megatron's CPU-offloading optimizer moves state between 'cuda' and 'cpu': "
-        "with both the host it keeps no state apart",
+        "megatron's CPU-offloading HybridDeviceOptimizer: the parameters after its steps differ from the reference "
+        "optimizer's on the host (test_optimizer_cpu_offloading compares them); not yet investigated",
     ),
     _rule(
         "te-cpp-extensions",
