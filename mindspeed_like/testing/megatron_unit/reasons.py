@@ -37,6 +37,11 @@ _WORLD_SIZE_SKIP = re.compile(r"world[_ ]size|GPUs|gpus|number of ranks|rank cou
 
 FAILURE_RULES: list[Rule] = [
     _rule(
+        "needs-transformer-engine",
+        r"Please install TE|apply_rope_fusion is not available|requires? (?:TE|TransformerEngine) ?(?:>=|version)",
+        "real TransformerEngine (the te-backend reports 2.0.0 and refuses TE-only features)",
+    ),
+    _rule(
         "te-names-unbound",
         r"LayerNorm\.__init__\(\) got an unexpected keyword argument 'config'"
         r"|cannot unpack non-iterable NoneType object when instantiating",
