@@ -24,7 +24,9 @@ _HEAP = (
 KNOWN_MISSES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("compare-plan-llama-dp2-distopt-level1", "features", "process_peak_bytes"): (0.15, _HEAP),
     ("compare-plan-llama-dp2-distopt-level2", "megatron", "process_peak_bytes"): (0.13, _HEAP),
-    ("compare-plan-llama-dp2-distopt-level2", "features", "process_peak_bytes"): (0.16, _HEAP),
+    # re-measured alone at 537d79e (issue 49 item 4: the meter now counts the residual shard; model state
+    # -0.00%) against the batch's baselines of 891d7b3, on a loaded host: -18.3% (was -13.6% in the batch)
+    ("compare-plan-llama-dp2-distopt-level2", "features", "process_peak_bytes"): (0.19, _HEAP),
     ("compare-plan-llama-local-level2", "features", "process_peak_bytes"): (0.13, _HEAP),
     ("compare-plan-llama-tp2-sp-level1", "megatron", "process_peak_bytes"): (0.14, _HEAP),
     ("compare-plan-llama-tp2-sp-level2", "megatron", "process_peak_bytes"): (0.13, _HEAP),
