@@ -49,7 +49,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def doc_files(root: Path = REPO) -> list[Path]:
     """The documents whose numbers are rendered: README, docs/index.md, architecture.md, plan.md,
-    megatron-lm.md (the flag sweep's tables), docs/features/*.md."""
+    megatron-lm.md (the flag sweep's tables), megatron-tests.md (Megatron-LM's unit tests per level),
+    docs/features/*.md."""
     docs = root / "docs"
     return [
         root / "README.md",
@@ -57,6 +58,7 @@ def doc_files(root: Path = REPO) -> list[Path]:
         docs / "architecture.md",
         docs / "plan.md",
         docs / "megatron-lm.md",
+        docs / "megatron-tests.md",
         *sorted((docs / "features").glob("*.md")),
     ]
 
@@ -731,6 +733,77 @@ def _megatron_lm_flags_all(recs: Records) -> list[str]:
             Col("what it did", detail),
         ],
     )
+
+
+# -- Megatron-LM's unit tests on a CPU host (results/megatron-unit-<level>.json) ----------------------
+
+
+def _megatron_unit_dirs(level: int) -> Renderer:
+    """Per directory: collected, passed, failed, skipped, pass rate and the most frequent classes."""
+
+    def render(recs: Records) -> list[str]:
+        name = f"megatron-unit-{level}"
+        rows = recs.rows(name, table="dirs")
+        extra = recs[name]["extra"]
+
+        def classes(row: dict[str, Any]) -> str:
+            return ", ".join(f"{cls} {n}" for cls, n in list(row["classes"].items())[:4])
+
+        body = [
+            [f"`{r['dir']}`", r["collected"], r["passed"], r["failed"], r["skipped"], f"{r['passed_pct']:.1f}%",
+             classes(r)]
+            for r in rows
+        ]  # fmt: skip
+        body.append(
+            ["**all**", extra["collected"], extra["passed"], extra["failed"], extra["skipped"],
+             f"{extra['passed_pct']:.1f}%", f"wall time {extra['wall_s'] / 60:.1f} min"]
+        )  # fmt: skip
+        return markdown(
+            ["directory", "collected", "passed", "failed", "skipped", "passed", "classes (most first)"], body
+        )
+
+    return render
+
+
+def _megatron_unit_classes(level: int) -> Renderer:
+    """Every class of a test that did not pass at this level: failed and skipped counts, what it would take."""
+
+    def render(recs: Records) -> list[str]:
+        extra = recs[f"megatron-unit-{level}"]["extra"]
+        failed, skipped = extra["failure_classes"], extra["skip_classes"]
+        names = sorted({*failed, *skipped}, key=lambda c: (-(failed.get(c, 0) + skipped.get(c, 0)), c))
+        return markdown(
+            ["class", "failed", "skipped", "what it would take"],
+            [[f"`{c}`", failed.get(c, 0), skipped.get(c, 0), extra.get("what_it_would_take", {}).get(c) or "see the reasons in the record"]
+             for c in names],
+        )  # fmt: skip
+
+    return render
+
+
+def _megatron_unit_regressions(level: int) -> Renderer:
+    """Tests that pass at level 0 and do not pass at this level (same checkout, same directories)."""
+
+    def render(recs: Records) -> list[str]:
+        passed0 = {r["test"] for r in recs.rows("megatron-unit-0", table="tests") if r["outcome"] == "passed"}
+        lost = [r for r in recs.rows(f"megatron-unit-{level}", table="tests") if r["test"] in passed0
+                and r["outcome"] != "passed"]  # fmt: skip
+        if not lost:
+            return [f"No test that passes at level 0 fails or skips at level {level}."]
+        return markdown(
+            ["test", "outcome", "class", "reason"],
+            [[f"`{r['test'].split('unit_tests/', 1)[-1]}`", r["outcome"], r["class"],
+              " ".join(str(r["reason"]).replace("|", "\\|").split())[:200]] for r in lost],
+        )  # fmt: skip
+
+    return render
+
+
+for _level in (0, 1, 2):
+    TABLES[f"megatron_unit.{_level}"] = _megatron_unit_dirs(_level)
+    TABLES[f"megatron_unit_classes.{_level}"] = _megatron_unit_classes(_level)
+    if _level:
+        TABLES[f"megatron_unit_regressions.{_level}"] = _megatron_unit_regressions(_level)
 
 
 @dataclass
