@@ -772,9 +772,10 @@ def _megatron_unit_classes(level: int) -> Renderer:
         extra = recs[f"megatron-unit-{level}"]["extra"]
         failed, skipped = extra["failure_classes"], extra["skip_classes"]
         names = sorted({*failed, *skipped}, key=lambda c: (-(failed.get(c, 0) + skipped.get(c, 0)), c))
+        takes = extra.get("what_it_would_take", {})
         return markdown(
             ["class", "failed", "skipped", "what it would take"],
-            [[f"`{c}`", failed.get(c, 0), skipped.get(c, 0), extra.get("what_it_would_take", {}).get(c) or "see the reasons in the record"]
+            [[f"`{c}`", failed.get(c, 0), skipped.get(c, 0), takes.get(c) or "see the reasons in the record"]
              for c in names],
         )  # fmt: skip
 
