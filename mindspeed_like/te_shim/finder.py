@@ -58,13 +58,14 @@ MODULES = {
     ROOT: "mindspeed_like.te_shim.client",
     f"{ROOT}.pytorch": "mindspeed_like.te_shim.pytorch",
     f"{ROOT}.pytorch.ops": "mindspeed_like.te_shim.ops",
+    f"{ROOT}.pytorch.fp8": "mindspeed_like.te_shim.fp8",
     f"{ROOT}.common": "mindspeed_like.te_shim.common",
     f"{ROOT}.common.recipe": "mindspeed_like.te_shim.recipe",
 }
 """Module served -> our module whose ``__all__`` it exposes (packages: those with children here)."""
 
 _PACKAGES = {name.rsplit(".", 1)[0] for name in MODULES if "." in name}
-_CHILDREN_IMPORTED = {ROOT: (f"{ROOT}.pytorch",), f"{ROOT}.pytorch": (f"{ROOT}.pytorch.ops",)}
+_CHILDREN_IMPORTED = {ROOT: (f"{ROOT}.pytorch",), f"{ROOT}.pytorch": (f"{ROOT}.pytorch.ops", f"{ROOT}.pytorch.fp8")}
 
 
 def real_te_installed() -> bool:

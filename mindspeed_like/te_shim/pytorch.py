@@ -515,7 +515,6 @@ __getattr__ = refused_module_getattr(
         "make_graphed_callables": CUDA_GRAPHS,
         "get_cpu_offload_context": CPU_OFFLOAD,
         "Float8Tensor": FP8,
-        "fp8": FP8,
     },
 )
 

@@ -53,6 +53,9 @@ def main(order: str) -> dict:
     import transformer_engine.pytorch as te
 
     out["served"] = _ours(te)
+    from transformer_engine.pytorch.fp8 import check_fp8_support  # megatron's tests and trainers probe it first
+
+    out["fp8_supported"] = check_fp8_support()[0]
     if order == "client-first":
         importlib.import_module(GPT_SPECS)
         import megatron.core.extensions.transformer_engine as extension

@@ -40,7 +40,7 @@ def _run(order: str, extra_path: str | None = None) -> dict:
 @pytest.mark.parametrize("order", ["client-first", "megatron-first", "adaptor-megatron-client"])
 def test_megatron_sees_no_te_in_any_import_order(order):
     out = _run(order)
-    assert out["served"]
+    assert out["served"] and out["fp8_supported"] is False
     assert out["probers"] > 0 and out["probers_imported"] == out["probers"]
     assert out["have_te_true"] == []
     assert out["holding_ours"] == []
@@ -158,6 +158,25 @@ def test_fp8_refused_when_enabled_and_nothing_when_disabled():
             pass
     with pytest.raises(TransformerEngineFeatureUnsupported, match="DelayedScaling"):
         recipe.DelayedScaling()
+
+
+def test_fp8_probes_answer_unsupported_as_te_on_a_gpu_without_fp8():
+    """``transformer_engine.pytorch.fp8``: megatron's tests import its probes at module level (11 of its
+    test files failed to import without the submodule); they answer (False, reason), as TE does."""
+    from mindspeed_like.te_shim import finder, fp8
+
+    for probe in (fp8.check_fp8_support, fp8.check_mxfp8_support, fp8.check_fp8_block_scaling_support):
+        supported, reason = probe()
+        assert supported is False and "no fp8 kernels" in reason
+    assert not fp8.FP8GlobalStateManager.is_fp8_enabled()
+    with fp8.fp8_autocast(enabled=False):
+        pass
+    with pytest.raises(TransformerEngineFeatureUnsupported, match="fp8 training"):
+        with fp8.fp8_autocast(enabled=True):
+            pass
+    with pytest.raises(TransformerEngineFeatureUnsupported, match="fp8 training"):
+        fp8.get_fp8_recipe  # noqa: B018
+    assert finder.MODULES["transformer_engine.pytorch.fp8"] == fp8.__name__
 
 
 def test_userbuffers_cuda_graphs_offload_ops_refused_by_name():

@@ -149,7 +149,6 @@ def install(host_cuda: bool = True) -> None:
     for name, value in answers.items():
         _set(cuda, name, value)
     _set_fa_version()
-    _te_fp8_probes()
     _mode = HostDeviceMode()
     _mode.__enter__()
 
@@ -164,38 +163,6 @@ def _set_fa_version() -> None:
         _set(utils, "_fa_version", Version("0.0"))
 
 
-NO_FP8 = "no FP8 on a CPU host (mindspeed_like megatron-unit harness)"
-
-
-def _te_fp8_probes() -> None:
-    """``transformer_engine.pytorch.fp8``'s probes, where the te-client-module lacks the submodule.
-
-    Megatron's tests import ``check_fp8_support`` / ``fp8_autocast`` from it at module level to
-    decide their own skips; without it the whole file fails to collect. The probes answer
-    ``(False, reason)``, as TE does on a GPU without FP8, so those tests skip themselves.
-    """
-    import sys
-    import types
-
-    try:
-        import transformer_engine.pytorch as te_pytorch
-    except ImportError:
-        return
-    try:
-        import transformer_engine.pytorch.fp8  # noqa: F401
-
-        return
-    except ImportError:
-        pass
-    fp8 = types.ModuleType("transformer_engine.pytorch.fp8", "FP8 probes answered by the megatron-unit harness")
-    for name in ("check_fp8_support", "check_mxfp8_support", "check_fp8_block_scaling_support", "check_nvfp4_support"):
-        setattr(fp8, name, lambda: (False, NO_FP8))
-    fp8.fp8_autocast = getattr(te_pytorch, "fp8_autocast", None)
-    fp8.fp8_model_init = getattr(te_pytorch, "fp8_model_init", None)
-    sys.modules[fp8.__name__] = fp8
-    _saved.append((sys.modules, "__harness_fp8__", None))
-
-
 def uninstall() -> None:
     """Undo :func:`install` (the function mode and every attribute, in reverse)."""
     global _mode
@@ -204,9 +171,6 @@ def uninstall() -> None:
         _mode = None
     while _saved:
         owner, name, value = _saved.pop()
-        if name == "__harness_fp8__":
-            owner.pop("transformer_engine.pytorch.fp8", None)
-            continue
         setattr(owner, name, value)
 
 
