@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.te_backend.attention_backend import _backend_name, _flash_forward, flash_attention_on
 from mindspeed_like.te_backend.extra_state import TEExtraState
 from mindspeed_like.te_backend.sharding import sharded_tensors
@@ -235,8 +236,14 @@ def _te_window(config, layer_number: int, attn_mask_type) -> tuple[int, int]:
     window = getattr(config, "window_size", None)
     try:
         from megatron.core.transformer.utils import is_layer_window_attention
-    except ImportError:  # releases before window_attn_skip_freq: every layer has the window
-        on_this_layer = bool(window)
+    except ImportError:  # megatron-core < 0.15: its local attention (our base) has no sliding window
+        if window is not None:
+            raise ValueError(
+                f"TEDotProductAttention (mindspeed_like te-backend): config.window_size={window!r}: sliding window "
+                f"attention needs megatron-core >= 0.15 here (installed: {megatron_core_version()}), whose local "
+                "attention applies the window; upgrade megatron-core, or set window_size=None"
+            ) from None
+        on_this_layer = False
     else:
         if window is not None and not isinstance(window, (tuple, list)):
             on_this_layer = True  # refused just below, with its name

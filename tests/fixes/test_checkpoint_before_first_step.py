@@ -13,10 +13,22 @@ tests/reliability/test_megatron_lm_host_flags.py (opt-in).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from packaging.version import Version
+
+from mindspeed_like.megatron_version import megatron_core_version
 
 VOCAB, SEQ = 64, 16
+# megatron-core 0.13/0.14 declare numpy<2; with numpy 2 (installed with --no-deps) the DistributedOptimizer's
+# model-space checkpoint calls np.product, which numpy 2 removed (tests/reliability/test_distopt_checkpoint_resume.py)
+OLD_DISTOPT_NEEDS_NUMPY_1 = pytest.mark.xfail(
+    (megatron_core_version() or Version("999")) < Version("0.15") and Version(np.__version__) >= Version("2"),
+    reason="megatron-core < 0.15 calls np.product (removed in numpy 2) in its DistributedOptimizer checkpoint",
+    raises=AttributeError,
+    strict=True,
+)
 
 
 def _build(fp16: bool, distributed_optimizer: bool):
@@ -60,8 +72,11 @@ def _inner_states(optimizer) -> list[dict]:
 
 @pytest.mark.parametrize(
     ("fp16", "distributed_optimizer"),
-    [(True, False), (False, False), (True, True)],
-    ids=["float16-optimizer", "fp32-optimizer", "distributed-optimizer"],
+    [
+        pytest.param(True, False, id="float16-optimizer"),
+        pytest.param(False, False, id="fp32-optimizer"),
+        pytest.param(True, True, id="distributed-optimizer", marks=OLD_DISTOPT_NEEDS_NUMPY_1),
+    ],
 )
 def test_a_checkpoint_saved_before_the_first_step_loads(adaptor, tmp_path, fp16, distributed_optimizer):
     from megatron.core import dist_checkpointing

@@ -13,6 +13,8 @@ level 0 (megatron's math) and with flash-attention on (level 1's kernel), agains
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 
 import pytest
@@ -24,6 +26,11 @@ from mindspeed_like.testing.models import gpt_config
 from mindspeed_like.testing.parity import SEED, assert_close_to_reference
 
 LEVELS = {"level0": {}, "flash": {"use_flash_attn": True}}
+# megatron-core 0.15 gave its local attention (the te-backend's base) the sliding window; before, it is refused
+WINDOWS = importlib.util.find_spec("megatron.core.transformer.utils") is not None and hasattr(
+    importlib.import_module("megatron.core.transformer.utils"), "is_layer_window_attention"
+)
+needs_windows = pytest.mark.skipif(not WINDOWS, reason="megatron-core < 0.15: no sliding window (refused, see below)")
 
 
 @pytest.fixture(params=list(LEVELS))
@@ -63,6 +70,15 @@ def _band(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
 # ------------------------------------------------------------------ sliding window (item 2)
 
 
+def test_a_window_is_refused_by_name_where_megatron_has_none(level):
+    if WINDOWS:
+        pytest.skip("megatron-core >= 0.15 applies the window (tested below)")
+    with pytest.raises(ValueError, match=r"config.window_size=\(10, 0\): sliding window attention needs megatron-core"):
+        _attention(window_size=(10, 0))
+    assert _attention().window_size == (-1, 0)
+
+
+@needs_windows
 def test_window_size_is_te_s_checked_value(level):
     """megatron's test_spec_customization.py::test_sliding_window_attention, and what it implies."""
     assert _attention(window_size=(10, 0)).window_size == (10, 0)
@@ -79,7 +95,14 @@ def test_window_size_is_te_s_checked_value(level):
     assert _attention(layer_number=1, window_size=(4, 0), window_attn_skip_freq=2).window_size == (4, 0)
 
 
-@pytest.mark.parametrize(("mask_type", "window"), [("causal", (3, 0)), ("no_mask", (2, 1)), ("causal", None)])
+@pytest.mark.parametrize(
+    ("mask_type", "window"),
+    [
+        pytest.param("causal", (3, 0), marks=needs_windows),
+        pytest.param("no_mask", (2, 1), marks=needs_windows),
+        ("causal", None),
+    ],
+)
 def test_sliding_window_attends_inside_its_window(level, mask_type, window):
     attention = _attention(mask_type, window_size=window, num_query_groups=2)
     s, b, heads, groups, d = 11, 2, 4, 2, 16
@@ -93,6 +116,7 @@ def test_sliding_window_attends_inside_its_window(level, mask_type, window):
         assert_close_to_reference(out[:, i], _reference(q[:, i], k[:, i], v[:, i], allowed), torch.float32)
 
 
+@needs_windows
 def test_window_with_a_padding_mask_is_refused_by_name(level):
     attention = _attention("padding", window_size=(2, 2))
     q = torch.randn(5, 1, 4, 16)
@@ -123,7 +147,7 @@ def _packed(lengths, padded_lengths=None):
     [([5, 9, 1, 3], None), ([5, 9, 1, 3], [8, 12, 4, 4]), ([6, 7], [6, 10])],
     ids=["back-to-back", "padded", "padded-tail"],
 )
-@pytest.mark.parametrize("window", [None, (2, 0)], ids=["full", "window"])
+@pytest.mark.parametrize("window", [None, pytest.param((2, 0), marks=needs_windows)], ids=["full", "window"])
 def test_packed_sequences_attend_per_sequence(level, lengths, padded, window):
     attention = _attention(window_size=window, num_query_groups=2)
     params, t = _packed(lengths, padded)
