@@ -105,22 +105,10 @@ def _launch_once(
     on_result: Callable[[RankResult], None],
     env: dict[str, str] | None,
 ) -> set[str]:
-    """One launch of ``size`` ranks; their outputs and logs live in a folder removed afterwards."""
-    with tempfile.TemporaryDirectory(prefix=f"megatron-unit-ws{size}-") as name:
-        return _launch_in(Path(name), nodeids, size, child_args, cwd=cwd, stall_s=stall_s, on_result=on_result, env=env)
-
-
-def _launch_in(
-    workdir: Path,
-    nodeids: list[str],
-    size: int,
-    child_args: list[str],
-    *,
-    cwd: str,
-    stall_s: float,
-    on_result: Callable[[RankResult], None],
-    env: dict[str, str] | None,
-) -> set[str]:
+    """One launch of ``size`` ranks; their outputs and logs live in a folder removed when it returns
+    (``TemporaryDirectory``'s finalizer removes it on an exception too)."""
+    folder = tempfile.TemporaryDirectory(prefix=f"megatron-unit-ws{size}-")
+    workdir = Path(folder.name)
     port = free_port()
     procs, outs, logs = [], [], []
     for rank in range(size):
@@ -221,4 +209,5 @@ def _launch_in(
                 )
                 done.add(nodeid)
                 on_result(result)
+    folder.cleanup()
     return done
