@@ -47,7 +47,6 @@ _DATA_DEPENDENT = {
     aten.bincount.default,
 }
 _BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
-_COPIES = {aten._to_copy.default, aten.copy_.default, aten._copy_from.default}
 
 
 @dataclass
@@ -78,11 +77,9 @@ def count_host_round_trips() -> Iterator[HostRoundTrips]:
         _meters.remove(meter)
 
 
-def _bool_index(func, args: tuple) -> bool:
-    if func is aten.index.Tensor:
-        indices = args[1]
-    else:
-        indices = args[1] if len(args) > 1 else ()
+def _bool_index(args: tuple) -> bool:
+    """Whether an index / index_put call (indices: its second argument) takes a boolean mask."""
+    indices = args[1] if len(args) > 1 else ()
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
@@ -94,13 +91,11 @@ def round_trip_kind(
     ``on_gpu``: whether a tensor is on the (fake) GPU; ``to_host``: a ``_to_copy`` whose result goes
     to the host (Python moved it there)."""
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if func in _COPIES:
-        if func is aten._to_copy.default:
-            return "to-host" if first is not None and on_gpu(first) and to_host else None
-        if func is aten.copy_.default:  # copy_(dst, src): the host waits when the source is on the GPU
-            src = args[1] if len(args) > 1 else kwargs.get("src")
-            return "to-host" if not on_gpu(args[0]) and isinstance(src, torch.Tensor) and on_gpu(src) else None
-        return None
+    if func is aten._to_copy.default:
+        return "to-host" if first is not None and on_gpu(first) and to_host else None
+    if func is aten.copy_.default:  # copy_(dst, src): the host waits when the source is on the GPU
+        src = args[1] if len(args) > 1 else kwargs.get("src")
+        return "to-host" if not on_gpu(args[0]) and isinstance(src, torch.Tensor) and on_gpu(src) else None
     if first is None or not on_gpu(first):
         return None
     if func in _ITEM:
@@ -111,7 +106,7 @@ def round_trip_kind(
         return "data-dependent-shape"
     if func is aten.repeat_interleave.Tensor or func is aten.repeat_interleave.self_Tensor:
         return None if kwargs.get("output_size") is not None else "data-dependent-shape"
-    if func in _BOOL_INDEXED and _bool_index(func, args):
+    if func in _BOOL_INDEXED and _bool_index(args):
         return "data-dependent-shape"
     return None
 

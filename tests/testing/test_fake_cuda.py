@@ -108,8 +108,8 @@ def test_host_round_trips_are_counted_by_kind():
         host = torch.arange(6.0)
         host.sum().item(), host.tolist(), host[host > 2], host.nonzero()  # the host's own: nothing
         gpu[torch.tensor([0, 1])], gpu + 1, host.cuda(), gpu.masked_fill(gpu > 2, 0)  # no wait on CUDA
-        counts = ones = torch.ones(6, dtype=torch.long, device="cuda")
-        gpu.repeat_interleave(counts, output_size=6)
+        ones = torch.ones(6, dtype=torch.long, device="cuda")
+        gpu.repeat_interleave(ones, output_size=6)
         assert trips.total == 0, dict(trips.by_kind)
         gpu.sum().item(), bool(gpu.sum() > 0)
         gpu.tolist(), gpu.cpu(), torch.zeros(6).copy_(gpu)
