@@ -60,6 +60,10 @@ class Outcomes:
         return f"{directory}: {total} tests, " + ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "skipped"))
 
 
+def _percent(part: int, whole: int) -> float:
+    return round(100.0 * part / whole, 1) if whole else 0.0
+
+
 def write(outcomes: Outcomes, path: Path, *, level: int, options: dict[str, Any], command: list[str]) -> Path:
     """The record at ``path`` (totals, per directory, per test, classes, wall times)."""
     record = Record(path.stem, command=command)
@@ -77,7 +81,7 @@ def write(outcomes: Outcomes, path: Path, *, level: int, options: dict[str, Any]
             passed=counts["passed"],
             failed=counts["failed"],
             skipped=counts["skipped"],
-            passed_pct=round(100.0 * counts["passed"] / total, 1) if total else 0.0,
+            passed_pct=_percent(counts["passed"], total),
             classes=dict(classes.most_common()),
         )
     for row in rows:
@@ -89,7 +93,7 @@ def write(outcomes: Outcomes, path: Path, *, level: int, options: dict[str, Any]
         "passed": totals["passed"],
         "failed": totals["failed"],
         "skipped": totals["skipped"],
-        "passed_pct": round(100.0 * totals["passed"] / len(rows), 1) if rows else 0.0,
+        "passed_pct": _percent(totals["passed"], len(rows)),
         "failure_classes": dict(Counter(r["class"] for r in rows if r["outcome"] == "failed").most_common()),
         "skip_classes": dict(Counter(r["class"] for r in rows if r["outcome"] == "skipped").most_common()),
         "world_sizes": dict(Counter(str(r["world_size"]) for r in rows)),
