@@ -289,6 +289,10 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
     quiet_expected_warnings()  # megatron's config, built here by the checks, says TE/Apex are absent
     check_arguments(args, flag_values)
     record = report.start_record(args, flag_values)  # the load average before anything runs
+    # one bf16-GEMM decision (kernels/host_gemm.py's probe, run by the record) for every arm and repeat
+    from mindspeed_like.kernels.host_gemm import pin_decision
+
+    pin_decision()
     flags = feature_flags(flag_values)
     config = runtime.resolve_config(code=flags, argv=[])  # errors here, not in the children
     ctx = runtime.context_for(config)

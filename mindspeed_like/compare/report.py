@@ -511,7 +511,9 @@ def start_record(args: argparse.Namespace, flag_values: dict[str, Any]):
     record = Record(record_name(args, flag_values), command=command(args, flag_values))
     record.options.update(_options(args), flags=dict(flag_values))
     # whether this host's CPU runs bf16 GEMMs natively (oneDNN, a kernel kept per shape): the plan
-    # predicts a CPU record's peak for the host that measured it
+    # predicts a CPU record's peak for the host that measured it. Decided by the GEMM speed probe, as
+    # in the workers (same environment: ONEDNN_MAX_CPU_ISA / ATEN_CPU_CAPABILITY reach both);
+    # host.cpu_isa (Record) says the capabilities and the probe's figures
     record.host["cpu_bf16_gemm"] = cpu_has_bf16_gemm()
     return record
 

@@ -24,8 +24,9 @@ Backends (``mindspeed_like.kernels.backend.backend_for``):
   * a per-expert loop of ``torch.mm(..., out=slice)`` into the one buffer otherwise (odd sizes,
     fp16, older torch). Zero-token experts get zero weight-gradient slices.
 
-  bf16/fp16 on a CPU without bf16 dot-product instructions (no ``avx512_bf16`` / ``amx_bf16`` in
-  /proc/cpuinfo, e.g. AVX2-only hosts): the inputs are upcast to fp32, the GEMM runs in fp32 and
+  bf16/fp16 on a CPU whose bf16 GEMM is slower than fp32 (no bf16 dot-product instructions, e.g.
+  AVX2-only hosts, or torch/oneDNN held below them; decided by :mod:`mindspeed_like.kernels.host_gemm`'s
+  one-time speed probe, not /proc/cpuinfo's flags): the inputs are upcast to fp32, the GEMM runs in fp32 and
   the result is rounded once to the input dtype (:func:`fp32_compute`). The bf16 kernels there
   also multiply exactly and accumulate in fp32, only in another order, so the results agree
   within fp32 rounding (a bf16 output differs by one ulp where the fp32 sum sits at a rounding
@@ -51,6 +52,7 @@ from collections.abc import Sequence
 import torch
 
 from mindspeed_like.kernels.backend import backend_for
+from mindspeed_like.kernels.host_gemm import low_precision_gemm_is_slow
 from mindspeed_like.kernels.row_buckets import row_buckets
 
 MAX_NPU_GROUPS = 1024
@@ -95,15 +97,11 @@ def check_gmm_args(a: torch.Tensor, b: torch.Tensor, counts: list[int], trans_b:
 
 @functools.lru_cache(maxsize=1)
 def cpu_has_bf16_gemm() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16): then torch's
-    bf16 GEMM is fast and is used as is. Read from /proc/cpuinfo; where it cannot be read (not
-    Linux), assumed present (the bf16 kernels unchanged)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            flags = {word for line in info if line.startswith("flags") for word in line.split()}
-    except OSError:
-        return True
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    """Whether torch's bf16 GEMM is the fast one in this process: the one-time probe of
+    :mod:`mindspeed_like.kernels.host_gemm` (the GEMM speed this process really gets, so it honours
+    ``ONEDNN_MAX_CPU_ISA``/``ATEN_CPU_CAPABILITY``; /proc/cpuinfo's flags do not). The same
+    decision as the upcast-cpu-gemm feature's: one per process."""
+    return not low_precision_gemm_is_slow(torch.bfloat16)
 
 
 def fp32_compute(t: torch.Tensor) -> bool:

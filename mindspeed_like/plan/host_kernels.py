@@ -86,7 +86,7 @@ def measured_on(bf16_units: bool) -> Iterator[None]:
 
 
 def host_has_bf16_units() -> bool:
-    """This host's CPU (/proc/cpuinfo), or the record's host being predicted."""
+    """This host (the one-time GEMM speed probe of kernels/host_gemm.py), or the record's host being predicted."""
     if _MEASURED_ON:
         return _MEASURED_ON[-1]
     from mindspeed_like.kernels.grouped_gemm import cpu_has_bf16_gemm

@@ -140,6 +140,7 @@ class Record:
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "torchdynamo_disable": os.environ.get("TORCHDYNAMO_DISABLE"),
         }
+        self._cpu_isa(device)
         self.options: dict[str, Any] = {}
         self.rows: list[dict[str, Any]] = []
         self.samples: dict[str, list[float]] = {}
@@ -152,6 +153,21 @@ class Record:
         for key in ("device_name", "device_count", "cuda", "cudnn"):
             self.host.pop(key, None)
         self.host.update(device_info(device))
+        self._cpu_isa(device)
+
+    def _cpu_isa(self, device: str) -> None:
+        """On a CPU run: the capability ATen and oneDNN ran at (ATEN_CPU_CAPABILITY /
+        ONEDNN_MAX_CPU_ISA can hold them below the CPU's own) and the bf16-vs-fp32 GEMM probe, so a
+        figure says which kind of host made it (kernels/host_gemm.py)."""
+        self.host.pop("cpu_isa", None)
+        if device != "cpu":
+            return
+        try:
+            from mindspeed_like.kernels.host_gemm import host_isa
+
+            self.host["cpu_isa"] = host_isa()
+        except ImportError:  # torch absent (a record of a tool that does not need it)
+            pass
 
     def add_row(self, **row: Any) -> None:
         self.rows.append(row)

@@ -20,6 +20,7 @@ LEVEL_1 = {
     "moe-router",
     "precision-aware-optimizer",
     "tp-overlap",
+    "upcast-cpu-gemm",
 }
 LEVEL_2 = LEVEL_1 | {"moe-zero-memory", "recompute-activation-function", "reuse-fp32-param"}
 LEVELED = LEVEL_2

@@ -308,25 +308,21 @@ def test_bf16_fp32_compute_path(monkeypatch, fp32, engine):
             assert torch.equal(b.grad[e], (grads[e].t() @ pieces[e]).bfloat16())
 
 
-def test_cpu_bf16_gemm_probe_reads_cpuinfo(monkeypatch, tmp_path):
-    """The probe reads /proc/cpuinfo's flags; unreadable means "assume bf16 units" (kernels unchanged)."""
-    import builtins
+def test_cpu_bf16_gemm_is_the_host_gemm_probes_decision(monkeypatch):
+    """One decision per process, the upcast-cpu-gemm feature's: the GEMM speed probe (what this
+    process's torch/oneDNN really run, ONEDNN_MAX_CPU_ISA included), not /proc/cpuinfo's flags."""
+    from mindspeed_like.kernels import host_gemm
 
-    real_open = builtins.open
-    for flags, expected in (("fpu avx2 fma", False), ("fpu avx512f avx512_bf16", True), ("fpu amx_bf16", True)):
-        info = tmp_path / "cpuinfo"
-        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-        monkeypatch.setattr(
-            builtins,
-            "open",
-            lambda path, *a, _i=info, **kw: real_open(_i if path == "/proc/cpuinfo" else path, *a, **kw),
-        )
+    for value, has_units in (("fp32", False), ("native", True)):
+        monkeypatch.setenv(host_gemm.ENV, value)
+        host_gemm.probe.cache_clear()
         gg.cpu_has_bf16_gemm.cache_clear()
-        assert gg.cpu_has_bf16_gemm() is expected
-    monkeypatch.setattr(builtins, "open", lambda *a, **kw: (_ for _ in ()).throw(OSError("no cpuinfo")))
-    gg.cpu_has_bf16_gemm.cache_clear()
-    assert gg.cpu_has_bf16_gemm() is True
+        assert gg.cpu_has_bf16_gemm() is has_units
+        assert gg.fp32_compute(torch.empty(2, dtype=torch.bfloat16)) is not has_units
     monkeypatch.undo()
+    host_gemm.probe.cache_clear()
+    gg.cpu_has_bf16_gemm.cache_clear()
+    assert gg.cpu_has_bf16_gemm() is not host_gemm.probe().fp32_faster
     gg.cpu_has_bf16_gemm.cache_clear()
 
 
