@@ -10,6 +10,11 @@ How:
   dimensions marked dynamic (see :func:`_run`): one compiled graph per dtype/rank family, no
   recompilation when the batch or sequence length changes (tests/kernels/test_compiled_kernels.py
   checks this over GPT steps);
+- on a CPU the compile names the vector width Inductor picks in this process (``cpp.simdlen``,
+  see :func:`cpu_compile_options`), so the width is part of Inductor's FX graph cache key: torch
+  2.13's key leaves ``ATEN_CPU_CAPABILITY`` and the host's ISA out, and a cached graph generated
+  for AVX-512 (32 bf16 lanes) rebuilt for AVX2 (16) computed a wrong RMSNorm (NaN losses) when the
+  capability changed under one cache directory (the CPU-ISA lane; a cache shared by hosts);
 - the custom ops (``mindspeed_like::swiglu``, ``swiglu_backward``, ``rms_norm``,
   ``rms_norm_backward``, ``rope``, ``rope_backward``) carry fake (meta) implementations and
   autograd registrations, so a user's own ``torch.compile`` of the model traces through them as
@@ -39,7 +44,7 @@ MODES = ("auto", "compiled", "eager")
 _log = logging.getLogger("mindspeed_like")
 # configured: --portable-kernels as the runtime applied it; override: set_mode (tests, benchmarks)
 _state: dict = {"configured": "auto", "override": None, "said": set()}
-_compiled: dict[str, Callable] = {}
+_compiled: dict[tuple[str, str], Callable] = {}
 
 
 def _check(mode: str) -> str:
@@ -122,6 +127,35 @@ def active(x: torch.Tensor) -> bool:
 _DYNAMIC_DIMS = {2: (0,), 4: (0, 1)}
 
 
+def cpu_compile_options() -> dict[str, int]:
+    """``{"cpp.simdlen": width}`` naming the vector ISA Inductor picks here, or {} where naming it
+    would pick another ISA (two ISAs of one width, e.g. AMX before AVX-512 on a host without
+    ``ATEN_CPU_CAPABILITY``) or Inductor is not importable.
+
+    Inductor's C++ code is generated for the lanes of the ISA it picks (``ATEN_CPU_CAPABILITY``
+    caps it) but its FX graph cache key does not include that ISA: under one cache directory a
+    graph generated at one capability is reused, and its C++ compiled, at another. With the width
+    given as a config value it is in the key (the config is hashed), and ``simdlen`` picks the
+    same ISA as before (checked here), so nothing else changes."""
+    try:
+        from torch._inductor import config as inductor_config
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        return {}
+    if inductor_config.cpp.simdlen is not None:  # the user named a width: it is in the key already
+        return {}
+    picked = cpu_vec_isa.pick_vec_isa()
+    width = picked.bit_width()
+    with inductor_config.patch({"cpp.simdlen": width}):
+        again = cpu_vec_isa.pick_vec_isa()
+    return {"cpp.simdlen": width} if str(again) == str(picked) else {}
+
+
+def _compile(fn: Callable, device: torch.device) -> Callable:
+    options = cpu_compile_options() if device.type == "cpu" else {}
+    return torch.compile(fn, dynamic=False, fullgraph=True, options=options or None)
+
+
 def _run(name: str, fn: Callable, *args):
     """``fn(*args)`` compiled once per dtype family, or eagerly after a compile failure.
 
@@ -129,9 +163,10 @@ def _run(name: str, fn: Callable, *args):
     ``[s, b, n, d]`` ones) is dynamic: the hidden size stays a constant of the generated code.
     Fully dynamic shapes (``dynamic=True``) measured 1.3-1.5x slower in the backward kernels
     here: symbolic inner sizes cost the vectorized loops."""
-    compiled = _compiled.get(name)
+    key = (name, args[0].device.type)
+    compiled = _compiled.get(key)
     if compiled is None:
-        compiled = _compiled[name] = torch.compile(fn, dynamic=False, fullgraph=True)
+        compiled = _compiled[key] = _compile(fn, args[0].device)
     if compiled is fn:
         return fn(*args)
     for arg in args:
@@ -142,7 +177,7 @@ def _run(name: str, fn: Callable, *args):
     try:
         return compiled(*args)
     except Exception as error:  # a compiler problem on this host: the math is the same eagerly
-        _compiled[name] = fn
+        _compiled[key] = fn
         _say_once(f"failed-{name}", logging.WARNING, f"mindspeed_like: compiling {name} failed ({error}); eager")
         return fn(*args)
 

@@ -97,7 +97,7 @@ def _compiled_and_eager(fn, *inputs):
     compiled._compiled.clear()
     ours = _with_grads(fn, *inputs)
     assert compiled._compiled and all(  # the compiled bodies ran (a compile failure would fall back to eager)
-        body is not getattr(compiled, f"{name}_math") for name, body in compiled._compiled.items()
+        body is not getattr(compiled, f"{name}_math") for (name, _device), body in compiled._compiled.items()
     ), compiled._compiled
     compiled.set_mode("eager")
     eager = _with_grads(fn, *inputs)
@@ -228,3 +228,49 @@ def test_gpt_with_varying_batch_sizes_compiles_once(monkeypatch):
             assert name in compiled._compiled and compiled._compiled[name] is not getattr(compiled, f"{name}_math")
     finally:
         destroy_parallel()
+
+
+STALE_CACHE_RUN = """
+import json, torch
+from mindspeed_like.kernels import compiled
+compiled.set_mode("compiled")
+g = torch.Generator().manual_seed(0)
+x, gamma = torch.randn(512, 128, generator=g).bfloat16(), torch.rand(128, generator=g) + 0.5
+y, rstd = compiled.rms_norm(x, gamma, 1e-5)
+ref_y, ref_rstd = compiled.rms_norm_math(x, gamma, 1e-5)
+print("RESULT " + json.dumps(dict(capability=torch.backends.cpu.get_cpu_capability(),
+    options=compiled.cpu_compile_options(), rstd=(rstd - ref_rstd).abs().max().item(),
+    y=(y.float() - ref_y.float()).abs().max().item())))
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(
+    not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
+    reason="needs a host whose native capability is AVX-512 to compile at two ISAs",
+)
+def test_one_inductor_cache_for_two_isas_keeps_the_compiled_rmsnorm_right(tmp_path):
+    """torch 2.13's FX graph cache key leaves the ISA out: a graph generated at AVX-512 (32 bf16
+    lanes) was reused under ATEN_CPU_CAPABILITY=avx2 (16) and half the rows' rstd were the raw sum
+    of squares (NaN losses in the CPU-ISA lane). Our compiles name the width: each ISA its own
+    entry, right at both, in either order."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    base.update(TORCHDYNAMO_DISABLE="0", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), OMP_NUM_THREADS="1")
+    held = dict(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+    seen = []
+    for extra in ({}, held, {}):  # native fills the cache, avx2 reads it, native again
+        done = subprocess.run(
+            [sys.executable, "-c", STALE_CACHE_RUN], env={**base, **extra}, capture_output=True, text=True, timeout=600
+        )
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        assert done.returncode == 0 and lines, done.stderr[-3000:]
+        seen.append(json.loads(lines[0][7:]))
+    assert [s["capability"] for s in seen] == [seen[0]["capability"], "AVX2", seen[0]["capability"]], seen
+    assert seen[0]["options"] != seen[1]["options"], seen  # two widths: two cache entries
+    for s in seen:
+        assert s["rstd"] <= 1e-6 and s["y"] <= 2**-7 * 8, s  # one bf16 ulp at |y| < 8

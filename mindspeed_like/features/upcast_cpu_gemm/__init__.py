@@ -11,8 +11,10 @@ A level-1 feature, not part of the cpu adapter: the results are megatron's withi
 each GEMM's sum (the bf16 kernels multiply exactly and accumulate in fp32 too, docs/features/
 upcast-cpu-gemm.md), and ``mindspeed-like compare``'s megatron arm then shows megatron's own speed
 on the host, which is what the speedup is measured against. No patches of megatron: the override is
-process-wide, so the report lists it as a declared global change (the marker patch below stands for
-it, as te-client-module's does for its finder); switching the feature off deregisters it."""
+process-wide, so the report lists it as a declared global change. Its one patch wraps
+``host_gemm.in_fp32``, through which every GEMM the override takes passes: it stands for the
+override in the report and counts the calls (`mindspeed-like compare`'s "reached"), one Python call
+more per GEMM. Switching the feature off deregisters the override."""
 
 from __future__ import annotations
 
@@ -23,21 +25,20 @@ from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 from mindspeed_like.toolkit.fallback import Fallback
 
 NAME = "upcast-cpu-gemm"
-MARKER = "mindspeed_like.kernels.host_gemm.installed"
+TAKEN = "mindspeed_like.kernels.host_gemm.in_fp32"
 
 
-def _marker(wrapped, instance, args, kwargs):
-    # Marker wrapper: the report entry stands for the torch.library override (not an attribute).
+def _taken(wrapped, instance, args, kwargs):
+    # Pass-through: the engine counts the calls (GEMMs computed in fp32); the report lists the override.
     return wrapped(*args, **kwargs)
 
 
 PATCHES = [
     Patch(
-        MARKER,
+        TAKEN,
         Kind.WRAP,
-        _marker,
+        _taken,
         global_change=True,
-        counts_as_reached=False,
         why="torch.library override of aten mm/addmm/bmm/baddbmm (functional, out=, in-place) at ADInplaceOrView "
         "and SDPA's CPU flash backward at AutogradCPU: bf16/fp16 CPU GEMMs computed in fp32 and rounded once, "
         "only where the probe finds fp32 faster; deregistered on switch-off",
