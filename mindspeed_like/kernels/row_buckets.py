@@ -17,7 +17,8 @@ reduction: the results are bitwise those of the unpadded GEMM (tests/kernels che
 is a copy of the rows into the padded layout and the extra rows' FLOPs; the saved tensors are the
 unpadded ones.
 
-fp32 (MKL's sgemm) and an accelerator's GEMMs keep no such per-shape state: unchanged there.
+fp32 (MKL's sgemm) and an accelerator's GEMMs keep no such per-shape state: unchanged there, and
+on a host whose bf16 GEMMs run in fp32 (:func:`shapes_are_cached`).
 """
 
 from __future__ import annotations
@@ -45,8 +46,14 @@ def bucket(count: int) -> int:
 
 def shapes_are_cached(t: torch.Tensor) -> bool:
     """Whether GEMMs on ``t`` go through a library that keeps state per shape (a CPU's oneDNN
-    bf16/fp16 matmul)."""
-    return t.device.type == "cpu" and t.dtype in _CACHED_SHAPE_DTYPES
+    bf16/fp16 matmul). Not where this host's bf16 GEMMs run in fp32 (no bf16 units, or torch held
+    below them: kernels/host_gemm.py's probe): MKL's sgemm keeps no per-shape state, and the padded
+    rows would be FLOPs and copies for nothing."""
+    if t.device.type != "cpu" or t.dtype not in _CACHED_SHAPE_DTYPES:
+        return False
+    from mindspeed_like.kernels.host_gemm import low_precision_gemm_is_slow
+
+    return not low_precision_gemm_is_slow(t.dtype)
 
 
 @dataclass(frozen=True)

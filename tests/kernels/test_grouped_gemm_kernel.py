@@ -340,9 +340,39 @@ def test_row_buckets_are_few_idempotent_and_tight():
             assert b <= c * 1.125
 
 
+@pytest.fixture
+def bf16_gemms(monkeypatch):
+    """``bf16_gemms(decision)``: this process's bf16 GEMM decision forced (``native``: a host with
+    bf16 units, ``fp32``: one without), as kernels/host_gemm.py's probe would give it (the same on
+    every host, the CPU-ISA lane's included); the probe is forgotten again after the test."""
+    from mindspeed_like.kernels import host_gemm
+
+    def force(decision: str) -> None:
+        monkeypatch.setenv(host_gemm.ENV, decision)
+        host_gemm.probe.cache_clear()
+        gg.cpu_has_bf16_gemm.cache_clear()
+
+    yield force
+    monkeypatch.undo()
+    host_gemm.probe.cache_clear()
+    gg.cpu_has_bf16_gemm.cache_clear()
+
+
+def test_no_row_buckets_where_bf16_gemms_run_in_fp32(bf16_gemms):
+    """On a host whose bf16 GEMMs run in fp32 (MKL's sgemm: no per-shape kernels) the rows are not
+    padded: the padding would be copies and FLOPs for nothing. With bf16 units they are."""
+    from mindspeed_like.kernels.row_buckets import row_buckets
+
+    a = torch.zeros(30, 8, dtype=torch.bfloat16)
+    for decision, padded in (("fp32", False), ("native", True)):
+        bf16_gemms(decision)
+        assert (row_buckets(a, [13, 17]) is not None) is padded, decision
+    assert row_buckets(a.float(), [13, 17]) is None  # fp32 keeps no per-shape state anywhere
+
+
 @pytest.mark.parametrize("engine", ["grouped_mm", "loop"])
 @pytest.mark.parametrize("fused", [False, True], ids=["dB", "main_grad"])
-def test_cpu_bf16_rows_padded_to_buckets_bitwise(monkeypatch, engine, fused):
+def test_cpu_bf16_rows_padded_to_buckets_bitwise(monkeypatch, bf16_gemms, engine, fused):
     """On a CPU with bf16 units the GEMMs run at bucketed row counts (oneDNN keeps state per
     shape); forward, dA and dB (or the main_grad accumulation) are bitwise the unpadded GEMMs',
     and every GEMM's row count is a bucket."""
@@ -350,7 +380,7 @@ def test_cpu_bf16_rows_padded_to_buckets_bitwise(monkeypatch, engine, fused):
 
     from mindspeed_like.kernels.row_buckets import bucket
 
-    monkeypatch.setattr(gg, "cpu_has_bf16_gemm", lambda: True)
+    bf16_gemms("native")
     counts, k, n = [37, 0, 130, 5, 20], 32, 48  # 192 rows: 16-byte aligned for torch._grouped_mm
     a, b, grad = _inputs(counts, k, n, torch.bfloat16, True, 5)
     param = torch.nn.Parameter(b.detach().clone())

@@ -100,6 +100,20 @@ def enabled(ctx: Context) -> bool:
     return on
 
 
+def _backend(ctx: Context) -> str:
+    """The kernel, and on a CPU which bf16 GEMM path this host takes (one probe a process,
+    kernels/host_gemm.py): oneDNN's bf16 GEMMs at bucketed row counts where the host has bf16
+    units, fp32 GEMMs on the unpadded rows where it does not."""
+    backend = kernel_backend(ctx)
+    if ctx.device != "cpu":
+        return backend
+    from mindspeed_like.kernels.host_gemm import probe
+
+    found = probe()
+    path = "fp32 GEMMs, rows unpadded" if found.fp32_faster else "oneDNN bf16 GEMMs, row counts bucketed"
+    return f"{backend} (bf16 experts: {path}; {found.describe()})"
+
+
 FEATURE = Feature(
     name=NAME,
     summary="megatron's moe_grouped_gemm without the CUDA grouped_gemm package: GroupedMLP's gmm (megatron-core "
@@ -132,7 +146,7 @@ FEATURE = Feature(
         ),
     ),
     enabled=enabled,
-    backend=kernel_backend,
+    backend=_backend,
     switched_by="--moe-grouped-gemm; on by default when the grouped_gemm package is missing",
     validate_args_hook=capability_check_hidden,
     switch_on={"grouped_gemm": "on"},
