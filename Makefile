@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all test-compile test-cuda lint bench bench-gpu docs megatron-lm-smoke megatron-lm-smoke-versions test-megatron-lm-flags test-megatron-unit test-megatron-unit-ci megatron-bridge-smoke mbridge-smoke test-versions clean
+.PHONY: install demo test test-all test-compile test-isa test-cuda lint bench bench-gpu docs megatron-lm-smoke megatron-lm-smoke-versions test-megatron-lm-flags test-megatron-unit test-megatron-unit-ci megatron-bridge-smoke mbridge-smoke test-versions clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ test-all: $(STAMP)
 # GPT parity with megatron's compiled fusions, alone and together (tests marked `compile`).
 test-compile: $(STAMP)
 	TORCHDYNAMO_DISABLE=0 $(PY) -m pytest -q -m compile
+
+# The CPU-ISA lane: the kernel and feature tests again with torch and oneDNN held to AVX2 and to no
+# vector ISA (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA), each with a header that shows what ATen,
+# oneDNN, Inductor and the bf16 GEMM probe really run at (mindspeed_like/testing/isa_lane.py).
+test-isa: $(STAMP)
+	$(PY) -m mindspeed_like.testing.isa_lane $(ISA_LANE_ARGS)
 
 # The CUDA lane (tests/cuda): every acceleration's kernels against float64 and its GPT parity with
 # megatron's own path on one GPU, torch.compile on as users run (under ~2.5 min on an H100); without

@@ -1,0 +1,124 @@
+"""The CPU-ISA lane: the kernel and parity tests again with torch and oneDNN held below the host's ISA.
+
+Why: a CPU result (a bf16 GEMM's rounding, a compiled kernel's vector width, which GEMM path is
+fast) can depend on the instructions the host has. CI runs on one host; holding torch and oneDNN
+to a lower ISA there makes a host-dependent result fail CI on any machine, not only on a user's
+AVX2 laptop. ``make test-isa`` runs, for each held ISA:
+
+* a header, printed from a process with the lane's environment, that shows the variables really
+  change the kernels taken: ATen's capability (``ATEN_CPU_CAPABILITY``), the ISA oneDNN reports
+  and the implementation it picks for an fp32 inner product (``ONEDNN_MAX_CPU_ISA``, from
+  ``ONEDNN_VERBOSE``), the vector ISA Inductor generates for, and the bf16-vs-fp32 GEMM probe
+  (kernels/host_gemm.py) that upcast-cpu-gemm and the grouped GEMM decide by. The lane fails if
+  the capability is not the one asked for;
+* ``pytest`` over :data:`TESTS` in that environment, with its own Inductor cache directory (torch
+  2.13's FX graph cache does not key on the ISA: kernels/compiled.py names the width for ours,
+  megatron's ``jit_fuser`` graphs get their own directory here).
+
+Lanes: ``avx2`` (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``: an AVX2-only host) and
+``default`` (no vector ISA: ATen's scalar kernels, oneDNN at SSE4.1, its lowest x86 level).
+On a non-x86 host the lane says so and exits 0 (the variables name x86 ISAs).
+
+    python -m mindspeed_like.testing.isa_lane [--lanes avx2 default] [--tests PATHS...] [-- PYTEST_ARGS...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+LANES: dict[str, dict[str, str]] = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "default": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+}
+EXPECTED_CAPABILITY = {"avx2": "AVX2", "default": "DEFAULT"}
+TESTS = ["tests/kernels", "tests/features", "tests/adapters/test_parity_baseline.py"]
+
+HEADER = r"""
+import json, os, subprocess, sys, torch
+from mindspeed_like.kernels import host_gemm
+out = {"aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+probe = subprocess.run([sys.executable, "-c", '''
+import torch
+x = torch.randn(4, 16).to_mkldnn()
+torch._C._nn.mkldnn_linear(x, torch.randn(8, 16).to_mkldnn(), None)
+'''], capture_output=True, text=True, env={**os.environ, "ONEDNN_VERBOSE": "1"})
+lines = (probe.stdout + probe.stderr).splitlines()
+out["onednn_isa"] = next((l.split("isa:", 1)[1] for l in lines if ",isa:" in l), "not reported")
+out["onednn_fp32_inner_product"] = next((l.split(",")[6] for l in lines if ",inner_product," in l), "not run")
+try:
+    from torch._inductor import cpu_vec_isa
+    out["inductor_vec_isa"] = str(cpu_vec_isa.pick_vec_isa()) or "none (scalar code)"
+except Exception as error:
+    out["inductor_vec_isa"] = f"unavailable ({error})"
+out["bf16_gemm_probe"] = host_gemm.probe().describe()
+out["bf16_gemm_in_fp32"] = host_gemm.probe().fp32_faster
+print("ISA-HEADER " + json.dumps(out))
+"""
+
+
+def lane_env(lane: str, cache_root: str) -> dict[str, str]:
+    """The environment of one lane: the held ISA, one thread, its own Inductor cache."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MINDSPEED_LIKE_CPU_GEMM", "DNNL_MAX_CPU_ISA")}
+    env.update(LANES[lane])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"inductor-{lane}")
+    return env
+
+
+def header(lane: str, env: dict[str, str]) -> dict[str, str]:
+    """What a process of this lane runs at (see the module docstring); raises if not held."""
+    done = subprocess.run([sys.executable, "-c", HEADER], capture_output=True, text=True, env=env, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("ISA-HEADER ")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the {lane} lane's header process failed:\n{done.stderr[-3000:]}")
+    facts = json.loads(lines[0].removeprefix("ISA-HEADER "))
+    if facts["aten_cpu_capability"] != EXPECTED_CAPABILITY[lane]:
+        raise RuntimeError(
+            f"the {lane} lane asked ATEN_CPU_CAPABILITY={LANES[lane]['ATEN_CPU_CAPABILITY']} but torch runs at "
+            f"{facts['aten_cpu_capability']}: the lane would test the host's own ISA"
+        )
+    return facts
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        extra = argv[argv.index("--") + 1 :]
+        argv = argv[: argv.index("--")]
+    parser = argparse.ArgumentParser(prog="isa_lane", description=__doc__.splitlines()[0])
+    parser.add_argument("--lanes", nargs="+", choices=sorted(LANES), default=list(LANES))
+    parser.add_argument("--tests", nargs="+", default=TESTS, help="test paths (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if platform.machine() not in ("x86_64", "AMD64"):
+        print(f"SKIPPED: the CPU-ISA lane holds x86 ISAs; this host is {platform.machine()}")
+        return 0
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="isa-lane-") as cache_root:
+        for lane in args.lanes:
+            env = lane_env(lane, cache_root)
+            facts = header(lane, env)
+            held = " ".join(f"{k}={v}" for k, v in LANES[lane].items())
+            print(f"== CPU-ISA lane {lane} ({held})", flush=True)
+            for key, value in facts.items():
+                print(f"   {key}: {value}", flush=True)
+            start = time.monotonic()
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.tests, *extra], env=env)
+            print(f"== CPU-ISA lane {lane}: pytest exit {done.returncode} in {time.monotonic() - start:.0f} s", flush=True)
+            if done.returncode != 0:
+                failed.append(lane)
+    if failed:
+        print(f"CPU-ISA lane failed at: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
