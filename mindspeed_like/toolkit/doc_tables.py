@@ -215,7 +215,14 @@ def provenance(rec: dict[str, Any]) -> str:
     load_text = f"load average {load[0]:.2f} at start" if load else "load average unknown"
     threads = f", {host['threads']} thread{'s' if host['threads'] != 1 else ''}" if host.get("threads") else ""
     compiled = ", torch.compile off" if host.get("torchdynamo_disable") == "1" else ""
-    where = f"{host.get('hostname') or 'unknown host'} ({host.get('cpu_count')} CPUs{threads}, {load_text})"
+    isa = host.get("cpu_isa")
+    isa_text = (
+        f", ISA {isa['aten_cpu_capability']} (oneDNN {isa['onednn_max_cpu_isa']}, bf16 GEMMs "
+        f"{'in fp32' if isa['bf16_gemm']['fp32_faster'] else 'native'})"
+        if isa
+        else ""
+    )
+    where = f"{host.get('hostname') or 'unknown host'} ({host.get('cpu_count')} CPUs{threads}{isa_text}, {load_text})"
     builds = ""
     if host.get("device") in records.ACCELERATORS:  # the device first: it is what the figures measure
         where = f"{host.get('device_name') or host['device']}, host {where}"

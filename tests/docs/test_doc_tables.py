@@ -142,3 +142,28 @@ def test_gpu_records_get_their_own_names() -> None:
     assert records.device_record_name("attention-cuda", "cuda") == "attention-cuda"
     assert records.device_record_name("attention", "cpu") == "attention"
     assert records.is_accelerator_record("compare-llama-level1-cuda") and not records.is_accelerator_record("moe")
+
+
+def test_a_cpu_record_says_the_isa_it_ran_at(tmp_path: Path, monkeypatch) -> None:
+    """A CPU record carries the capability torch and oneDNN ran at and the bf16 GEMM probe's
+    decision (issue 49: a figure from an AVX-512-BF16 host is not one from an AVX2 host); the line
+    under a rendered table says it."""
+    from mindspeed_like.kernels import host_gemm
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv(host_gemm.ENV, "fp32")
+    host_gemm.probe.cache_clear()
+    try:
+        rec = records.Record("bench", command=["benchmarks/x.py"], device="cpu")
+    finally:
+        host_gemm.probe.cache_clear()
+    isa = rec.host["cpu_isa"]
+    assert isa["onednn_max_cpu_isa"] == "AVX2" and isa["bf16_gemm"]["fp32_faster"] is True
+    assert isa["aten_cpu_capability"] == __import__("torch").backends.cpu.get_cpu_capability()
+    rec.rows = [{"s": 1}]
+    rec.write(tmp_path / "bench.json")
+    line = doc_tables.provenance(doc_tables.Records(tmp_path)["bench"])
+    assert f"ISA {isa['aten_cpu_capability']} (oneDNN AVX2, bf16 GEMMs in fp32)" in line
+    gpu = records.Record("bench-cuda", command=["benchmarks/x.py"], device="cpu")
+    gpu.set_device("cuda")
+    assert "cpu_isa" not in gpu.host  # an accelerator's figures are not the host CPU's
