@@ -110,8 +110,12 @@ def main(argv: list[str] | None = None) -> int:
             for key, value in facts.items():
                 print(f"   {key}: {value}", flush=True)
             start = time.monotonic()
-            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.tests, *extra], env=env)
-            print(f"== CPU-ISA lane {lane}: pytest exit {done.returncode} in {time.monotonic() - start:.0f} s", flush=True)
+            done = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.tests, *extra], env=env
+            )
+            print(
+                f"== CPU-ISA lane {lane}: pytest exit {done.returncode} in {time.monotonic() - start:.0f} s", flush=True
+            )
             if done.returncode != 0:
                 failed.append(lane)
     if failed:
