@@ -216,7 +216,21 @@ def _name_mla_qk_norms_as_te(model) -> None:
 
 
 def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train one arm; return its losses, step times, memory split and the features that ran."""
+    """Train one arm; return its losses, step times, memory split and the features that ran.
+
+    The engine counts calls into every patch while the arm runs (``ENGINE.calls``); the count is
+    switched back to what it was on return, so a caller in the same process (tests) does not get
+    every later patch wrapped in a counter."""
+    from mindspeed_like.runtime import ENGINE
+
+    counting_before = ENGINE.calls
+    try:
+        return _run_arm(spec)
+    finally:
+        ENGINE.calls = counting_before
+
+
+def _run_arm(spec: dict[str, Any]) -> dict[str, Any]:
     from mindspeed_like.adapters.detect import detect_device
     from mindspeed_like.compare.measure import ActivationProbe, process_peak_bytes, state_bytes, step_time_summary
     from mindspeed_like.compare.profile import StepProfiler

@@ -32,12 +32,16 @@ from mindspeed_like.kernels.backend import backend_for
 
 
 def _selection(
-    routing_map: torch.Tensor, num_out_tokens: int | None, drop_and_pad: bool
+    routing_map: torch.Tensor, num_out_tokens: int | None, drop_and_pad: bool, fixed_count: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token of each permuted row, its flat index ``expert * tokens + token`` into ``probs.T``).
 
     Dropless: the routing map's True entries in expert-major order (what megatron's
-    ``masked_select`` on ``routing_map.T`` and its 0.19 ``argsort`` both produce).
+    ``masked_select`` on ``routing_map.T`` and its 0.19 ``argsort`` both produce). ``fixed_count``
+    (megatron-core 0.19+'s algorithm, with ``num_out_tokens`` given): the first ``num_out_tokens``
+    of a stable descending argsort of the flat map, a fixed-shape result that needs no
+    device-to-host read (``nonzero`` does: one host round-trip a call on a GPU); the same rows
+    wherever the map holds ``num_out_tokens`` True entries, as a dropless top-k map does.
     Drop-and-pad: megatron's stable descending argsort per expert, first ``capacity`` rows."""
     num_tokens, num_experts = routing_map.shape
     if drop_and_pad and num_out_tokens is not None:
@@ -46,6 +50,9 @@ def _selection(
         tokens = per_expert[:, :capacity].contiguous().view(-1)
         experts = torch.arange(num_experts, device=routing_map.device).repeat_interleave(capacity)
         return tokens, experts * num_tokens + tokens
+    if fixed_count and num_out_tokens is not None:
+        flat = routing_map.bool().T.contiguous().view(-1).argsort(descending=True, stable=True)[:num_out_tokens]
+        return flat % num_tokens, flat
     flat = routing_map.bool().T.contiguous().view(-1).nonzero().view(-1)
     if num_out_tokens is not None and 0 <= int(num_out_tokens) < flat.numel():
         flat = flat[: int(num_out_tokens)]
@@ -142,9 +149,11 @@ def permute(
     probs: torch.Tensor | None = None,
     num_out_tokens: int | None = None,
     drop_and_pad: bool = False,
+    fixed_count: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Rows of ``tokens`` grouped by expert: ``(permuted_tokens, permuted_probs, sorted_indices)``
-    with megatron's ``moe_utils.permute`` semantics (``permuted_probs`` is None without probs)."""
+    with megatron's ``moe_utils.permute`` semantics (``permuted_probs`` is None without probs).
+    ``fixed_count``: megatron-core 0.19's dropless selection, sync-free (see :func:`_selection`)."""
     _check(tokens, routing_map, probs)
     backend = backend_for(tokens)
     if backend == "reference":
@@ -153,7 +162,7 @@ def permute(
         result = _permute_npu(tokens, routing_map, probs, num_out_tokens, drop_and_pad)
         if result is not None:
             return result
-    token_idx, flat_idx = _selection(routing_map, num_out_tokens, drop_and_pad)
+    token_idx, flat_idx = _selection(routing_map, num_out_tokens, drop_and_pad, fixed_count)
     permuted, permuted_probs = _Permute.apply(tokens, probs, token_idx, flat_idx)
     return permuted, permuted_probs, token_idx
 

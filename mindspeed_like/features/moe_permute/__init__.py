@@ -29,7 +29,7 @@ def patches(ctx: Context) -> list[Patch]:
         Patch(
             f"{MOE_UTILS}.permute",
             Kind.WRAP,
-            PermuteWrapper(),
+            PermuteWrapper(fixed_count=ctx.megatron_at_least("0.19")),
             why="every token dispatcher permutes through it (fused=True: TE names unbound without TE)",
         ),
         Patch(

@@ -45,7 +45,12 @@ from mindspeed_like.toolkit.fallback import Fallback
 
 @dataclass(frozen=True)
 class PermuteWrapper:
-    """``moe_utils.permute``: our kernel for every call, fused or not."""
+    """``moe_utils.permute``: our kernel for every call, fused or not. ``fixed_count``: megatron-core
+    0.19+ selects a dropless map's rows with an argsort cut at ``num_out_tokens`` (no host read);
+    the kernel does the same there, where older releases' ``masked_select`` (a host read) is
+    matched by ``nonzero``."""
+
+    fixed_count: bool = False
 
     def __call__(self, wrapped, instance, args, kwargs):
         from mindspeed_like.kernels.moe_permute import permute
@@ -57,6 +62,7 @@ class PermuteWrapper:
             probs=call["probs"],
             num_out_tokens=call["num_out_tokens"],
             drop_and_pad=call["drop_and_pad"],
+            fixed_count=self.fixed_count,
         )
         if "tokens_per_expert" in call:  # megatron-core 0.19: (..., pad_offsets, tokens_per_expert)
             return permuted, permuted_probs, sorted_indices, None, call["tokens_per_expert"]
