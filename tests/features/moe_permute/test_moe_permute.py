@@ -134,6 +134,29 @@ def test_pad_to_capacity_keeps_capacity_rows_per_expert_with_padding():
         assert not permuted_probs[e * capacity + routed : (e + 1) * capacity].any()
 
 
+def test_fixed_count_selection_is_nonzeros_without_a_host_read():
+    """megatron-core 0.19's dropless selection (argsort cut at num_out_tokens): the same rows as the
+    nonzero selection for a top-k map, and on a GPU (fake_cuda) no host round-trip where nonzero
+    makes one."""
+    from mindspeed_like.testing.fake_cuda import fake_cuda
+    from mindspeed_like.testing.host_round_trips import count_host_round_trips
+
+    routing_map, probs = _routing()
+    x = torch.randn(TOKENS, HIDDEN)
+    out_tokens = int(routing_map.sum())
+    plain = kernel.permute(x, routing_map, probs=probs, num_out_tokens=out_tokens)
+    fixed = kernel.permute(x, routing_map, probs=probs, num_out_tokens=out_tokens, fixed_count=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, fixed))
+    trips = {}
+    with fake_cuda():
+        gpu_map, gpu_x = routing_map.to("cuda"), x.to("cuda")
+        for fixed_count in (False, True):
+            with count_host_round_trips() as meter:
+                kernel.permute(gpu_x, gpu_map, num_out_tokens=out_tokens, fixed_count=fixed_count)
+            trips[fixed_count] = meter.total
+    assert trips == {False: 1, True: 0}, trips
+
+
 def test_unpermute_deterministic_mode_uses_index_add_like_megatron():
     from megatron.core.transformer.moe import moe_utils
 
