@@ -20,6 +20,9 @@ Lanes: ``avx2`` (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``: an A
 On a non-x86 host the lane says so and exits 0 (the variables name x86 ISAs).
 
     python -m mindspeed_like.testing.isa_lane [--lanes avx2 default] [--tests PATHS...] [-- PYTEST_ARGS...]
+
+``--exec LANE PYTHON_ARGS...`` runs one Python command in a lane's environment instead (how
+`make bench` measures the AVX2 records: ``--exec avx2 benchmarks/upcast_cpu_gemm.py ...``).
 """
 
 from __future__ import annotations
@@ -87,8 +90,23 @@ def header(lane: str, env: dict[str, str]) -> dict[str, str]:
     return facts
 
 
+def run_held(lane: str, python_args: list[str]) -> int:
+    """``python PYTHON_ARGS`` with torch and oneDNN held to ``lane``'s ISA (its Inductor cache kept
+    beside the default one, per lane); the header's capability is checked first."""
+    if lane not in LANES:
+        raise SystemExit(f"isa_lane --exec: unknown lane {lane!r}; choose one of {', '.join(sorted(LANES))}")
+    if not python_args:
+        raise SystemExit("isa_lane --exec LANE needs the Python arguments to run (a script or -m module)")
+    env = lane_env(lane, tempfile.gettempdir())
+    facts = header(lane, env)
+    print(f"== held to {lane}: {json.dumps(facts)}", flush=True)
+    return subprocess.run([sys.executable, *python_args], env=env, check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--exec"]:
+        return run_held(argv[1], argv[2:])
     extra: list[str] = []
     if "--" in argv:
         extra = argv[argv.index("--") + 1 :]
