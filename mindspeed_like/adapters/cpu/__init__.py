@@ -3,7 +3,8 @@
 Switched on when the device resolves to cpu (``--device cpu``, or ``auto`` without an NPU or a
 GPU). Its patches live in one module per area of megatron: ``rng``, ``norm``, ``devices``,
 ``optimizer``, ``moe``, ``schedules`` (pipeline parallelism), ``checkpointing``
-(``dist_checkpointing``) and ``context_parallel`` (the rotary embedding per CP rank); each
+(``dist_checkpointing``), ``context_parallel`` (the rotary embedding per CP rank) and
+``triton_kernels`` (megatron's Triton-only kernels, in torch operations); each
 module's docstring says why each target is the right one.
 Almost all of them run megatron's own function bodies as host twins (``host_view``):
 ``torch.cuda`` seen as the CPU, ``'cuda'`` constants read ``'cpu'``, ``x.cuda()`` read
@@ -22,6 +23,7 @@ from mindspeed_like.adapters.cpu import (
     optimizer,
     rng,
     schedules,
+    triton_kernels,
     yarn,
 )
 from mindspeed_like.toolkit.declaration import Feature, on_device
@@ -42,6 +44,7 @@ FEATURE = Feature(
         *context_parallel.PATCHES,
         *yarn.PATCHES,
         *mtp.PATCHES,
+        *triton_kernels.PATCHES,
     ],
     enabled=on_device("cpu"),
     backend="cpu",
