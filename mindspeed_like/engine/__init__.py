@@ -2,7 +2,16 @@
 
 from mindspeed_like.engine.engine import PatchEngine, distribution_version, wrappers_of
 from mindspeed_like.engine.locate import split_target
-from mindspeed_like.engine.patch import Deferred, Kind, Patch, PatchError, PatchRecord, PatchTargetError, StackingError
+from mindspeed_like.engine.patch import (
+    Deferred,
+    Kind,
+    Patch,
+    PatchError,
+    PatchRecord,
+    PatchTargetError,
+    StackingError,
+    pass_through,
+)
 
 __all__ = [
     "Deferred",
@@ -14,6 +23,7 @@ __all__ = [
     "PatchTargetError",
     "StackingError",
     "distribution_version",
+    "pass_through",
     "split_target",
     "wrappers_of",
 ]

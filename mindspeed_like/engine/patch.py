@@ -160,3 +160,10 @@ class PatchRecord:
     why: str = ""
     global_change: bool = False
     stack: tuple[str, ...] = ()
+
+
+def pass_through(wrapped, instance, args, kwargs):
+    """A WRAP patch's wrapper that changes nothing: the patch stands in the report for a change made
+    elsewhere (a finder on ``sys.meta_path``, a ``torch.library`` override), and the engine's call
+    counting sees each call of the wrapped function."""
+    return wrapped(*args, **kwargs)

@@ -21,7 +21,7 @@ torch_npu's ``transfer_to_npu``.
 
 from __future__ import annotations
 
-from mindspeed_like.engine import Kind, Patch
+from mindspeed_like.engine import Kind, Patch, pass_through
 from mindspeed_like.toolkit import transformer_engine
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 
@@ -29,16 +29,11 @@ NAME = "te-client-module"
 FINDER = "mindspeed_like.te_shim.finder.ClientModuleFinder.find_spec"
 
 
-def _find_spec(wrapped, instance, args, kwargs):
-    # Marker wrapper: the report entry stands for the finder's place on sys.meta_path.
-    return wrapped(*args, **kwargs)
-
-
 PATCHES = [
     Patch(
         FINDER,
         Kind.WRAP,
-        _find_spec,
+        pass_through,  # the report entry stands for the finder's place on sys.meta_path
         global_change=True,
         why="appended to sys.meta_path: `import transformer_engine` (and .pytorch, .common.recipe) gives clients our "
         "TE-compatible module; never megatron-core, never over a real TE",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from mindspeed_like.engine import Kind, Patch
+from mindspeed_like.engine import Kind, Patch, pass_through
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 from mindspeed_like.toolkit.fallback import Fallback
 
@@ -28,16 +28,11 @@ NAME = "upcast-cpu-gemm"
 TAKEN = "mindspeed_like.kernels.host_gemm.in_fp32"
 
 
-def _taken(wrapped, instance, args, kwargs):
-    # Pass-through: the engine counts the calls (GEMMs computed in fp32); the report lists the override.
-    return wrapped(*args, **kwargs)
-
-
 PATCHES = [
     Patch(
         TAKEN,
         Kind.WRAP,
-        _taken,
+        pass_through,  # the engine counts the GEMMs computed in fp32; the report lists the override
         global_change=True,
         why="torch.library override of aten mm/addmm/bmm/baddbmm (functional, out=, in-place) at ADInplaceOrView "
         "and SDPA's CPU flash backward at AutogradCPU: bf16/fp16 CPU GEMMs computed in fp32 and rounded once, "
