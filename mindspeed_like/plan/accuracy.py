@@ -102,6 +102,15 @@ def measured_with_bf16_units(record: dict[str, Any]) -> bool:
     return bool(record["host"].get("cpu_bf16_gemm", True))
 
 
+def host_text(record: dict[str, Any]) -> str:
+    """``""``, or what sets a CPU record's host apart from the bf16-GEMM one most records ran on:
+    the ISA torch ran at where bf16 GEMMs ran in fp32 (an AVX2 host, or one held to AVX2)."""
+    if record["host"].get("device", "cpu") != "cpu" or measured_with_bf16_units(record):
+        return ""
+    isa = (record["host"].get("cpu_isa") or {}).get("aten_cpu_capability", "no bf16 units")
+    return f", {isa}"
+
+
 def cases_of(path: Path) -> list[Case]:
     """Both arms of one compare record, predicted from the record's own options."""
     from mindspeed_like.plan import features, theory
@@ -143,7 +152,8 @@ def cases_of(path: Path) -> list[Case]:
         theory_arm = None
         if theory_figures is not None and arm.name == "megatron":
             theory_arm = {k: theory_figures[k] for k in ("model_state_bytes", "activations_bytes")}
-        label = f"{options['preset']} {size}, {layout_text(options)}"
+        precision = ", fp32" if options.get("fp32") else ""
+        label = f"{options['preset']} {size}, {layout_text(options)}{precision}{host_text(rec)}"
         if arm.name == "features":
             level = flags.get("optimization_level")
             label += f", level {level}" if level is not None else ", " + ", ".join(sorted(flags))

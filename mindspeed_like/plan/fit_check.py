@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mindspeed_like.plan.accuracy import compare_records
+from mindspeed_like.plan.accuracy import compare_records, host_text
 from mindspeed_like.plan.fit import DEFAULT_HEADROOM
 from mindspeed_like.toolkit import records
 
@@ -83,7 +83,9 @@ def grouped() -> dict[tuple, list[dict[str, Any]]]:
         level = (rec["options"].get("flags") or {}).get("optimization_level")
         if level is None or set(rec["options"].get("flags") or {}) - {"optimization_level"}:
             continue
-        groups.setdefault(_key(rec["options"]), []).append(rec)
+        # one host kind a group: levels measured where bf16 GEMMs run natively and where they run in
+        # fp32 (an AVX2 host) are not one configuration's levels
+        groups.setdefault((*_key(rec["options"]), host_text(rec)), []).append(rec)
     return {k: v for k, v in groups.items() if len({(r["options"]["flags"]["optimization_level"]) for r in v}) >= 2}
 
 
@@ -132,7 +134,7 @@ def cases() -> list[FitCase]:
 
         out.append(
             FitCase(
-                label=f"{label}, {layout_text(options)}",
+                label=f"{label}, {layout_text(options)}{', fp32' if options.get('fp32') else ''}{host_text(recs[0])}",
                 options=options,
                 levels=levels,
                 budget=budget,
