@@ -100,6 +100,9 @@ print("PARITY " + json.dumps(dict(fp32=ref, bf16=off, bf16_upcast=on, installed=
 """
 
 
+# slow (make test-all): `make test-isa` runs test_gpt_bf16_parity_forced held to AVX2, where
+# megatron's arm is torch's own AVX2 bf16 kernels, the same comparison in the lane's process
+@pytest.mark.slow
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="ONEDNN_MAX_CPU_ISA=AVX2 is an x86 ISA")
 def test_gpt_bf16_parity_held_to_avx2():
     """In a fresh process held to AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY): the probe finds
