@@ -3,8 +3,9 @@
 Switched on when the device resolves to cpu (``--device cpu``, or ``auto`` without an NPU or a
 GPU). Its patches live in one module per area of megatron: ``rng``, ``norm``, ``devices``,
 ``optimizer``, ``moe``, ``schedules`` (pipeline parallelism), ``checkpointing``
-(``dist_checkpointing``), ``context_parallel`` (the rotary embedding per CP rank) and
-``triton_kernels`` (megatron's Triton-only kernels, in torch operations); each
+(``dist_checkpointing``), ``context_parallel`` (the rotary embedding per CP rank),
+``triton_kernels`` (megatron's Triton-only kernels, in torch operations) and ``hybrid_optimizer``
+(``--optimizer-cpu-offload``'s optimizer on one device); each
 module's docstring says why each target is the right one.
 Almost all of them run megatron's own function bodies as host twins (``host_view``):
 ``torch.cuda`` seen as the CPU, ``'cuda'`` constants read ``'cpu'``, ``x.cuda()`` read
@@ -17,6 +18,7 @@ from mindspeed_like.adapters.cpu import (
     checkpointing,
     context_parallel,
     devices,
+    hybrid_optimizer,
     moe,
     mtp,
     norm,
@@ -45,6 +47,7 @@ FEATURE = Feature(
         *yarn.PATCHES,
         *mtp.PATCHES,
         *triton_kernels.PATCHES,
+        *hybrid_optimizer.PATCHES,
     ],
     enabled=on_device("cpu"),
     backend="cpu",

@@ -50,7 +50,7 @@ FAILURE_RULES: list[Rule] = [
     ),
     _rule(
         "asserts-cuda-device",
-        r"'cpu' == 'cuda'|device\(type='cpu'\) == device\(type='cuda'",
+        r"'cpu' == 'cuda'|device\(type='cpu'\) == device\(type='cuda'|where False = .*\.is_cuda\b",
         "the test asserts its tensors are on a CUDA device",
     ),
     _rule(
@@ -79,8 +79,8 @@ FAILURE_RULES: list[Rule] = [
     _rule(
         "hybrid-device-optimizer",
         r"HybridDeviceOptimizer|hybrid_optimizer|cpu_offloading",
-        "megatron's CPU-offloading HybridDeviceOptimizer: the parameters after its steps differ from the reference "
-        "optimizer's on the host (test_optimizer_cpu_offloading compares them); not yet investigated",
+        "megatron's CPU-offloading HybridDeviceOptimizer on one device: the cpu adapter splits its parameters as "
+        "megatron does on a GPU (adapters/cpu/hybrid_optimizer.py); a failure left here is its own",
     ),
     _rule(
         "te-cpp-extensions",
