@@ -46,8 +46,16 @@ _said = False
 
 
 def stay(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``Tensor.cuda`` / ``Module.cuda``: the object itself (called through the class: its first argument)."""
-    return instance if instance is not None else args[0]
+    """``Tensor.cuda`` / ``Module.cuda``: the object itself (called through the class: its first argument).
+
+    Except a tensor whose elements share memory (an ``expand()``ed view): the copy to a GPU
+    materializes it, so code writes into the result row by row (Megatron-LM's LLaVA test builds its
+    ``input_ids`` as ``arange(n).expand(5, n).cuda()`` and sets one token per row); left as the
+    view, every write would land in every row. It gets a dense copy, as on a GPU."""
+    obj = instance if instance is not None else args[0]
+    if isinstance(obj, torch.Tensor) and torch._debug_has_internal_overlap(obj) == 1:  # MemOverlap::Yes
+        return obj.clone(memory_format=torch.contiguous_format)
+    return obj
 
 
 def current_device() -> torch.device:

@@ -38,6 +38,7 @@ from mindspeed_like.engine import Deferred, Kind, Patch
 from mindspeed_like.te_backend import megatron_names
 from mindspeed_like.te_backend.fallbacks import TransformerConfigFallbacks
 from mindspeed_like.te_backend.megatron_names import EXTENSION, SPEC_PROVIDER
+from mindspeed_like.te_backend.vision_norm import CLIP_VIT, NormFromTheBackend
 from mindspeed_like.toolkit import transformer_engine
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 
@@ -107,6 +108,14 @@ def patches(ctx: Context) -> list[Patch]:
             Kind.WRAP,
             TransformerConfigFallbacks(ctx.fallback(NAME, instead="megatron's unfused path")),
             why="TE-only fusions clients set in code (moe_permute_fusion) switched off, said once (fallbacks.py)",
+        )
+    )
+    result.append(
+        Patch(
+            f"{CLIP_VIT}.CLIPViTModel.__init__",
+            Kind.WRAP,
+            NormFromTheBackend(),
+            why="its NORM_IMPL default is torch's LayerNorm without TE, which takes no config= (vision_norm.py)",
         )
     )
     spec_provider_names = megatron_names.names_of(SPEC_PROVIDER)

@@ -91,3 +91,14 @@ def test_refused_where_the_device_is_not_the_host():
     object.__setattr__(ctx, "device", "cuda")
     with pytest.raises(ConfigError, match="for a CPU host"):
         transfer_to_host.FEATURE.validate(ctx)
+
+
+def test_an_expanded_view_is_materialized_as_the_copy_to_a_gpu_would(cpu_config):
+    """``arange(n).expand(5, n).cuda()`` then one write per row (Megatron-LM's LLaVA test): on a GPU
+    the copy is dense, so each write stays in its row; a tensor that owns its memory stays itself."""
+    cpu_config(transfer_to_host=True)
+    ids = torch.arange(8).expand(3, 8).cuda()
+    ids[0, 0] = -1
+    assert ids[:, 0].tolist() == [-1, 0, 0] and ids.is_contiguous()
+    dense = torch.zeros(3, 8)
+    assert dense.cuda() is dense
