@@ -206,3 +206,18 @@ def test_the_persistent_checkpoint_worker_is_refused_only_with_async_save():
     with pytest.raises(ConfigError, match="--use-persistent-ckpt-worker: the persistent async-save worker"):
         refuse_host_unsupported(argparse.Namespace(use_persistent_ckpt_worker=True, async_save=True))
     refuse_host_unsupported(argparse.Namespace(use_persistent_ckpt_worker=True, async_save=False))
+
+
+def test_partial_optimizer_offload_is_refused_and_a_whole_one_runs():
+    """--optimizer-cpu-offload runs on a host (the cpu adapter's HybridDeviceOptimizer on one
+    device); below fraction 1.0 Megatron-LM's run trained visibly slower, so it is refused, naming
+    the fraction that works."""
+    import argparse
+
+    from mindspeed_like.adapters.cpu_training.arguments import refuse_host_unsupported
+    from mindspeed_like.toolkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--optimizer-offload-fraction: below 1.0"):
+        refuse_host_unsupported(argparse.Namespace(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5))
+    refuse_host_unsupported(argparse.Namespace(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0))
+    refuse_host_unsupported(argparse.Namespace(optimizer_cpu_offload=False, optimizer_offload_fraction=0.5))

@@ -11,11 +11,13 @@ only hand-kept part, and it cannot drift from the installed source.
 ``refused_flags`` are Megatron-LM arguments (``args`` attribute names) whose code is listed here
 and was SEEN to crash on a host (each run through pretrain_gpt.py with the import line, issue 37:
 --record-memory-history, --log-device-memory-used (at iteration 1), --init-model-with-meta-device,
---batch-invariant-mode, --use-torch-fsdp2, --use-megatron-fsdp, --optimizer-cpu-offload and
---fine-grained-activation-offloading; the flag sweep, ``make test-megatron-lm-flags``: --profile
-without --use-pytorch-profiler); the cpu-training-loop refuses them at start-up with the entry's
-reason (``cpu_training.arguments.refuse_host_unsupported``) instead, unless an argument of the
-entry's ``unless`` takes the flag off its CUDA path. A flag listed without
+--batch-invariant-mode, --use-torch-fsdp2, --use-megatron-fsdp and --fine-grained-activation-offloading;
+--optimizer-cpu-offload was one until the cpu adapter ran its optimizer on one device (hybrid_optimizer.py;
+below offload fraction 1.0 ``refuse_host_unsupported`` still refuses it, measured to train slower);
+the flag sweep, ``make test-megatron-lm-flags``: --profile without --use-pytorch-profiler); the
+cpu-training-loop refuses them at start-up with the entry's reason
+(``cpu_training.arguments.refuse_host_unsupported``) instead, unless an argument of the entry's
+``unless`` takes the flag off its CUDA path. A flag listed without
 a refusal was not seen to crash (--log-straggler and --log-energy train) or was not tried.
 
 An entry whose functions exist only in some megatron-core releases declares them (``versions``, a
@@ -117,11 +119,6 @@ NOT_ADAPTED: tuple[NotAdapted, ...] = (
         "activation offloading to the host (--fine-grained-activation-offloading): the activations are on the host",
         ("fine_grained_activation_offloading",),
         versions=">=0.16",
-    ),
-    NotAdapted(
-        f"{CORE}.optimizer.cpu_offloading",
-        "optimizer offloading to the host (--optimizer-cpu-offload): the optimizer is on the host",
-        ("optimizer_cpu_offload",),
     ),
     NotAdapted(f"{CORE}.extensions.transformer_engine", "TE's wrappers: the te-backend binds its own classes in place"),
     NotAdapted(f"{CORE}.ssm", "Mamba / gated delta net layers: their kernels (mamba_ssm, causal_conv1d) are CUDA"),
