@@ -46,13 +46,12 @@ Backends (``mindspeed_like.kernels.backend.backend_for``):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 
 from mindspeed_like.kernels.backend import backend_for
-from mindspeed_like.kernels.host_gemm import low_precision_gemm_is_slow
+from mindspeed_like.kernels.host_gemm import fp32_compute, low_precision_gemm_is_slow
 from mindspeed_like.kernels.row_buckets import row_buckets
 
 MAX_NPU_GROUPS = 1024
@@ -95,18 +94,12 @@ def check_gmm_args(a: torch.Tensor, b: torch.Tensor, counts: list[int], trans_b:
         )
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_has_bf16_gemm() -> bool:
-    """Whether torch's bf16 GEMM is the fast one in this process: the one-time probe of
-    :mod:`mindspeed_like.kernels.host_gemm` (the GEMM speed this process really gets, so it honours
-    ``ONEDNN_MAX_CPU_ISA``/``ATEN_CPU_CAPABILITY``; /proc/cpuinfo's flags do not). The same
-    decision as the upcast-cpu-gemm feature's: one per process."""
+    """Whether torch's bf16 GEMM is the fast one in this process: :mod:`mindspeed_like.kernels.host_gemm`'s
+    one-time probe (the GEMM speed this process really gets, so it honours ``ONEDNN_MAX_CPU_ISA`` /
+    ``ATEN_CPU_CAPABILITY``; /proc/cpuinfo's flags do not). Asked by plan and compare's record; the
+    kernel decides per tensor with :func:`fp32_compute`, the same probe's per-dtype answer."""
     return not low_precision_gemm_is_slow(torch.bfloat16)
-
-
-def fp32_compute(t: torch.Tensor) -> bool:
-    """Whether a portable GEMM on ``t`` runs in fp32 on upcast inputs (see the module docstring)."""
-    return t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and not cpu_has_bf16_gemm()
 
 
 def _mat(b_e: torch.Tensor, trans_b: bool) -> torch.Tensor:

@@ -282,13 +282,12 @@ def test_emulator_documented_calls_and_no_autograd():
 
 @pytest.mark.parametrize("fp32", [False, True], ids=["bf16-kernels", "fp32-compute"])
 @pytest.mark.parametrize("engine", [None, "loop"], ids=["auto", "loop"])
-def test_bf16_fp32_compute_path(monkeypatch, fp32, engine):
+def test_bf16_fp32_compute_path(bf16_gemms, fp32, engine):
     """bf16 on a CPU without bf16 dot-product units runs each GEMM in fp32 on the upcast inputs and
     rounds once: within the bf16 tolerance of float64 like torch's bf16 kernels, and each result
     is exactly the fp32 GEMM rounded to bf16 (forward, dA, dB). Both paths are forced here,
     whatever this host's CPU has."""
-    gg.cpu_has_bf16_gemm.cache_clear()
-    monkeypatch.setattr(gg, "cpu_has_bf16_gemm", lambda: not fp32)
+    bf16_gemms("fp32" if fp32 else "native")
     counts, k, n = [24, 0, 40, 8], 32, 48
     a, b, grad = _inputs(counts, k, n, torch.bfloat16, True, 11)
     assert gg.fp32_compute(a) is fp32 and not gg.fp32_compute(a.float())
@@ -316,14 +315,11 @@ def test_cpu_bf16_gemm_is_the_host_gemm_probes_decision(monkeypatch):
     for value, has_units in (("fp32", False), ("native", True)):
         monkeypatch.setenv(host_gemm.ENV, value)
         host_gemm.probe.cache_clear()
-        gg.cpu_has_bf16_gemm.cache_clear()
         assert gg.cpu_has_bf16_gemm() is has_units
         assert gg.fp32_compute(torch.empty(2, dtype=torch.bfloat16)) is not has_units
     monkeypatch.undo()
     host_gemm.probe.cache_clear()
-    gg.cpu_has_bf16_gemm.cache_clear()
     assert gg.cpu_has_bf16_gemm() is not host_gemm.probe().fp32_faster
-    gg.cpu_has_bf16_gemm.cache_clear()
 
 
 def test_row_buckets_are_few_idempotent_and_tight():
@@ -350,12 +346,10 @@ def bf16_gemms(monkeypatch):
     def force(decision: str) -> None:
         monkeypatch.setenv(host_gemm.ENV, decision)
         host_gemm.probe.cache_clear()
-        gg.cpu_has_bf16_gemm.cache_clear()
 
     yield force
     monkeypatch.undo()
     host_gemm.probe.cache_clear()
-    gg.cpu_has_bf16_gemm.cache_clear()
 
 
 def test_no_row_buckets_where_bf16_gemms_run_in_fp32(bf16_gemms):
