@@ -102,6 +102,13 @@ def measured_with_bf16_units(record: dict[str, Any]) -> bool:
     return bool(record["host"].get("cpu_bf16_gemm", True))
 
 
+def run_text(record: dict[str, Any]) -> str:
+    """How a compare record ran, after its model size in a case's label: the layout, fp32 where
+    it did not train in bf16, and the host where it was not the bf16-GEMM one (:func:`host_text`)."""
+    options = record["options"]
+    return f"{layout_text(options)}{', fp32' if options.get('fp32') else ''}{host_text(record)}"
+
+
 def host_text(record: dict[str, Any]) -> str:
     """``""``, or what sets a CPU record's host apart from the bf16-GEMM one most records ran on:
     the ISA torch ran at where bf16 GEMMs ran in fp32 (an AVX2 host, or one held to AVX2)."""
@@ -152,8 +159,7 @@ def cases_of(path: Path) -> list[Case]:
         theory_arm = None
         if theory_figures is not None and arm.name == "megatron":
             theory_arm = {k: theory_figures[k] for k in ("model_state_bytes", "activations_bytes")}
-        precision = ", fp32" if options.get("fp32") else ""
-        label = f"{options['preset']} {size}, {layout_text(options)}{precision}{host_text(rec)}"
+        label = f"{options['preset']} {size}, {run_text(rec)}"
         if arm.name == "features":
             level = flags.get("optimization_level")
             label += f", level {level}" if level is not None else ", " + ", ".join(sorted(flags))

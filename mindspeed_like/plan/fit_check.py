@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mindspeed_like.plan.accuracy import compare_records, host_text
+from mindspeed_like.plan.accuracy import compare_records, host_text, run_text
 from mindspeed_like.plan.fit import DEFAULT_HEADROOM
 from mindspeed_like.toolkit import records
 
@@ -130,11 +130,9 @@ def cases() -> list[FitCase]:
             result = fit(run, features.resolve(values={"optimization_level": 2}), int(budget), None)
         chosen = result.best or result.leanest
         label = f"{options['preset']} {options['num_layers']}L h{options['hidden_size']} s{options['seq_length']}"
-        from mindspeed_like.plan.accuracy import layout_text
-
         out.append(
             FitCase(
-                label=f"{label}, {layout_text(options)}{', fp32' if options.get('fp32') else ''}{host_text(recs[0])}",
+                label=f"{label}, {run_text(recs[0])}",
                 options=options,
                 levels=levels,
                 budget=budget,
