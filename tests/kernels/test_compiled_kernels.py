@@ -187,13 +187,13 @@ def test_compiled_rope_equals_eager(dtype, mode, rot_dim, monkeypatch):
     compiled.set_mode("compiled")
     compiled._compiled.clear()
     out, (dx,) = _with_grads(lambda x: compiled.rope(x, cos, signed, mode == "interleave"), t)
-    assert compiled._compiled["rope"] is not compiled.rope_math  # compiled, not the eager fallback
+    assert compiled._compiled[("rope", "cpu")] is not compiled.rope_math  # compiled, not the eager fallback
     ref, (ref_dx,) = _with_grads(lambda x: rope_kernel._PortableRope.apply(x, cos, sin, mode), t)
     _close(out, ref, dtype)
     _close(dx, ref_dx, dtype)
     compiled._compiled.clear()
     rope_kernel.apply_rope(t, freqs, mode=mode, backend="portable")
-    assert ("rope" in compiled._compiled) == (rot_dim < t.shape[-1])
+    assert (("rope", "cpu") in compiled._compiled) == (rot_dim < t.shape[-1])
 
 
 @pytest.mark.compile
@@ -225,7 +225,8 @@ def test_gpt_with_varying_batch_sizes_compiles_once(monkeypatch):
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         assert graphs[0] > 0 and graphs[1] == graphs[-1], f"unique compiled graphs after each step: {graphs}"
         for name in ("swiglu", "swiglu_backward", "rms_norm", "rms_norm_backward", "rope", "rope_backward"):
-            assert name in compiled._compiled and compiled._compiled[name] is not getattr(compiled, f"{name}_math")
+            assert (name, "cpu") in compiled._compiled
+            assert compiled._compiled[(name, "cpu")] is not getattr(compiled, f"{name}_math")
     finally:
         destroy_parallel()
 
