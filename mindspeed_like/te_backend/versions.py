@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from packaging.version import Version
 
-TE_LAYERS_API = Version("2.0.0")
+TE_LAYERS_API = Version("2.1.0")
 """TE 2.x's megatron-facing layer contract: ``_extra_state`` as uint8 tensors, RMSNorm, GQA,
-grouped linears (1.9+), separate K/V head dims (1.10+). Features of later TE releases that the
-spec code gates on versions (op fuser, activation ops) are refused by name instead."""
+grouped linears (1.9+), separate K/V head dims (1.10+). 2.1, not 2.0: megatron-core 0.13-0.19 gate
+nothing of the layer API on 2.1 (read from their source: only fp8, refused, and FusedAdam's
+``store_param_remainders``, which the precision-aware feature's Adam implements and answers 2.1 for),
+so one process answers one TE version; megatron's own tests gate the TE grouped GEMM on 2.1 (the
+grouped linears here). Features of later TE releases that the spec code gates on versions (op fuser,
+activation ops) are refused by name instead."""
 
 
 def te_layers_version() -> Version:

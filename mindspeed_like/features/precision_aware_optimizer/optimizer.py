@@ -37,12 +37,14 @@ from dataclasses import dataclass
 import torch
 from packaging.version import Version
 
+from mindspeed_like.te_backend.versions import TE_LAYERS_API
 from mindspeed_like.toolkit.binding import Call
 from mindspeed_like.toolkit.errors import LevelConflict
 
-TE_API = Version("2.1.0")
+TE_API = TE_LAYERS_API
 """The TE FusedAdam API our Adam implements (keywords, initialize_state, get_unscaled_state /
-set_scaled_state, store_param_remainders): megatron's checks of TE >= this pass without TE."""
+set_scaled_state, store_param_remainders; TE 2.1's): megatron's checks of TE >= this pass without TE.
+The te-backend's layer API answers the same version, so a process sees one TE version."""
 
 CONFIG_MODULE = "megatron.core.optimizer.optimizer_config"
 OPTIMIZER_MODULE = "megatron.core.optimizer"

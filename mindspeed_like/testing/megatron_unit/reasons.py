@@ -39,7 +39,7 @@ FAILURE_RULES: list[Rule] = [
     _rule(
         "needs-transformer-engine",
         r"Please install TE|apply_rope_fusion is not available|requires? (?:TE|TransformerEngine) ?(?:>=|version)",
-        "real TransformerEngine (the te-backend reports 2.0.0 and refuses TE-only features)",
+        "real TransformerEngine (the te-backend reports 2.1.0 and refuses TE-only features)",
     ),
     _rule(
         "te-names-unbound",
@@ -162,7 +162,7 @@ SKIP_RULES: list[Rule] = [
     _rule(
         "needs-transformer-engine",
         r"(?i)transformer.?engine|\bTE\b|te_version|is_te_min_version",
-        "real TransformerEngine (the te-backend reports 2.0.0 and refuses TE-only features)",
+        "real TransformerEngine (the te-backend reports 2.1.0 and refuses TE-only features)",
     ),
     _rule("triton-kernel-no-gpu", r"0 active drivers|Triton|triton", "megatron's Triton kernels need a GPU"),
     _rule(
