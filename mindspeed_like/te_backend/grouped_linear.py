@@ -54,6 +54,20 @@ def _rank(group) -> int:
     return 0 if group is None else torch.distributed.get_rank(group)
 
 
+def _merge_extra_states(module: TEGroupedLinear, state_dict: dict, prefix: str, *_args: Any) -> None:
+    """``_extra_state1`` .. ``_extra_state{N-1}`` into the one ``_extra_state`` the module has, as
+    megatron's TEGroupedLinear does on load: its sharded state dict writes one per expert (so does
+    :meth:`TEGroupedLinear.sharded_state_dict`), a distributed checkpoint loads them all back, and a
+    strict ``load_state_dict`` would otherwise call them unexpected. The first non-empty one stands
+    for all (fp8 scaling state, which ``set_extra_state`` drops, saying so)."""
+    extras = [state_dict.pop(f"{prefix}_extra_state{e}", None) for e in range(1, module.num_gemms)]
+    first = state_dict.get(f"{prefix}_extra_state")
+    if first is None or (isinstance(first, torch.Tensor) and first.numel() == 0):
+        filled = [x for x in extras if x is not None and not (isinstance(x, torch.Tensor) and x.numel() == 0)]
+        if filled:
+            state_dict[f"{prefix}_extra_state"] = filled[0]
+
+
 class TEGroupedLinear(TEExtraState, torch.nn.Module):
     """megatron's ``TEGroupedLinear`` contract (experts only, as in megatron)."""
 
@@ -130,6 +144,7 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
                 self.register_parameter(f"bias{e}", b)
         for param in self.parameters():
             param.allreduce = not (is_expert and self.expert_parallel)
+        self._register_load_state_dict_pre_hook(_merge_extra_states, with_module=True)
 
     def weights(self) -> list[torch.Tensor]:
         return [getattr(self, f"weight{e}") for e in range(self.num_gemms)]

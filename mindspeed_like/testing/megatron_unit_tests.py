@@ -127,6 +127,7 @@ class _State:
         self.current_dir: str | None = None
         self.dir_started = time.monotonic()
         self.child_out = open(self.child, "a") if self.child else None  # noqa: SIM115 - closed at sessionfinish
+        self.process_group_broken = False  # a rank: a test broke its gloo connections (it exits after it)
 
 
 _STATE = pytest.StashKey[_State]()
@@ -345,12 +346,22 @@ _CONFIG: list[pytest.Config] = []  # the session's config, for the rank reports 
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """In a rank: every phase report as one JSON line for the launching process."""
+    """In a rank: every phase report as one JSON line for the launching process.
+
+    A test whose collective broke the rank's gloo connections (a peer failed mid-collective: "Connection
+    closed by peer", "Timed out waiting ... for recv", "pair closure") leaves the default group dead for
+    every later test of the launch (each then fails in its teardown's barrier). The rank reports the
+    test, then exits; the launcher relaunches the rest of the group on fresh ranks."""
     state = _state(_CONFIG[-1]) if _CONFIG else None
     if state is not None and state.child_out is not None:
         data = _CONFIG[-1].hook.pytest_report_to_serializable(config=_CONFIG[-1], report=report)
         state.child_out.write(json.dumps(data, default=str) + "\n")
         state.child_out.flush()
+        if report.failed and ranks.broke_the_process_group(str(report.longrepr)):
+            state.process_group_broken = True
+        if report.when == "teardown" and state.process_group_broken:
+            state.child_out.close()
+            os._exit(ranks.BROKEN_GROUP_EXIT)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -236,3 +236,37 @@ def test_pieces_merge_into_one_level_record(tmp_path: Path) -> None:
     assert record["extra"]["collected"] == 2 and record["extra"]["passed"] == 2
     assert record["extra"]["wall_s_per_world_size"] == {"2": 2.0}
     assert len(record["options"]["pieces"]) == 2 and record["options"]["level"] == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    [  # what the ranks of one dist_checkpointing launch reported when rank 0 failed mid-collective
+        "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+        "peer [127.0.0.1]:5331. This is typically caused by a remote worker crashing.",
+        "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+        "waiting 120000ms for recv operation to complete",
+        "RuntimeError: Application timeout caused pair closure",
+    ],
+)
+def test_a_broken_gloo_group_is_recognised(text: str) -> None:
+    assert ranks.broke_the_process_group(text)
+
+
+def test_ordinary_failures_do_not_end_a_rank() -> None:
+    assert not ranks.broke_the_process_group("RuntimeError: world_size (4) is not divisible by 8")
+    assert not ranks.broke_the_process_group("AssertionError: assert tensor(False)")
+
+
+class _Exited:
+    def __init__(self, code: int | None) -> None:
+        self.code = code
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+def test_after_a_broken_group_only_the_breaking_test_is_charged() -> None:
+    """Rank 1 exits after test a broke its group; rank 0 had started b: b is relaunched, not failed."""
+    procs = [_Exited(None), _Exited(ranks.BROKEN_GROUP_EXIT)]
+    assert ranks._relaunch_after(procs, {0: "b", 1: "a"}) == "a"
+    assert ranks._relaunch_after([_Exited(None), _Exited(1)], {0: "b", 1: "a"}) is None  # a crash: as before

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,19 @@ from pathlib import Path
 from mindspeed_like.testing.parallel import free_port
 
 STARTUP_S = float(os.environ.get("MEGATRON_UNIT_STARTUP_S", "900"))
+BROKEN_GROUP_EXIT = 3
+"""A rank's exit status after a test broke its gloo connections (the launcher relaunches the rest)."""
+_BROKEN_GROUP = re.compile(
+    r"gloo/transport/tcp/|Connection closed by peer|caused pair closure|Timed out waiting \d+ms for (recv|send)"
+)
+
+
+def broke_the_process_group(failure_text: str) -> bool:
+    """Whether a failure is gloo's transport giving up (a peer died or left mid-collective): the
+    rank's default group is then unusable for any later test."""
+    return bool(_BROKEN_GROUP.search(failure_text))
+
+
 SEVERITY = {"passed": 0, "skipped": 1, "failed": 2}
 
 
@@ -73,6 +87,15 @@ def _stalled_report(nodeid: str, why: str, rank_logs: list[Path]) -> dict:
         "duration": 0.0,
         "_harness": True,
     }
+
+
+def _relaunch_after(procs: list[subprocess.Popen], started: dict[int, str]) -> str | None:
+    """The test after which a rank exited because it broke the rank's process group (its report is
+    in; the tests the other ranks started after it are not failures and rerun), or None."""
+    for rank, proc in enumerate(procs):
+        if proc.poll() == BROKEN_GROUP_EXIT:
+            return started.get(rank, "")
+    return None
 
 
 def launch(
@@ -172,6 +195,8 @@ def _launch_once(
             limit = stall_s if started else max(stall_s, STARTUP_S)
             stalled = time.monotonic() - last_progress > limit
             died = not all(alive) and time.monotonic() - last_progress > 30
+            if died and _relaunch_after(procs, started) is not None:
+                break  # a rank left a broken group: the others' current test reruns on fresh ranks
             if stalled or died:
                 current = started.get(0) or next(iter(started.values()), None)
                 why = (
@@ -196,7 +221,8 @@ def _launch_once(
     # a rank that exited without finishing the test it started (crash): that test failed
     if len(done) < len(nodeids):
         current = started.get(0) or next(iter(started.values()), None)
-        if current and current not in done:
+        breaker = _relaunch_after(procs, started)
+        if current and current not in done and (breaker is None or current == breaker):
             result = RankResult(
                 current, {"call": [_stalled_report(current, f"ranks exited {[p.returncode for p in procs]}", logs)]}
             )

@@ -134,8 +134,10 @@ FAILURE_RULES: list[Rule] = [
     _rule(
         "missing-package",
         r"ModuleNotFoundError|No module named|ImportError"
-        r"|is not (?:available|installed)\. Please (?:run `)?pip install",
-        "an optional package the test needs (apex, flash_attn, nvidia-resiliency, ...): not installable on a CPU host",
+        r"|is not (?:available|installed)\. Please (?:run `)?pip install|Emerging Optimizers is not installed",
+        "an optional package the test needs (apex, flash_attn, nvidia-resiliency, mamba-ssm, grouped_gemm; "
+        "emerging_optimizers, which megatron's Muon asserts, is on GitHub only): not installable from PyPI "
+        "on a CPU host",
     ),
     _rule("memory", r"MemoryError|out of memory|Cannot allocate memory|Killed", "the test is sized for a GPU's memory"),
     _rule(
