@@ -71,12 +71,42 @@ def initialise_unstepped(optimizer: Any) -> list[torch.Tensor]:
         return []
     params = _inner_params(inner)
     init(inner, getattr(optimizer, "config", None))
+    _add_first_steps(inner)
+    return [param for param in params if param in inner.state]
+
+
+def _add_first_steps(inner: Any) -> None:
+    """torch's Adam/AdamW: every state without a ``step`` gets the first step's (0)."""
     if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
         for group in inner.param_groups:
             for param in group["params"]:
                 if param in inner.state and "step" not in inner.state[param]:
                     inner.state[param]["step"] = _first_step(group, param)
-    return [param for param in params if param in inner.state]
+
+
+class _InitStateWithStep:
+    """megatron's ``init_state_fn`` for Adam writes ``exp_avg`` / ``exp_avg_sq`` only: the state of
+    TE's or apex's FusedAdam, which keep the step in the param groups. Without them megatron drives
+    torch's Adam/AdamW, whose state must hold a per-parameter ``step``: the next ``optimizer.step()``
+    raised ``KeyError: 'step'``, so did the DistributedOptimizer's ``state_dict`` (megatron's own
+    dist_checkpointing/test_optimizer.py, which initialises the state so before saving). The states
+    it creates get the first step's ``step`` (0), as torch's first step would."""
+
+    def __init__(self, init: Any) -> None:
+        self.init = init
+
+    def __call__(self, opt: Any, config: Any = None) -> Any:
+        result = self.init(opt, config)
+        _add_first_steps(opt)
+        return result
+
+
+def _init_state_fn_with_step(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    init = getattr(instance, "init_state_fn", None)
+    if init is not None and not isinstance(init, _InitStateWithStep):
+        instance.init_state_fn = _InitStateWithStep(init)
+    return result
 
 
 def _forget(optimizer: Any, params: list[torch.Tensor]) -> None:
@@ -111,6 +141,12 @@ def _keep_zero_step(instance: Any, result: dict, made: list[torch.Tensor]) -> No
 
 
 PATCHES = [
+    Patch(
+        f"{OPTIMIZER}.MegatronOptimizer.__init__",
+        Kind.WRAP,
+        _init_state_fn_with_step,
+        why="init_state_fn's Adam states get torch's per-parameter step (it wrote FusedAdam's, without one)",
+    ),
     Patch(
         f"{FLOAT16}.sharded_state_dict",
         Kind.WRAP,

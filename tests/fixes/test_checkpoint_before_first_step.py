@@ -99,3 +99,22 @@ def test_a_checkpoint_saved_before_the_first_step_loads(adaptor, tmp_path, fp16,
     assert states and all(set(s) >= {"exp_avg", "exp_avg_sq", "step"} for s in states), [sorted(s) for s in states]
     for s in states:
         assert not s["exp_avg"].any() and not s["exp_avg_sq"].any() and float(s["step"]) == 0.0
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["float16-optimizer", "distributed-optimizer"])
+def test_init_state_fn_makes_states_torch_adam_can_step_and_save(adaptor, tmp_path, distributed_optimizer):
+    """megatron's init_state_fn wrote FusedAdam's state (moments, no step); torch's Adam then raised
+    KeyError: 'step' at its next step, and the DistributedOptimizer's state_dict at the save (megatron's
+    dist_checkpointing/test_optimizer.py initialises the state so before its save)."""
+    from megatron.core import dist_checkpointing
+
+    from mindspeed_like.testing import init_parallel
+
+    init_parallel()
+    model, optimizer = _build(True, distributed_optimizer)
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner.init_state_fn(inner.optimizer)
+    states = _inner_states(optimizer)
+    assert states and all(float(s["step"]) == 0.0 for s in states), [sorted(s) for s in states]
+    dist_checkpointing.save(_state(model, optimizer, loading=False), str(tmp_path))
+    optimizer.step()  # torch's Adam steps on the states init_state_fn made
