@@ -270,3 +270,29 @@ def test_after_a_broken_group_only_the_breaking_test_is_charged() -> None:
     procs = [_Exited(None), _Exited(ranks.BROKEN_GROUP_EXIT)]
     assert ranks._relaunch_after(procs, {0: "b", 1: "a"}) == "a"
     assert ranks._relaunch_after([_Exited(None), _Exited(1)], {0: "b", 1: "a"}) is None  # a crash: as before
+
+
+def test_a_launchs_ranks_share_a_checkpoint_folder_no_other_launch_has(monkeypatch) -> None:
+    """megatron's tmp_path_dist_ckpt is ``basetemp/ignored``'s grandparent / "tmp_dist_ckpt": the ranks
+    of one launch must share it, and two launches (or sessions) must not (rank 0 removes it at its end)."""
+    commands: list[list[str]] = []
+
+    class _Done:
+        returncode = 0
+
+        def __init__(self, cmd, **kwargs) -> None:
+            commands.append(cmd)
+
+        def poll(self) -> int:
+            return 0
+
+        def wait(self) -> int:
+            return 0
+
+    monkeypatch.setattr(ranks.subprocess, "Popen", _Done)
+    for _ in range(2):
+        ranks._launch_once(["t"], 2, [], cwd=".", stall_s=1, on_result=lambda result: None, env=None)
+    folders = [Path(next(a for a in cmd if a.startswith("--basetemp=")).split("=", 1)[1]) for cmd in commands]
+    shared = [(folder / "ignored").parent.parent / "tmp_dist_ckpt" for folder in folders]
+    assert len(set(folders)) == 4
+    assert shared[0] == shared[1] and shared[2] == shared[3] and shared[0] != shared[2]

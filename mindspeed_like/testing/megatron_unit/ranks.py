@@ -148,7 +148,13 @@ def _launch_once(
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
-        cmd = [sys.executable, "-m", "pytest", *child_args, f"--megatron-child={out}", *nodeids]
+        # one pytest basetemp per rank, all in this launch's folder: megatron's session fixture
+        # `tmp_path_dist_ckpt` is the basetemp's grandparent / "tmp_dist_ckpt", shared by the ranks
+        # as megatron means it, and by no other launch or session (rank 0 removes it at its end; a
+        # shared /tmp/pytest-of-<user>/tmp_dist_ckpt lost another session's checkpoint mid-save:
+        # FileNotFoundError on its .metadata.tmp)
+        basetemp = f"--basetemp={workdir / f'basetemp{rank}'}"
+        cmd = [sys.executable, "-m", "pytest", *child_args, basetemp, f"--megatron-child={out}", *nodeids]
         with open(log, "w") as handle:
             procs.append(subprocess.Popen(cmd, cwd=cwd, env=rank_env, stdout=handle, stderr=subprocess.STDOUT))
         outs.append(out)
