@@ -243,7 +243,19 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """In a rank too: the groups a test left behind go after its teardown (threads stay flat)."""
     state = _state(item.config)
     if state is not None and state.child:
+        _release_test_instance(item)
         host_device.after_test()
+
+
+def _release_test_instance(item: pytest.Item) -> None:
+    """Drop what a test class's instance holds (its models, optimizers and their process groups) once
+    its teardown ran: pytest keeps every test's instance alive through its item until the session
+    ends, so the groups the harness destroyed kept their threads (an L1 run of the transformer folder
+    held 1,104 gloo groups, 3,300 threads and a load average of 170 on 2 cores). Each test gets a
+    fresh instance, so nothing later reads it."""
+    instance = getattr(item, "instance", None)
+    if instance is not None and hasattr(instance, "__dict__"):
+        vars(instance).clear()
 
 
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
@@ -258,6 +270,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     _progress(item, state)
     with _time_limit(TEST_TIMEOUT_S):
         reports = runtestprotocol(item, nextitem=nextitem, log=False)
+    _release_test_instance(item)
     host_device.after_test()
     needed = _wanted_size(reports, state)
     if needed:

@@ -296,3 +296,28 @@ def test_a_launchs_ranks_share_a_checkpoint_folder_no_other_launch_has(monkeypat
     shared = [(folder / "ignored").parent.parent / "tmp_dist_ckpt" for folder in folders]
     assert len(set(folders)) == 4
     assert shared[0] == shared[1] and shared[2] == shared[3] and shared[0] != shared[2]
+
+
+def test_a_finished_tests_instance_lets_go_of_what_it_built() -> None:
+    """pytest keeps each test's class instance (and the models and process groups on it) alive until
+    the session ends; the harness empties it after the test's teardown."""
+    import gc
+    import weakref
+
+    from mindspeed_like.testing import megatron_unit_tests as plugin
+
+    class Model:
+        pass
+
+    class TestSomething:
+        pass
+
+    class Item:
+        instance = TestSomething()
+
+    item = Item()
+    item.instance.model = Model()
+    alive = weakref.ref(item.instance.model)
+    plugin._release_test_instance(item)
+    gc.collect()
+    assert alive() is None and vars(item.instance) == {}
