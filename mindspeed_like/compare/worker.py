@@ -8,9 +8,11 @@ same batches (windows of megatron-core's own source, byte-level).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -215,19 +217,26 @@ def _name_mla_qk_norms_as_te(model) -> None:
         layer.submodules_config = dataclasses.replace(submodules, sharded_state_dict_keys_map=keys)
 
 
-def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train one arm; return its losses, step times, memory split and the features that ran.
-
-    The engine counts calls into every patch while the arm runs (``ENGINE.calls``); the count is
-    switched back to what it was on return, so a caller in the same process (tests) does not get
-    every later patch wrapped in a counter."""
+@contextlib.contextmanager
+def engine_calls_restored() -> Iterator[None]:
+    """:func:`_configure` makes the engine count calls into every patch (``ENGINE.calls``); the count
+    is switched back to what it was on leaving, so a caller in the same process (tests, plan-parity)
+    does not get every later patch wrapped in a counter (a later test's check that megatron's
+    function is the feature's wrapper then failed)."""
     from mindspeed_like.runtime import ENGINE
 
     counting_before = ENGINE.calls
     try:
-        return _run_arm(spec)
+        yield
     finally:
         ENGINE.calls = counting_before
+
+
+def run_arm(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train one arm; return its losses, step times, memory split and the features that ran
+    (calls counted while it runs: :func:`engine_calls_restored`)."""
+    with engine_calls_restored():
+        return _run_arm(spec)
 
 
 def _run_arm(spec: dict[str, Any]) -> dict[str, Any]:

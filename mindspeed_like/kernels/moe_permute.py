@@ -51,7 +51,9 @@ def _selection(
         experts = torch.arange(num_experts, device=routing_map.device).repeat_interleave(capacity)
         return tokens, experts * num_tokens + tokens
     if fixed_count and num_out_tokens is not None:
-        flat = routing_map.bool().T.contiguous().view(-1).argsort(descending=True, stable=True)[:num_out_tokens]
+        # a copy of the slice: the slice is a view of the whole experts x tokens argsort, which the
+        # backward would keep alive (megatron 0.19's own permute does: 4x the indices at 8 experts)
+        flat = routing_map.bool().T.contiguous().view(-1).argsort(descending=True, stable=True)[:num_out_tokens].clone()
         return flat % num_tokens, flat
     flat = routing_map.bool().T.contiguous().view(-1).nonzero().view(-1)
     if num_out_tokens is not None and 0 <= int(num_out_tokens) < flat.numel():

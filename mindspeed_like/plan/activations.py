@@ -494,6 +494,12 @@ def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[S
     out += _router(m, paths, tsp, dims.b)
     if paths.fused_permute:
         out.append(Saved("moe", "fused permute: row indices", INT64 * rows_r, count=4, feature="moe-permute"))
+    elif megatron_code.permute_selects_by_argsort():
+        out += [
+            Saved("moe", "argsort of the routing map (int64 experts x tokens; the probs' gather keeps it)",
+                  INT64 * experts * gathered),
+            Saved("moe", "permutation indices", INT64 * rows_r),
+        ]  # fmt: skip
     else:
         out += [
             Saved("moe", "routing map (bool experts x tokens)", BOOL * experts * gathered),

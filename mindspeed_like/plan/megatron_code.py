@@ -3,10 +3,10 @@ releases, read from its source files (parsed with ``ast``, never imported: ``pla
 torch nor megatron). Each check looks for the code that makes the difference (a dataclass field,
 a decorator, a parameter, a method), not for a version number, and names the change it follows.
 
-The activation rows (activations.py) were read off megatron-core 0.16.1 and hold on 0.19.2; the
-differences below were found on 0.13.1 by listing every storage the parity model saves (shape,
-dtype, module and megatron's line) under both releases. Where megatron-core is not found, or a file
-cannot be read, the 0.16-0.19 behaviour is taken.
+The activation rows (activations.py) were read off megatron-core 0.16.1; the differences below were
+found on 0.13.1 and 0.19.2 by listing every storage the parity model saves (shape, dtype, module and
+megatron's line) under each release. Where megatron-core is not found, or a file cannot be read, the
+0.16 behaviour is taken.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 from mindspeed_like.megatron_version import _package_info_path
 
-_recent: list[bool] = []  # set while predicting what a 0.16-0.19 run measured (:func:`as_measured_on`)
+_recent: list = []  # the release (a Version) while predicting what a 0.16-0.19 run measured (:func:`as_measured_on`)
 
 
 @contextlib.contextmanager
@@ -38,7 +38,7 @@ def as_measured_on(version: str | None) -> Iterator[None]:
         return
     if Version(version) < Version("0.16"):
         raise ValueError(f"a record measured on megatron-core {version} cannot be predicted on {installed}")
-    _recent.append(True)
+    _recent.append(Version(version))
     try:
         yield
     finally:
@@ -165,3 +165,28 @@ def seq_aux_loss_keeps_fp32_cost() -> bool:
     return _member(router.body, "_apply_seq_aux_loss") is None and (
         _member(router.body, "seq_aux_loss_load_balancing") is not None
     )
+
+
+@functools.cache
+def _installed_permute_selects_by_argsort() -> bool:
+    tree = _tree("transformer/moe/moe_utils.py")
+    node = _member(tree.body, "permute") if tree is not None else None
+    if not isinstance(node, ast.FunctionDef):
+        return False
+    calls = {n.func.attr for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    return "masked_select" not in calls
+
+
+def permute_selects_by_argsort() -> bool:
+    """Whether megatron's dropless ``moe_utils.permute`` selects the rows by a stable argsort of the
+    flattened [experts x tokens] routing map (0.19.2: a fixed-shape selection, CUDA-graph safe), and
+    not by ``masked_select`` (0.13.1, 0.16.1). The probs are then gathered by advanced indexing with a
+    slice of that argsort, which keeps the WHOLE int64 experts x tokens argsort for backward (measured:
+    12,288 B a layer at 8 experts x 192 tokens, beside the 3,072 B of row indices), where 0.16 keeps the
+    bool routing map, the probs and the row indices. Checked as ``masked_select`` absent from
+    ``permute``. Inside :func:`as_measured_on` the record's release answers (0.19 and later)."""
+    if _recent:
+        from packaging.version import Version
+
+        return _recent[-1] >= Version("0.19")
+    return _installed_permute_selects_by_argsort()

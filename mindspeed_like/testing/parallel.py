@@ -88,7 +88,17 @@ def destroy_parallel(process_group: bool = False) -> None:
 def clear_moe_loss_log() -> None:
     """Empty megatron's per-layer MoE loss log (a process global): it is sized by the first MoE
     model that logs into it, and a later, deeper model then indexes past its end (IndexError in
-    ``save_to_aux_losses_tracker``, seen when the CUDA lane built a 3-layer model after 2-layer ones)."""
+    ``save_to_aux_losses_tracker``, seen when the CUDA lane built a 3-layer model after 2-layer ones).
+    megatron-core 0.19 keeps it in ``moe_logging``'s MoEMetricsTracker (``moe_utils``'s getter returns
+    a copy there, so clearing that emptied nothing: the deepseek preset's MTP layer 3 after a
+    2-layer moe model failed so): that tracker is dropped, the next record creates a fresh one."""
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:  # megatron-core < 0.19: the log is moe_utils' dict
+        moe_logging = None
+    if moe_logging is not None and hasattr(moe_logging, "destroy_moe_metrics_tracker"):
+        moe_logging.destroy_moe_metrics_tracker()
+        return
     try:
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
     except ImportError:  # pragma: no cover - megatron without MoE utilities

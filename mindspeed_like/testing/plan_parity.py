@@ -32,13 +32,8 @@ def compare_options(preset: str, impl: str) -> argparse.Namespace:
 def measured(args: argparse.Namespace, level: int, device: torch.device) -> tuple[int, int]:
     """Parameters megatron built, and bytes one training forward saved on ``device`` (parameters
     excluded). Dropout as :data:`mindspeed_like.testing.models.DEFAULTS` says at the call."""
-    import mindspeed_like
     from mindspeed_like.compare import _spec_layout
-    from mindspeed_like.compare.worker import _configure, build_chunks
-    from mindspeed_like.testing import destroy_parallel
-    from mindspeed_like.testing.memory import SavedBytesMeter
-    from mindspeed_like.testing.parallel import clear_moe_loss_log
-    from mindspeed_like.testing.training import make_batches
+    from mindspeed_like.compare.worker import _configure, engine_calls_restored
 
     spec = dict(
         _spec_layout(args),
@@ -48,7 +43,18 @@ def measured(args: argparse.Namespace, level: int, device: torch.device) -> tupl
         arm="megatron" if level == 0 else "features",
         flags={"optimization_level": level, "device": device.type},
     )
-    on = _configure(spec)
+    with engine_calls_restored():
+        return _measured(spec, args, device, _configure(spec))
+
+
+def _measured(spec: dict, args: argparse.Namespace, device: torch.device, on: set) -> tuple[int, int]:
+    import mindspeed_like
+    from mindspeed_like.compare.worker import build_chunks
+    from mindspeed_like.testing import destroy_parallel
+    from mindspeed_like.testing.memory import SavedBytesMeter
+    from mindspeed_like.testing.parallel import clear_moe_loss_log
+    from mindspeed_like.testing.training import make_batches
+
     clear_moe_loss_log()  # a model built before this one may have sized it
     try:
         model = build_chunks(spec, grouped_gemm_on="grouped-gemm" in on)[0].to(device)

@@ -171,14 +171,21 @@ def test_unpermute_deterministic_mode_uses_index_add_like_megatron():
     assert all(_bits_equal(a, b) for a, b in zip(ours, theirs))
 
 
-def test_permute_saves_only_indices():
-    """The permute graph holds the two index vectors, not the tokens nor their permuted copy."""
+@pytest.mark.parametrize("fixed_count", [False, True], ids=["nonzero", "argsort"])
+def test_permute_saves_only_indices(fixed_count):
+    """The permute graph holds the two index vectors, not the tokens nor their permuted copy; with
+    0.19's argsort selection, not the whole experts x tokens argsort either (the rows' slice of it is
+    copied: megatron 0.19's own permute keeps the whole of it, 4x the indices at 8 experts)."""
     routing_map, probs = _routing()
     x = torch.randn(TOKENS, HIDDEN, requires_grad=True)
     probs.requires_grad_()
-    permuted, _, sorted_indices = kernel.permute(x, routing_map, probs=probs)
+    rows = int(routing_map.sum())
+    permuted, _, sorted_indices = kernel.permute(
+        x, routing_map, probs=probs, num_out_tokens=rows, fixed_count=fixed_count
+    )
     saved = permuted.grad_fn.saved_tensors
     assert len(saved) == 2 and all(t.dtype == torch.int64 and t.dim() == 1 for t in saved)
+    assert all(t.untyped_storage().nbytes() == rows * 8 for t in saved), [t.untyped_storage().nbytes() for t in saved]
     y = kernel.unpermute(permuted * 2.0, sorted_indices, x.shape)
     assert [t.dtype for t in y.grad_fn.saved_tensors] == [torch.int64]
 
