@@ -10,7 +10,9 @@ every checkpoint format on resume (measured on 0.13-0.19, DP=2, a tiny GPT):
   the sharded state dict to LOAD into fails with ``assert len(steps) == 1``
   (``dp_reshardable``, ``fully_reshardable``, ``fully_sharded_model_space``). Here a fresh
   optimizer reports step 0 for its groups (it has taken no step), through megatron's own code:
-  each parameter gets a transient ``{"step": 0}`` state for the call, removed afterwards.
+  each parameter gets a transient ``{"step": 0}`` state for the call, removed afterwards. States
+  holding moments but no step (FusedAdam's layout, which megatron's own dist_checkpointing tests
+  write into the optimizer before saving: ``KeyError: 'step'``) get the same transient step 0.
 * ``DistributedOptimizer.load_state_dict`` gives every parameter the SAME step tensor; torch's
   Adam increments its step in place once per parameter, so after a resume the bias correction
   counts parameters, not steps, and the run drifts from the uninterrupted one. Here each
@@ -62,16 +64,27 @@ def _inner_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _state_dict_of_fresh_optimizer(wrapped, instance, args, kwargs):
     inner = instance.optimizer
-    if not _torch_adam_branch() or not isinstance(inner, torch.optim.Optimizer) or len(inner.state) != 0:
+    if not _torch_adam_branch() or not isinstance(inner, torch.optim.Optimizer):
         return wrapped(*args, **kwargs)
-    transient = _inner_params(inner)
-    for param in transient:
-        inner.state[param] = {"step": torch.tensor(0.0)}
+    if len(inner.state) == 0:
+        transient = _inner_params(inner)
+        for param in transient:
+            inner.state[param] = {"step": torch.tensor(0.0)}
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            for param in transient:
+                inner.state.pop(param, None)
+    # moments without a step: FusedAdam's layout, written by megatron's init_state_fn or by a caller
+    # (megatron's dist_checkpointing tests fill exp_avg / exp_avg_sq so); torch's Adam has not stepped
+    stepless = [state for state in inner.state.values() if state and "step" not in state]
+    for state in stepless:
+        state["step"] = torch.tensor(0.0)
     try:
         return wrapped(*args, **kwargs)
     finally:
-        for param in transient:
-            inner.state.pop(param, None)
+        for state in stepless:
+            state.pop("step", None)
 
 
 def _load_state_dict_with_own_steps(wrapped, instance, args, kwargs):
