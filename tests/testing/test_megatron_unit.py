@@ -73,6 +73,10 @@ def test_ranks_needed_reads_megatrons_messages() -> None:
     assert (
         reasons.ranks_needed("world_size (2) is not divisible by expert_tensor_model_pipeline_parallel size (4)") == 4
     )
+    assert (
+        reasons.ranks_needed("AssertionError: world size (1) is not divisible by total_model_size (total_model_size=4)")
+        == 4
+    )  # Megatron-LM's validate_args
     assert reasons.ranks_needed("AssertionError: nope") is None
 
 

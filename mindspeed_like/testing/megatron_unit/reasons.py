@@ -32,6 +32,8 @@ _NEEDS_RANKS = [
     re.compile(r"world_size \((\d+)\) is not divisible by (?:expert_tensor_model_pipeline_parallel size \()?(\d+)"),
     re.compile(r"(?:requires|needs|at least) (\d+) (?:GPUs|gpus|ranks|processes)"),
     re.compile(r"[Tt]est requires world_size=(\d+), but got"),
+    # Megatron-LM's validate_args (megatron/training/arguments.py), which tests building from args reach
+    re.compile(r"world size \((\d+)\) is not divisible by total_model_size \(total_model_size=(\d+)\)"),
 ]
 _WORLD_SIZE_SKIP = re.compile(r"world[_ ]size|GPUs|gpus|number of ranks|rank count", re.I)
 
