@@ -325,3 +325,39 @@ def test_a_finished_tests_instance_lets_go_of_what_it_built() -> None:
     plugin._release_test_instance(item)
     gc.collect()
     assert alive() is None and vars(item.instance) == {}
+
+
+def test_ranks_that_diverge_after_a_failure_end_the_launch_soon(monkeypatch) -> None:
+    """Rank 0's call failed; rank 1 waits in a collective that rank 0 left. The test is charged with
+    rank 0's failure after DIVERGED_S (not the 300 s stall limit), and the launch ends for a relaunch."""
+    import json as _json
+
+    def lines(rank: int) -> str:
+        events = [{"event": "start", "nodeid": "t"}, {"nodeid": "t", "when": "setup", "outcome": "passed"}]
+        if rank == 0:
+            events.append({"nodeid": "t", "when": "call", "outcome": "failed", "longrepr": "AssertionError"})
+        return "".join(_json.dumps(e) + "\n" for e in events)
+
+    class _Waiting:
+        def __init__(self, cmd, **kwargs) -> None:
+            out = next(a for a in cmd if a.startswith("--megatron-child=")).split("=", 1)[1]
+            rank = int(kwargs["env"]["RANK"])
+            Path(out).write_text(lines(rank))
+            self.returncode = None
+
+        def poll(self) -> int | None:
+            return self.returncode
+
+        def kill(self) -> None:
+            self.returncode = -9
+
+        def wait(self) -> int:
+            return self.returncode
+
+    monkeypatch.setattr(ranks.subprocess, "Popen", _Waiting)
+    monkeypatch.setattr(ranks, "DIVERGED_S", 0.2)
+    charged = []
+    done = ranks._launch_once(["t", "u"], 2, [], cwd=".", stall_s=300, on_result=charged.append, env=None)
+    assert done == {"t"}
+    [result] = charged
+    assert [r["outcome"] for r in result.merged()] == ["passed", "failed"]

@@ -27,6 +27,10 @@ from pathlib import Path
 from mindspeed_like.testing.parallel import free_port
 
 STARTUP_S = float(os.environ.get("MEGATRON_UNIT_STARTUP_S", "900"))
+DIVERGED_S = float(os.environ.get("MEGATRON_UNIT_DIVERGED_S", "60"))
+"""How long the other ranks may go on with a test after one rank's call failed: past it the ranks
+have diverged (the failing rank left a collective the others wait in), the test is charged with that
+rank's failure and the rest of the group relaunched, instead of waiting out the stall limit."""
 BROKEN_GROUP_EXIT = 3
 """A rank's exit status after a test broke its gloo connections (the launcher relaunches the rest)."""
 _BROKEN_GROUP = re.compile(
@@ -164,6 +168,7 @@ def _launch_once(
     started: dict[int, str] = {}
     finished: set[str] = set()
     done: set[str] = set()
+    first_failure: dict[str, float] = {}  # test -> when a rank first reported its call failed
     last_progress = time.monotonic()
     try:
         while True:
@@ -185,6 +190,8 @@ def _launch_once(
                         event["_rank"] = rank
                         result = results.setdefault(event["nodeid"], RankResult(event["nodeid"]))
                         result.phases.setdefault(event["when"], []).append(event)
+                        if event["when"] == "call" and event.get("outcome") == "failed":
+                            first_failure.setdefault(event["nodeid"], time.monotonic())
                         if event["when"] == "teardown":
                             count = len(result.phases["teardown"])
                             if count == size and event["nodeid"] not in finished:
@@ -203,6 +210,12 @@ def _launch_once(
             died = not all(alive) and time.monotonic() - last_progress > 30
             if died and _relaunch_after(procs, started) is not None:
                 break  # a rank left a broken group: the others' current test reruns on fresh ranks
+            diverged = [n for n, t in first_failure.items() if n not in finished and time.monotonic() - t > DIVERGED_S]
+            if diverged:  # charged with the failure its ranks reported; the rest of the group relaunches
+                finished.add(diverged[0])
+                done.add(diverged[0])
+                on_result(results[diverged[0]])
+                break
             if stalled or died:
                 current = started.get(0) or next(iter(started.values()), None)
                 why = (
