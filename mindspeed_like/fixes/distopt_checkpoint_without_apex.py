@@ -66,25 +66,24 @@ def _state_dict_of_fresh_optimizer(wrapped, instance, args, kwargs):
     inner = instance.optimizer
     if not _torch_adam_branch() or not isinstance(inner, torch.optim.Optimizer):
         return wrapped(*args, **kwargs)
-    if len(inner.state) == 0:
-        transient = _inner_params(inner)
-        for param in transient:
-            inner.state[param] = {"step": torch.tensor(0.0)}
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            for param in transient:
-                inner.state.pop(param, None)
-    # moments without a step: FusedAdam's layout, written by megatron's init_state_fn or by a caller
-    # (megatron's dist_checkpointing tests fill exp_avg / exp_avg_sq so); torch's Adam has not stepped
-    stepless = [state for state in inner.state.values() if state and "step" not in state]
-    for state in stepless:
-        state["step"] = torch.tensor(0.0)
+    # a fresh optimizer: every parameter; else the states holding moments without a step (FusedAdam's
+    # layout, written by megatron's init_state_fn or by a caller: megatron's dist_checkpointing tests
+    # fill exp_avg / exp_avg_sq so). torch's Adam has not stepped them.
+    fresh = len(inner.state) == 0
+    transient = [
+        param
+        for param in _inner_params(inner)
+        if (fresh or inner.state.get(param)) and "step" not in inner.state.get(param, {})
+    ]
+    for param in transient:
+        inner.state.setdefault(param, {})["step"] = torch.tensor(0.0)
     try:
         return wrapped(*args, **kwargs)
     finally:
-        for state in stepless:
-            state.pop("step", None)
+        for param in transient:
+            inner.state[param].pop("step", None)
+            if not inner.state[param]:
+                del inner.state[param]
 
 
 def _load_state_dict_with_own_steps(wrapped, instance, args, kwargs):

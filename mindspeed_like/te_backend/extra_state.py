@@ -22,6 +22,12 @@ logger = logging.getLogger("mindspeed_like")
 _said: set[str] = set()
 
 
+def holds_nothing(state: Any) -> bool:
+    """An ``_extra_state`` with nothing to restore: None (megatron's local layers) or an empty tensor
+    (a TE module that never ran in fp8, and every module of this backend)."""
+    return state is None or (isinstance(state, torch.Tensor) and state.numel() == 0)
+
+
 class TEExtraState:
     """Mixin (before the torch module in the bases): TE's ``get_extra_state`` / ``set_extra_state``."""
 
@@ -29,7 +35,7 @@ class TEExtraState:
         return torch.empty(0, dtype=torch.uint8)
 
     def set_extra_state(self, state: Any) -> None:
-        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+        if holds_nothing(state):
             return
         if isinstance(state, (torch.Tensor, io.BytesIO)):
             kind = type(self).__name__

@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, _initialize_affine_weight_gpu
 
 from mindspeed_like.kernels.grouped_gemm import gmm
-from mindspeed_like.te_backend.extra_state import TEExtraState
+from mindspeed_like.te_backend.extra_state import TEExtraState, holds_nothing
 from mindspeed_like.te_backend.linear import parameter_device
 from mindspeed_like.te_backend.refusals import check_config
 from mindspeed_like.te_backend.sharding import dp_cp_group, sharded_tensors
@@ -61,9 +61,8 @@ def _merge_extra_states(module: TEGroupedLinear, state_dict: dict, prefix: str, 
     strict ``load_state_dict`` would otherwise call them unexpected. The first non-empty one stands
     for all (fp8 scaling state, which ``set_extra_state`` drops, saying so)."""
     extras = [state_dict.pop(f"{prefix}_extra_state{e}", None) for e in range(1, module.num_gemms)]
-    first = state_dict.get(f"{prefix}_extra_state")
-    if first is None or (isinstance(first, torch.Tensor) and first.numel() == 0):
-        filled = [x for x in extras if x is not None and not (isinstance(x, torch.Tensor) and x.numel() == 0)]
+    if holds_nothing(state_dict.get(f"{prefix}_extra_state")):
+        filled = [extra for extra in extras if not holds_nothing(extra)]
         if filled:
             state_dict[f"{prefix}_extra_state"] = filled[0]
 

@@ -166,9 +166,14 @@ def _launch_once(
     positions = [0] * size
     results: dict[str, RankResult] = {}
     started: dict[int, str] = {}
-    finished: set[str] = set()
     done: set[str] = set()
     first_failure: dict[str, float] = {}  # test -> when a rank first reported its call failed
+
+    def charge(result: RankResult) -> None:
+        """The test's outcome is settled: handed on once, and not rerun by a relaunch."""
+        done.add(result.nodeid)
+        on_result(result)
+
     last_progress = time.monotonic()
     try:
         while True:
@@ -194,10 +199,8 @@ def _launch_once(
                             first_failure.setdefault(event["nodeid"], time.monotonic())
                         if event["when"] == "teardown":
                             count = len(result.phases["teardown"])
-                            if count == size and event["nodeid"] not in finished:
-                                finished.add(event["nodeid"])
-                                done.add(event["nodeid"])
-                                on_result(result)
+                            if count == size and event["nodeid"] not in done:
+                                charge(result)
             if progressed:
                 last_progress = time.monotonic()
             alive = [p.poll() is None for p in procs]
@@ -210,11 +213,9 @@ def _launch_once(
             died = not all(alive) and time.monotonic() - last_progress > 30
             if died and _relaunch_after(procs, started) is not None:
                 break  # a rank left a broken group: the others' current test reruns on fresh ranks
-            diverged = [n for n, t in first_failure.items() if n not in finished and time.monotonic() - t > DIVERGED_S]
+            diverged = [n for n, t in first_failure.items() if n not in done and time.monotonic() - t > DIVERGED_S]
             if diverged:  # charged with the failure its ranks reported; the rest of the group relaunches
-                finished.add(diverged[0])
-                done.add(diverged[0])
-                on_result(results[diverged[0]])
+                charge(results[diverged[0]])
                 break
             if stalled or died:
                 current = started.get(0) or next(iter(started.values()), None)
@@ -223,12 +224,10 @@ def _launch_once(
                     if stalled
                     else f"a rank exited ({[p.poll() for p in procs]}) while the others waited"
                 )
-                if current and current not in finished:
+                if current and current not in done:
                     result = results.setdefault(current, RankResult(current))
                     result.phases = {"call": [_stalled_report(current, why, logs)]}
-                    finished.add(current)
-                    done.add(current)
-                    on_result(result)
+                    charge(result)
                 break
             time.sleep(0.5)
     finally:
@@ -242,17 +241,17 @@ def _launch_once(
         current = started.get(0) or next(iter(started.values()), None)
         breaker = _relaunch_after(procs, started)
         if current and current not in done and (breaker is None or current == breaker):
-            result = RankResult(
-                current, {"call": [_stalled_report(current, f"ranks exited {[p.returncode for p in procs]}", logs)]}
+            charge(
+                RankResult(
+                    current, {"call": [_stalled_report(current, f"ranks exited {[p.returncode for p in procs]}", logs)]}
+                )
             )
-            done.add(current)
-            on_result(result)
         elif not started:  # nothing ran at all (collection failed in the ranks): fail them all once
             for nodeid in nodeids:
-                result = RankResult(
-                    nodeid, {"call": [_stalled_report(nodeid, "the ranks ran no test (collection failed?)", logs)]}
+                charge(
+                    RankResult(
+                        nodeid, {"call": [_stalled_report(nodeid, "the ranks ran no test (collection failed?)", logs)]}
+                    )
                 )
-                done.add(nodeid)
-                on_result(result)
     folder.cleanup()
     return done

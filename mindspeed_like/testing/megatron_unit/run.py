@@ -62,16 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     parts, failed = [], False
     for piece in args.dirs:
         part = args.pieces_dir / f"L{args.level}-{piece.replace('/', '-').replace('.py', '')}.json"
-        (args.pieces_dir / "tmp" / part.stem).mkdir(parents=True, exist_ok=True)
+        # its own basetemp: megatron's tmp_path_dist_ckpt (the basetemp's grandparent / "tmp_dist_ckpt")
+        # is then this piece's, not shared with a run of another level beside it
+        piece_tmp = (args.pieces_dir / "tmp" / part.stem).resolve()
+        piece_tmp.mkdir(parents=True, exist_ok=True)
         # `--option=value` in one token: pytest finds its rootdir before it knows the plugin's options,
         # and a separate value naming an existing file (a record of an earlier run) moved the rootdir
         cmd = [
             sys.executable, "-m", "pytest", "-p", "mindspeed_like.testing.megatron_unit_tests",
             "-p", "no:cacheprovider", "-o", "addopts=", "-q", "-W", "ignore", "-rN", f"--rootdir={found.root}",
             f"--megatron-level={args.level}", f"--megatron-ranks={args.ranks}", f"--megatron-record={part}",
-            # its own basetemp: megatron's tmp_path_dist_ckpt (the basetemp's grandparent /
-            # "tmp_dist_ckpt") is then this piece's, not shared with a run of another level beside it
-            f"--basetemp={args.pieces_dir.resolve() / 'tmp' / part.stem / 'basetemp'}",
+            f"--basetemp={piece_tmp / 'basetemp'}",
             *args.pytest_args, *piece_args(found.unit_tests, piece, args.dirs),
         ]  # fmt: skip
         started = time.monotonic()
