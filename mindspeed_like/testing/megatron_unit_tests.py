@@ -80,6 +80,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=float(os.environ.get("MEGATRON_UNIT_STALL_S", "300")),
         help="a rank launch making no progress this long fails the test in progress",
     )
+    group.addoption(
+        "--megatron-extra-args",
+        default=os.environ.get("MEGATRON_UNIT_EXTRA_ARGS", ""),
+        help="more flags for the import line's MINDSPEED_LIKE_ARGS, e.g. '--no-use-flash-attn' to find which "
+        "feature changes a test's result (ranks launched for a test get the same)",
+    )
     group.addoption("--megatron-child", default=None, help=argparse_suppress())
 
 
@@ -104,12 +110,17 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
         # megatron's Utils defaults to port 6000, which another job on the host may hold
         os.environ["MASTER_PORT"] = str(free_port())
     level = options.megatron_level
-    os.environ["MINDSPEED_LIKE_ARGS"] = f"--device cpu --transfer-to-host --optimization-level {level}"
+    os.environ["MINDSPEED_LIKE_ARGS"] = import_line_args(level, options.megatron_extra_args)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     import mindspeed_like.megatron_adaptor  # noqa: F401 - the import line under test
 
     host_device.install(host_cuda=not options.megatron_no_host_cuda)
     early_config.stash[_STATE] = _State(found, level, options)
+
+
+def import_line_args(level: int, extra: str = "") -> str:
+    """``MINDSPEED_LIKE_ARGS`` for the import line: the host, the level, then the user's extra flags."""
+    return f"--device cpu --transfer-to-host --optimization-level {level}" + (f" {extra}" if extra else "")
 
 
 class _State:
@@ -121,6 +132,7 @@ class _State:
         self.record = options.megatron_record
         self.stall_s = options.megatron_stall_s
         self.host_cuda = not options.megatron_no_host_cuda
+        self.extra_args = options.megatron_extra_args
         self.outcomes = Outcomes()
         self.deferred: dict[int, list[str]] = {}
         self.items: dict[str, pytest.Item] = {}
@@ -201,12 +213,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
             )
 
 
-def _final(reports: list[pytest.TestReport]) -> tuple[str, str | None, str]:
+def _final(reports: list[pytest.TestReport], world_size: int) -> tuple[str, str | None, str]:
     """A test's outcome, class and reason from its phase reports."""
     for report in reports:
         if report.failed:
             text = _text(report)
-            return "failed", reasons.classify_failure(text, report.nodeid), _last_line(text)
+            return "failed", reasons.classify_failure(text, report.nodeid, world_size), _last_line(text)
     for report in reports:
         if report.skipped:
             reason = _text(report).removeprefix("Skipped: ")
@@ -306,6 +318,21 @@ def _time_limit(seconds: int) -> Any:
         signal.signal(signal.SIGALRM, previous)
 
 
+def rank_pytest_args(rootpath: str, state: _State) -> list[str]:
+    """The plugin's options a rank launch's pytest gets: the same level, sizes, host device and extra flags."""
+    # `--option=value` in one token (pytest finds the rootdir before it knows the plugin's options)
+    args = [
+        "-p", "mindspeed_like.testing.megatron_unit_tests", "-p", "no:cacheprovider", "-q", "-o", "addopts=",
+        f"--rootdir={rootpath}", f"--megatron-level={state.level}",
+        f"--megatron-ranks={','.join(map(str, state.sizes))}",
+    ]  # fmt: skip
+    if not state.host_cuda:
+        args.append("--megatron-no-host-cuda")
+    if state.extra_args:
+        args.append(f"--megatron-extra-args={state.extra_args}")
+    return args
+
+
 def _as_rank_skip(item: pytest.Item, reports: list[pytest.TestReport], needed: int, state: _State) -> None:
     """A test asking for a world size the harness may not launch: a skip saying how to allow it."""
     for report in reports:
@@ -325,7 +352,7 @@ def _log(item: pytest.Item, reports: list[pytest.TestReport], state: _State, wor
     for report in reports:
         item.ihook.pytest_runtest_logreport(report=report)
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-    outcome, cls, reason = _final(reports)
+    outcome, cls, reason = _final(reports, world_size)
     state.outcomes.settle(item.nodeid, outcome, world_size, cls, reason)
 
 
@@ -385,14 +412,7 @@ def pytest_runtestloop(session: pytest.Session) -> Any:
         return
     _dir_done(session.config, state)
     config = session.config
-    # `--option=value` in one token (pytest finds the rootdir before it knows the plugin's options)
-    child_args = [
-        "-p", "mindspeed_like.testing.megatron_unit_tests", "-p", "no:cacheprovider", "-q", "-o", "addopts=",
-        f"--rootdir={config.rootpath}", f"--megatron-level={state.level}",
-        f"--megatron-ranks={','.join(map(str, state.sizes))}",
-    ]  # fmt: skip
-    if not state.host_cuda:
-        child_args.append("--megatron-no-host-cuda")
+    child_args = rank_pytest_args(str(config.rootpath), state)
     launched: set[int] = set()
     while True:
         # smallest size first; a test that asks a launch for still more ranks joins a later size

@@ -60,6 +60,60 @@ def test_every_class_says_what_it_would_take() -> None:
         assert reasons.what_it_would_take(rule.name), rule.name
 
 
+MTP = "tests/unit_tests/transformer/test_multi_token_prediction.py::TestMultiTokenPrediction::test_forward_backward"
+ALLCLOSE = "E   assert False\nE    +  where False = <built-in method allclose>(tensor([[11.3904]]), tensor([[11.34]]))"
+
+
+def test_a_measured_router_near_tie_is_its_own_class_and_only_for_the_measured_tests() -> None:
+    """The MTP TP=2 vs TP=1 failures were measured to be top-k flips at near-tied logits; the same
+    test failing otherwise, or another parametrization, keeps the class its text gives."""
+    assert reasons.classify_failure(ALLCLOSE, f"{MTP}[2-1-False]", 2) == "router-near-tie"
+    assert reasons.classify_failure(ALLCLOSE, f"{MTP}[1-2-False]", 2) == "numerics"  # not measured
+    assert reasons.classify_failure("E   KeyError: 'step'", f"{MTP}[2-1-False]", 2) == "unknown"
+
+
+def test_a_file_written_for_8_ranks_fails_as_such_below_8() -> None:
+    node = "tests/unit_tests/dist_checkpointing/test_fully_parallel.py::T::test_save_distribution[True]"
+    text = "E   AttributeError: 'NoneType' object has no attribute 'main_rank_for_shard'"
+    assert reasons.classify_failure(text, node, 2) == "assumes-8-ranks"
+    assert reasons.classify_failure(text, node, 8) == "unknown"  # at 8 ranks it is a failure of its own
+
+
+def test_a_checkpoint_folder_left_by_an_earlier_failure_is_named() -> None:
+    text = "E   FileExistsError: [Errno 17] File exists: '/tmp/megatron-unit-ws4-x/tmp_dist_ckpt/test_fp32_A'"
+    assert reasons.classify_failure(text) == "leftover-checkpoint-folder"
+
+
+def test_merging_reclassifies_with_the_rows_world_size(tmp_path: Path) -> None:
+    from mindspeed_like.testing.megatron_unit.record import merge
+
+    outcomes = Outcomes()
+    outcomes.settle(f"{MTP}[4-1-True]", "failed", 4, "numerics", ALLCLOSE)
+    part = write(outcomes, tmp_path / "p.json", level=1, options={}, command=["pytest"])
+    record = json.loads(merge(tmp_path / "m.json", [part], level=1, reclassify=True).read_text())
+    assert record["extra"]["failure_classes"] == {"router-near-tie": 1}
+
+
+def test_extra_import_line_flags_reach_the_ranks(tmp_path: Path) -> None:
+    """`--megatron-extra-args` (MEGATRON_UNIT_EXTRA_ARGS) bisects which feature changes a test: the
+    import line gets the flags after the level, and every rank launch gets the option again."""
+    import argparse
+
+    from mindspeed_like.testing import megatron_unit_tests as plugin
+
+    assert plugin.import_line_args(1, "--no-use-flash-attn") == (
+        "--device cpu --transfer-to-host --optimization-level 1 --no-use-flash-attn"
+    )
+    assert plugin.import_line_args(0) == "--device cpu --transfer-to-host --optimization-level 0"
+    options = argparse.Namespace(
+        megatron_ranks="2,4", megatron_child=None, megatron_record=None, megatron_stall_s=300.0,
+        megatron_no_host_cuda=False, megatron_extra_args="--no-use-flash-attn",
+    )  # fmt: skip
+    state = plugin._State(None, 1, options)
+    args = plugin.rank_pytest_args(str(tmp_path), state)
+    assert "--megatron-extra-args=--no-use-flash-attn" in args and "--megatron-level=1" in args
+
+
 @pytest.mark.parametrize(
     ("needed", "sizes", "launch"),
     [(2, [2, 4], 2), (4, [2, 4], 4), (8, [2, 4], None), (8, [2, 4, 8], 8), (3, [2, 4], None)],

@@ -123,7 +123,7 @@ def merge(
             if row.get("table") == "tests":
                 cls = row["class"]
                 if reclassify and row["outcome"] == "failed":  # the rules as they are now, on the kept text
-                    cls = classify_failure(row["reason"], row["test"]) if cls != "timeout" else cls
+                    cls = classify_failure(row["reason"], row["test"], row["world_size"]) if cls != "timeout" else cls
                     cls = row["class"] if cls == "unknown" else cls
                 if reclassify and row["outcome"] == "skipped" and str(cls).startswith("harness"):
                     cls = classify_skip(row["reason"])  # the harness' own skips, read as their reason says
