@@ -13,6 +13,12 @@ every checkpoint format on resume (measured on 0.13-0.19, DP=2, a tiny GPT):
   each parameter gets a transient ``{"step": 0}`` state for the call, removed afterwards. States
   holding moments but no step (FusedAdam's layout, which megatron's own dist_checkpointing tests
   write into the optimizer before saving: ``KeyError: 'step'``) get the same transient step 0.
+  A rank whose shard of the optimizer holds no parameter at all (MoE layers on some pipeline
+  stages only, ``moe_layer_freq``: the stages without them) has no state to read a step from and
+  failed the same assertion at every save. Here it reports the steps this DistributedOptimizer
+  has taken (counted at each successful ``step_with_ready_grads``, set from the checkpoint at
+  ``load_state_dict``), through a transient state under a non-tensor key, which torch's
+  ``Optimizer.state_dict`` keeps as it is.
 * ``DistributedOptimizer.load_state_dict`` gives every parameter the SAME step tensor; torch's
   Adam increments its step in place once per parameter, so after a resume the bias correction
   counts parameters, not steps, and the run drifts from the uninterrupted one. Here each
@@ -62,10 +68,21 @@ def _inner_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [param for group in optimizer.param_groups for param in group["params"]]
 
 
+# the inner state's key for the steps of a shard without parameters (not a tensor: torch's
+# Optimizer.state_dict packs tensor keys by index and keeps other keys as they are)
+STEPS_ONLY = "mindspeed_like:steps-taken"
+
+
 def _state_dict_of_fresh_optimizer(wrapped, instance, args, kwargs):
     inner = instance.optimizer
     if not _torch_adam_branch() or not isinstance(inner, torch.optim.Optimizer):
         return wrapped(*args, **kwargs)
+    if not _inner_params(inner):
+        inner.state[STEPS_ONLY] = {"step": torch.tensor(float(getattr(instance, "_steps_taken", 0)))}
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            inner.state.pop(STEPS_ONLY, None)
     # a fresh optimizer: every parameter; else the states holding moments without a step (FusedAdam's
     # layout, written by megatron's init_state_fn or by a caller: megatron's dist_checkpointing tests
     # fill exp_avg / exp_avg_sq so). torch's Adam has not stepped them.
@@ -86,10 +103,27 @@ def _state_dict_of_fresh_optimizer(wrapped, instance, args, kwargs):
                 del inner.state[param]
 
 
+def _count_steps(wrapped, instance, args, kwargs):
+    """The steps taken, for a shard without parameters to report (torch's Adam counts per parameter)."""
+    success = wrapped(*args, **kwargs)
+    if success:
+        instance._steps_taken = getattr(instance, "_steps_taken", 0) + 1
+    return success
+
+
+def _loaded_step(state_dict: Any) -> int | None:
+    groups = state_dict.get("optimizer", {}).get("param_groups", []) if isinstance(state_dict, dict) else []
+    steps = {group["step"] for group in groups if isinstance(group.get("step"), (int, float))}
+    return int(steps.pop()) if len(steps) == 1 else None
+
+
 def _load_state_dict_with_own_steps(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     inner = instance.optimizer
     if _torch_adam_branch() and isinstance(inner, torch.optim.Optimizer):
+        loaded = _loaded_step(args[0] if args else kwargs.get("state_dict"))
+        if loaded is not None:
+            instance._steps_taken = loaded
         for state in inner.state.values():
             step = state.get("step")
             if isinstance(step, torch.Tensor):
@@ -148,6 +182,14 @@ PATCHES = [
         Kind.WRAP,
         _load_state_dict_with_own_steps,
         why="each parameter gets its own step tensor (torch's Adam increments it in place per parameter)",
+        after=(HOST,),
+        before=(REUSE,),
+    ),
+    Patch(
+        f"{DISTOPT}.step_with_ready_grads",
+        Kind.WRAP,
+        _count_steps,
+        why="a shard without parameters has no per-parameter step to save: the optimizer counts its steps",
         after=(HOST,),
         before=(REUSE,),
     ),
