@@ -18,8 +18,8 @@ from packaging.version import Version
 import mindspeed_like
 from mindspeed_like import runtime
 from mindspeed_like.fixes import distopt_checkpoint_without_apex as fix
-from mindspeed_like.testing import destroy_parallel, init_parallel, run_distributed
 from mindspeed_like.megatron_version import megatron_core_version
+from mindspeed_like.testing import destroy_parallel, init_parallel, run_distributed
 from mindspeed_like.testing.distributed import DistributedError
 
 STEPS = 2
