@@ -52,6 +52,13 @@ MASK_NOT_READ = ("causal", "causal_bottom_right", "no_mask")
 documentation; megatron hands its dataloader's mask over regardless)."""
 
 
+def _core_attention_extra_state_not_missing(module: torch.nn.Module, incompatible_keys: Any) -> None:
+    """TE's ``remove_extra_states_check``: ``core_attention._extra_state`` is never a missing key."""
+    for key in list(incompatible_keys.missing_keys):
+        if "core_attention._extra_state" in key:
+            incompatible_keys.missing_keys.remove(key)
+
+
 class TEDotProductAttention(TEExtraState, DotProductAttention):
     """megatron's ``TEDotProductAttention`` contract on megatron's ``DotProductAttention``."""
 
@@ -102,6 +109,9 @@ class TEDotProductAttention(TEExtraState, DotProductAttention):
         # TE's -1 "unbounded" literally)
         self.window_size = window_size
         self.scale_mask_softmax.window_size = window_size if te_pytorch.is_window(window_size) else None
+        # TE's DotProductAttention registers this hook: megatron's TEDotProductAttention.sharded_state_dict
+        # saves no _extra_state, so a strict load_state_dict of a distributed checkpoint would miss it
+        self.register_load_state_dict_post_hook(_core_attention_extra_state_not_missing)
 
     def forward(
         self,
