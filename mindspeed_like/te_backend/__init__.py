@@ -17,6 +17,7 @@ feature acts on TE-spec models as on local-spec ones:
   attention.py           TEDotProductAttention                            DotProductAttention (flash, CP)
   grouped_linear.py      TEGroupedLinear, TE{Column,Row}ParallelGrouped   the grouped-GEMM kernel
   refusals.py            TEFusedMLP, TEActivationOp, ...                  a clear error naming the TE feature
+  guarded_classes.py     megatron's classes defined under `if HAVE_TE:`   megatron's class body on the above
 
 Where the names are bound (``megatron_names.py``, read from the installed source): the extension
 module itself, and every megatron module that took them by name at import (PROVIDE patches:
@@ -44,6 +45,7 @@ from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 
 NAME = "te-backend"
 CLASSES = "mindspeed_like.te_backend.classes"
+GUARDED = "mindspeed_like.te_backend.guarded_classes"
 VERSIONS = "mindspeed_like.te_backend.versions"
 
 OURS = (
@@ -102,6 +104,19 @@ def patches(ctx: Context) -> list[Patch]:
             for name in names
             if name in provided
         ]
+    for module, names in megatron_names.te_guarded_classes().items():
+        for name in names:
+            ours = Deferred(GUARDED, f"{module}:{name}")
+            result += [
+                Patch(
+                    f"{where}.{name}",
+                    Kind.PROVIDE,
+                    ours,
+                    placeholder=is_te_stand_in,
+                    why="megatron defines it only under `if HAVE_TE:` on TE's wrapper classes (guarded_classes.py)",
+                )
+                for where in (module, *megatron_names.importers_of(module, name))
+            ]
     result.append(
         Patch(
             "megatron.core.transformer.transformer_config.TransformerConfig.__post_init__",

@@ -113,3 +113,63 @@ def importers() -> dict[str, tuple[str, ...]]:
     """megatron module -> the names it takes at its top level from the two extension modules."""
     root = _megatron_core_dir()
     return dict(_importers(root)) if root is not None else {}
+
+
+def _guards_on_have_te(node: ast.stmt) -> bool:
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "HAVE_TE"
+
+
+def te_guarded_class_nodes(module_path: str) -> dict[str, ast.ClassDef]:
+    """Classes a module defines only under a top-level ``if HAVE_TE:`` (subclasses of TE's wrapper
+    classes, e.g. linear_replacements' ``TELayerNormColumnParallelLinearGathered``): without TE they
+    do not exist, and whoever imports them gets None."""
+    with open(module_path, encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    return {
+        node.name: node
+        for guard in tree.body
+        if _guards_on_have_te(guard)
+        for node in guard.body
+        if isinstance(node, ast.ClassDef)
+    }
+
+
+@functools.cache
+def _te_guarded(root: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    found = []
+    for module, _ in _importers(root):
+        path = os.path.join(root, *module.split(".")[2:]) + ".py"
+        if os.path.isfile(path):
+            classes = tuple(sorted(te_guarded_class_nodes(path)))
+            if classes:
+                found.append((module, classes))
+    return tuple(found)
+
+
+def te_guarded_classes() -> dict[str, tuple[str, ...]]:
+    """megatron module -> the classes it defines under ``if HAVE_TE:`` (among the modules that take
+    names from the extension module)."""
+    root = _megatron_core_dir()
+    return dict(_te_guarded(root)) if root is not None else {}
+
+
+@functools.cache
+def _importers_of(root: str, module: str, name: str) -> tuple[str, ...]:
+    found = []
+    for importer, text in modules_mentioning(root, name):
+        if importer == module or module not in text:
+            continue
+        tree = ast.parse(text)
+        if any(
+            isinstance(node, ast.ImportFrom) and node.module == module and node.level == 0
+            and any(alias.name == name and alias.asname is None for alias in node.names)
+            for node in _top_level(tree.body)
+        ):  # fmt: skip
+            found.append(importer)
+    return tuple(sorted(found))
+
+
+def importers_of(module: str, name: str) -> tuple[str, ...]:
+    """megatron modules that take ``name`` from ``module`` by ``from module import name`` at their top level."""
+    root = _megatron_core_dir()
+    return _importers_of(root, module, name) if root is not None else ()

@@ -116,7 +116,6 @@ def test_a_rank_without_parameters_saves_and_loads_the_step(tmp_path):
         assert rank["weight"] == rank["trained_weight"]
 
 
-@OLD_DISTOPT_NEEDS_NUMPY_1
 def test_megatrons_own_path_fails_on_the_empty_rank(tmp_path):
     """What the fix is for: without it, the save stops on the rank without parameters."""
     with pytest.raises(DistributedError, match=r"assert len\(steps\) == 1"):
