@@ -79,9 +79,15 @@ def test_a_file_written_for_8_ranks_fails_as_such_below_8() -> None:
     assert reasons.classify_failure(text, node, 8) == "unknown"  # at 8 ranks it is a failure of its own
 
 
-def test_a_checkpoint_folder_left_by_an_earlier_failure_is_named() -> None:
-    text = "E   FileExistsError: [Errno 17] File exists: '/tmp/megatron-unit-ws4-x/tmp_dist_ckpt/test_fp32_A'"
-    assert reasons.classify_failure(text) == "leftover-checkpoint-folder"
+@pytest.mark.parametrize(
+    "text",
+    [
+        "E   FileExistsError: [Errno 17] File exists: '/tmp/megatron-unit-ws4-x/tmp_dist_ckpt/test_fp32_A'",
+        "E   FileNotFoundError: [Errno 2] No such file or directory: '/tmp/megatron-unit-ws2-y/tmp_dist_ckpt/test_B'",
+    ],
+)
+def test_a_shared_checkpoint_folder_without_a_barrier_is_named(text: str) -> None:
+    assert reasons.classify_failure(text) == "checkpoint-folder-race"
 
 
 def test_merging_reclassifies_with_the_rows_world_size(tmp_path: Path) -> None:
