@@ -11,8 +11,7 @@ import json
 import pytest
 import torch
 
-import mindspeed_like
-from mindspeed_like.testing import destroy_parallel, init_parallel
+from mindspeed_like.testing import init_parallel
 from mindspeed_like.testing.parity import SEED
 
 HIDDEN, HEADS, VOCAB, SEQ = 64, 4, 128, 8
@@ -52,20 +51,12 @@ def _model(tmp_path, use_te: bool, replace: str):
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
 
 
-@pytest.fixture
-def cpu():
-    mindspeed_like.reset()
-    mindspeed_like.configure(device="cpu")
-    init_parallel(seed=SEED)
-    yield
-    destroy_parallel()
-    mindspeed_like.reset()
-
-
 @pytest.mark.parametrize("replace", ["attention", "mlp"])
-def test_a_block_replaced_with_a_linear_builds_on_the_te_spec_as_on_the_local_one(cpu, tmp_path, replace):
+def test_a_block_replaced_with_a_linear_builds_on_the_te_spec_as_on_the_local_one(cpu_config, tmp_path, replace):
     from megatron.core.transformer.heterogeneous import linear_replacements
 
+    cpu_config()
+    init_parallel(seed=SEED)
     te_model = _model(tmp_path, use_te=True, replace=replace)
     local = _model(tmp_path, use_te=False, replace=replace)
     gathered = [m for m in te_model.modules() if type(m).__name__ == "TELayerNormColumnParallelLinearGathered"]
