@@ -77,30 +77,28 @@ def _state_dict_of_fresh_optimizer(wrapped, instance, args, kwargs):
     inner = instance.optimizer
     if not _torch_adam_branch() or not isinstance(inner, torch.optim.Optimizer):
         return wrapped(*args, **kwargs)
-    if not _inner_params(inner):
-        inner.state[STEPS_ONLY] = {"step": torch.tensor(float(getattr(instance, "_steps_taken", 0)))}
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            inner.state.pop(STEPS_ONLY, None)
-    # a fresh optimizer: every parameter; else the states holding moments without a step (FusedAdam's
-    # layout, written by megatron's init_state_fn or by a caller: megatron's dist_checkpointing tests
-    # fill exp_avg / exp_avg_sq so). torch's Adam has not stepped them.
-    fresh = len(inner.state) == 0
-    transient = [
-        param
-        for param in _inner_params(inner)
-        if (fresh or inner.state.get(param)) and "step" not in inner.state.get(param, {})
-    ]
-    for param in transient:
-        inner.state.setdefault(param, {})["step"] = torch.tensor(0.0)
+    params = _inner_params(inner)
+    if params:
+        # a fresh optimizer: every parameter; else the states holding moments without a step (FusedAdam's
+        # layout, written by megatron's init_state_fn or by a caller: megatron's dist_checkpointing tests
+        # fill exp_avg / exp_avg_sq so). torch's Adam has not stepped them.
+        fresh = len(inner.state) == 0
+        steps = {
+            param: 0.0
+            for param in params
+            if (fresh or inner.state.get(param)) and "step" not in inner.state.get(param, {})
+        }
+    else:  # a shard without parameters: the steps this optimizer has taken, under a non-tensor key
+        steps = {STEPS_ONLY: float(getattr(instance, "_steps_taken", 0))}
+    for key, step in steps.items():
+        inner.state.setdefault(key, {})["step"] = torch.tensor(step)
     try:
         return wrapped(*args, **kwargs)
     finally:
-        for param in transient:
-            inner.state[param].pop("step", None)
-            if not inner.state[param]:
-                del inner.state[param]
+        for key in steps:
+            inner.state[key].pop("step", None)
+            if not inner.state[key]:
+                del inner.state[key]
 
 
 def _count_steps(wrapped, instance, args, kwargs):
@@ -190,8 +188,6 @@ PATCHES = [
         Kind.WRAP,
         _count_steps,
         why="a shard without parameters has no per-parameter step to save: the optimizer counts its steps",
-        after=(HOST,),
-        before=(REUSE,),
     ),
     Patch(
         f"{DISTOPT}._set_main_param_and_optimizer_states",

@@ -5,7 +5,7 @@
 without it the class is absent and ``heterogeneous_layer_specs`` binds None, so a heterogeneous
 GPT on the TE spec failed in ``build_module`` ("cannot unpack non-iterable NoneType object").
 Here each such class is built from megatron's own class body, read from the installed source
-(``megatron_names.te_guarded_class_nodes``), with the TE names it uses bound to the te-backend's
+(``megatron_names.te_guarded_class_node``), with the TE names it uses bound to the te-backend's
 classes, in a copy of its module's globals (its helpers, e.g. ``_gather_from_tensor_parallel_region``).
 Attribute ``"<module>:<Class>"`` of this module is that class (built once), for ``Deferred``.
 """
@@ -23,7 +23,7 @@ from mindspeed_like.te_backend import classes, megatron_names
 def build(module: str, name: str) -> type:
     """megatron's ``module.name`` (a class it defines under ``if HAVE_TE:``) on the te-backend's classes."""
     megatron_module = importlib.import_module(module)
-    node = megatron_names.te_guarded_class_nodes(megatron_module.__file__)[name]
+    node = megatron_names.te_guarded_class_node(module, name)
     namespace = dict(vars(megatron_module))
     namespace.update({ours: getattr(classes, ours) for ours in classes.__all__})
     code = compile(ast.Module(body=[node], type_ignores=[]), megatron_module.__file__, "exec")

@@ -90,23 +90,31 @@ def modules_mentioning(root: str, needle: str) -> Iterator[tuple[str, str]]:
 
 
 @functools.cache
-def _importers(root: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+def _scan(root: str) -> tuple[tuple[str, tuple[str, ...], tuple[ast.ClassDef, ...]], ...]:
+    """One parse of every module that mentions the extension module: (module, the names it takes from
+    the two extension modules at its top level, the classes it defines under ``if HAVE_TE:``)."""
     found = []
     for module, text in modules_mentioning(root, EXTENSION):
         if module in SOURCES:
             continue
+        tree = ast.parse(text)
         names = sorted(
             {
                 alias.name
-                for node in _top_level(ast.parse(text).body)
+                for node in _top_level(tree.body)
                 if isinstance(node, ast.ImportFrom) and node.module in SOURCES and node.level == 0
                 for alias in node.names
                 if alias.asname is None
             }
         )
         if names:
-            found.append((module, tuple(names)))
-    return tuple(sorted(found))
+            found.append((module, tuple(names), tuple(_te_guarded_classes_in(tree))))
+    return tuple(sorted(found, key=lambda entry: entry[0]))
+
+
+@functools.cache
+def _importers(root: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    return tuple((module, names) for module, names, _ in _scan(root))
 
 
 def importers() -> dict[str, tuple[str, ...]]:
@@ -115,42 +123,36 @@ def importers() -> dict[str, tuple[str, ...]]:
     return dict(_importers(root)) if root is not None else {}
 
 
-def _guards_on_have_te(node: ast.stmt) -> bool:
-    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "HAVE_TE"
-
-
-def te_guarded_class_nodes(module_path: str) -> dict[str, ast.ClassDef]:
+def _te_guarded_classes_in(tree: ast.Module) -> list[ast.ClassDef]:
     """Classes a module defines only under a top-level ``if HAVE_TE:`` (subclasses of TE's wrapper
     classes, e.g. linear_replacements' ``TELayerNormColumnParallelLinearGathered``): without TE they
     do not exist, and whoever imports them gets None."""
-    with open(module_path, encoding="utf-8") as handle:
-        tree = ast.parse(handle.read())
-    return {
-        node.name: node
+    return [
+        node
         for guard in tree.body
-        if _guards_on_have_te(guard)
+        if isinstance(guard, ast.If) and isinstance(guard.test, ast.Name) and guard.test.id == "HAVE_TE"
         for node in guard.body
         if isinstance(node, ast.ClassDef)
-    }
-
-
-@functools.cache
-def _te_guarded(root: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    found = []
-    for module, _ in _importers(root):
-        path = os.path.join(root, *module.split(".")[2:]) + ".py"
-        if os.path.isfile(path):
-            classes = tuple(sorted(te_guarded_class_nodes(path)))
-            if classes:
-                found.append((module, classes))
-    return tuple(found)
+    ]
 
 
 def te_guarded_classes() -> dict[str, tuple[str, ...]]:
     """megatron module -> the classes it defines under ``if HAVE_TE:`` (among the modules that take
     names from the extension module)."""
     root = _megatron_core_dir()
-    return dict(_te_guarded(root)) if root is not None else {}
+    scanned = _scan(root) if root is not None else ()
+    return {module: tuple(sorted(c.name for c in classes)) for module, _, classes in scanned if classes}
+
+
+def te_guarded_class_node(module: str, name: str) -> ast.ClassDef:
+    """The source of ``module.name``, one of :func:`te_guarded_classes`, as megatron's file has it."""
+    root = _megatron_core_dir()
+    for scanned, _, classes in _scan(root) if root is not None else ():
+        if scanned == module:
+            for node in classes:
+                if node.name == name:
+                    return node
+    raise LookupError(f"{module} defines no class {name} under `if HAVE_TE:`")
 
 
 @functools.cache
