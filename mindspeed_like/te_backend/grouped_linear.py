@@ -29,7 +29,7 @@ from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, 
 
 from mindspeed_like.kernels.grouped_gemm import gmm
 from mindspeed_like.te_backend.extra_state import TEExtraState, holds_nothing
-from mindspeed_like.te_backend.linear import parameter_device
+from mindspeed_like.te_backend.linear import mark_tensor_parallel, parameter_device
 from mindspeed_like.te_backend.refusals import check_config
 from mindspeed_like.te_backend.sharding import dp_cp_group, sharded_tensors
 from mindspeed_like.te_shim import pytorch as te_pytorch
@@ -114,7 +114,7 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
             weight = torch.nn.Parameter(
                 torch.empty(self.out_features, self.in_features, dtype=config.params_dtype, device=device)
             )
-            if config.perform_initialization:
+            if config.perform_initialization:  # megatron's initialisation (it marks the shard too)
                 if config.use_cpu_initialization:
                     _initialize_affine_weight_cpu(
                         weight,
@@ -129,17 +129,15 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
                     )
                 else:
                     _initialize_affine_weight_gpu(weight, init_method, partition_dim=partition_dim, is_expert=True)
-            else:
-                from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-                set_tensor_model_parallel_attributes(weight, True, partition_dim, 1)
+            # TE's GroupedLinear marks every weight, and column biases, whatever perform_initialization says
+            mark_tensor_parallel(weight, partition_dim, 1)
             self.register_parameter(f"weight{e}", weight)
             if bias:
                 b = torch.nn.Parameter(torch.zeros(self.out_features, dtype=config.params_dtype, device=device))
                 if parallel_mode == "column":
-                    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-
-                    set_tensor_model_parallel_attributes(b, True, 0, 1)
+                    mark_tensor_parallel(b, 0, 1)
+                else:  # TE: its sequence_parallel, False for experts (megatron hands TE a TP size of 1)
+                    b.sequence_parallel = False
                 self.register_parameter(f"bias{e}", b)
         for param in self.parameters():
             param.allreduce = not (is_expert and self.expert_parallel)

@@ -45,6 +45,21 @@ def parameter_device(config) -> str | int:
     return torch.cuda.current_device()
 
 
+def mark_tensor_parallel(tensor: torch.Tensor, dim: int, stride: int) -> None:
+    """Mark ``tensor`` as a TP shard along ``dim`` (megatron's ``tensor_model_parallel``,
+    ``partition_dim``, ``partition_stride``), as TE's ``Linear`` / ``LayerNormLinear`` /
+    ``GroupedLinear`` ``reset_parameters`` does for every column / row weight and column bias
+    whatever megatron's ``perform_initialization`` says (megatron's wrappers then set
+    ``partition_stride``). megatron-core < 0.18's parallel linears set these only while
+    initialising; a model built with ``perform_initialization=False`` (weights loaded afterwards)
+    would otherwise count only TP rank 0's shards in megatron's grad norm and clipping
+    (``param_is_not_tensor_parallel_duplicate``). Overwrites: where megatron's initialisation set
+    them the values are the same."""
+    tensor.tensor_model_parallel = True
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
 def _ignored_newer(name: str, values: dict[str, Any]) -> None:
     """Keyword arguments newer megatron releases pass that change nothing here."""
     unknown = set(values) - {"name", "gtp_remat_group", "gtp_remat_size"}
@@ -205,9 +220,10 @@ class TEColumnParallelLinear(TELinear, ColumnParallelLinear):
         )
         self.parallel_mode = "column"
         self._tp_group = self.tp_group
-        self.weight.partition_stride = stride
+        # TE's reset_parameters (dim 0), then megatron's wrapper's partition_stride
+        mark_tensor_parallel(self.weight, 0, stride)
         if self.bias is not None:
-            self.bias.partition_stride = stride
+            mark_tensor_parallel(self.bias, 0, stride)
 
     def forward(self, *args: Any, **kwargs: Any):
         _no_tp_comm_when_unset(self)
@@ -274,6 +290,7 @@ class TERowParallelLinear(TELinear, RowParallelLinear):
         )
         self.parallel_mode = "row"
         self._tp_group = self.tp_group
+        mark_tensor_parallel(self.weight, 1, 1)  # TE's reset_parameters; the bias is megatron's (sequence_parallel)
 
     def forward(self, *args: Any, **kwargs: Any):
         _no_tp_comm_when_unset(self)

@@ -81,9 +81,11 @@ def build_norm(config, hidden_size: int, eps: float = 1e-5, has_residual: bool =
             plain = with_fields(plain, memory_efficient_layer_norm=False)
         norm = torch_norm.WrappedTorchNorm(config=plain, hidden_size=hidden_size, eps=eps)
         norm.to(dtype=dtype)
-    if config.sequence_parallel:
-        for param in norm.parameters():
-            param.sequence_parallel = True
+    # TE's LayerNorm / RMSNorm (and LayerNormLinear's layer_norm_*) mark their parameters in
+    # reset_parameters, whatever perform_initialization says: under SP each rank's gradient is its
+    # sequence shard's part, summed over TP by megatron's finalize_model_grads
+    for param in norm.parameters():
+        param.sequence_parallel = bool(config.sequence_parallel)
     norm.__class__ = with_te_extra_state(type(norm), normalization)
     return norm
 
