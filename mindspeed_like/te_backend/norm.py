@@ -2,7 +2,7 @@
 
 megatron's ``TENorm(config, hidden_size, eps=1e-5[, has_residual])`` returns TransformerEngine's
 ``LayerNorm`` or ``RMSNorm`` (by ``config.normalization``) with parameters ``weight`` (and
-``bias``), TE's ``_extra_state``, ``sequence_parallel`` marked on the parameters under SP, and
+``bias``), TE's ``_extra_state``, ``sequence_parallel`` (the config's) marked on the parameters, and
 zero-centered gamma (``layernorm_zero_centered_gamma``: the stored weight is gamma - 1).
 
 Here the module is the one megatron's local spec would build, through
