@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib.util
+import importlib.machinery
 import os
+import sys
 from collections.abc import Iterator
 
 EXTENSION = "megatron.core.extensions.transformer_engine"
@@ -36,10 +37,33 @@ def _top_level(nodes: list[ast.stmt]) -> Iterator[ast.stmt]:
 
 
 def _megatron_core_dir() -> str | None:
-    spec = importlib.util.find_spec("megatron.core")
+    """megatron-core's directory, found without importing anything: ``importlib.util.find_spec
+    ("megatron.core")`` would import the ``megatron`` package, and the adaptor must import nothing
+    of megatron (mindspeed_like_autoload applies it inside the import system's look-up of megatron)."""
+    parent = sys.modules.get("megatron")
+    locations = getattr(parent, "__path__", None)
+    if locations is None:
+        spec = _find_spec("megatron", None)
+        locations = None if spec is None else spec.submodule_search_locations
+    spec = _find_spec("megatron.core", list(locations)) if locations else None
     if spec is None or not spec.submodule_search_locations:
         return None
     return list(spec.submodule_search_locations)[0]
+
+
+def _find_spec(name: str, path: list[str] | None) -> importlib.machinery.ModuleSpec | None:
+    """The spec the finders on ``sys.meta_path`` give for ``name`` (the parent's ``path`` for a
+    submodule), as the import system would find it, without loading it. wrapt's post-import-hook
+    finder is skipped: for a hooked name it answers by ``importlib.util.find_spec``, which imports
+    the parent (and the engine hooks megatron's modules), and it only wraps the loader others find."""
+    for finder in list(sys.meta_path):
+        if type(finder).__module__.startswith("wrapt."):
+            continue
+        find = getattr(finder, "find_spec", None)
+        spec = find(name, path) if find is not None else None
+        if spec is not None:
+            return spec
+    return None
 
 
 def _module_name(root: str, path: str) -> str:
