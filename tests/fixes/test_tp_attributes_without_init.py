@@ -139,6 +139,10 @@ def test_tp2_grad_norm_equals_tp1_without_initialization(fixed_norms, impl):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    megatron_core_version() not in fix.PATCHES[0].specifier(),
+    reason="megatron-core 0.18+ marks the weights itself: nothing to show",
+)
 def test_megatron_tp2_grad_norm_too_small_without_the_fix():
     """The bug: megatron's own layers leave TP rank 1's shards out of the norm."""
     norms = run_distributed(grad_norms_worker, 2, False, timeout=300)[0]

@@ -16,14 +16,22 @@ import torch
 import mindspeed_like
 from mindspeed_like import runtime
 from mindspeed_like.fixes import tp_attributes_without_init as fix
+from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.te_backend.grouped_linear import TEGroupedLinear
 from mindspeed_like.te_backend.linear import TEColumnParallelLinear, TELinear, TERowParallelLinear
 from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt
 from mindspeed_like.testing.parity import SEED
 
+VERSION = megatron_core_version()
 MODELS = {
-    "dense": dict(qk_layernorm=True, add_bias_linear=True),  # column and row biases, stride 2 fc1
-    "grouped-moe": dict(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, add_bias_linear=True),
+    "dense": dict(qk_layernorm=True, add_bias_linear=True),  # column and row biases, the gated fc1's stride
+    # expert biases from megatron-core 0.15 ("Bias is not supported for MoE" before)
+    "grouped-moe": dict(
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_grouped_gemm=True,
+        add_bias_linear=VERSION is not None and VERSION.release >= (0, 15),
+    ),
     "mla": dict(multi_latent_attention=True),  # duplicated TELinear down projections
 }
 
@@ -61,18 +69,16 @@ def te_expected(module: torch.nn.Module, name: str, stride: int) -> tuple | None
 @pytest.mark.parametrize("use_cpu_initialization", [True, False], ids=["cpu-init", "device-init"])
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_te_backend_marks_its_parameters_without_initialization(without_megatron_fix, kind, use_cpu_initialization):
-    model = tiny_gpt(
-        transformer_impl="transformer_engine",
-        perform_initialization=False,
-        use_cpu_initialization=use_cpu_initialization,
-        **MODELS[kind],
-    )
-    gated_stride = 2 if model.config.gated_linear_unit else 1
+    args = dict(transformer_impl="transformer_engine", use_cpu_initialization=use_cpu_initialization, **MODELS[kind])
+    model = tiny_gpt(perform_initialization=False, **args)
+    # the stride megatron's MLP builds its fc1 with (2 for a gated fc1 from 0.16, 1 before), as
+    # megatron's initialisation records it
+    initialised = dict(tiny_gpt(**args).named_modules())
     checked = 0
     for module_name, module in model.named_modules():
         if not isinstance(module, (TELinear, TEGroupedLinear)):
             continue
-        stride = gated_stride if module_name.endswith("mlp.linear_fc1") else 1
+        stride = getattr(getattr(initialised[module_name], "weight", None), "partition_stride", 1)
         for name, param in module.named_parameters(recurse=False):
             if name.startswith("layer_norm_"):  # TE's LayerNormLinear: marked like TE's norms
                 assert param.sequence_parallel is False, f"{module_name}.{name}"
