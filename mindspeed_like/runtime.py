@@ -312,12 +312,25 @@ def _before_switch_off(names: list[str]) -> None:
 
 
 def set_megatron_args(values: Mapping[str, Any]) -> Context:
-    """Values read from Megatron-LM's parsed args (the 'megatron-args' source); re-applies."""
+    """Values read from Megatron-LM's parsed args (the 'megatron-args' source); re-applies. All or
+    nothing: if the new values are refused (a bad value, a conflict), the previous ones are back
+    and nothing changed, so the next apply() does not fail again on values already refused."""
     with _lock:
+        previous = dict(_megatron_args)
         _megatron_args.clear()
         _megatron_args.update(values)
-        apply()
+        try:
+            apply()
+        except BaseException:
+            _megatron_args.clear()
+            _megatron_args.update(previous)
+            raise
         return current_context()
+
+
+def megatron_args() -> dict[str, Any]:
+    """The 'megatron-args' source as it stands (flag name -> value; a copy)."""
+    return dict(_megatron_args)
 
 
 def enabled_feature_names(config: Config) -> list[str]:
