@@ -106,6 +106,10 @@ def cmd_report(args: argparse.Namespace, flag_values: dict) -> int:
         for r in mindspeed_like.report()
     ]
     _print_table(("feature", "kind", "status", "target", "aliases", "stack (inner < outer)"), rows)
+    from mindspeed_like.adapters import compile_cache
+
+    if any(r.feature == compile_cache.NAME for r in mindspeed_like.report()):
+        print(compile_cache.describe())  # where compiled graphs are cached, and why there
     if args.verbose:
         for r in mindspeed_like.report():
             print(f"{r.target}: {r.why}")

@@ -45,6 +45,8 @@ def test_report_lists_applied_patches():
     assert result.returncode == 0, result.stderr
     assert "fix-checkpoint-without-output-fp8" in result.stdout
     assert "CheckpointWithoutOutput.__init__" in result.stdout and "applied" in result.stdout
+    assert "FxGraphHashDetails.__init__ [GLOBAL]" in result.stdout  # cpu-compile-cache, and its line:
+    assert "torch.compile cache: " in result.stdout and "keys its graphs by the CPU vector ISA" in result.stdout
 
 
 @pytest.mark.slow
