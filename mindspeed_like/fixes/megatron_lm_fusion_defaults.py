@@ -5,8 +5,10 @@ does not ship (read in core_v0.16.1's ``megatron/training/arguments.py`` and meg
 
 * ``--apply-rope-fusion`` (``--no-rope-fusion``): TransformerEngine's ``fused_apply_rotary_pos_emb``;
   without TE ``TransformerConfig.__post_init__`` raises "apply_rope_fusion is not available. Please
-  install TE >= 1.4." (the te-backend serves TE's layers, not this function). Our fused RoPE kernel
-  is ``--use-fused-rotary-pos-emb`` (level 1).
+  install TE >= 1.4.". The te-backend serves it (TE 2.1's fused RoPE on our kernel), so it is switched
+  off only with the backend off, or for what TE 2.1's fused RoPE does not cover (interleaved
+  rotation, multi-latent attention's Triton kernel): ``toolkit.transformer_engine.rope_fusion_unavailable``.
+  Our fused RoPE kernel is also ``--use-fused-rotary-pos-emb`` (level 1).
 * ``--gradient-accumulation-fusion``: apex's ``fused_weight_gradient_mlp_cuda`` for megatron's own
   linears (TE's linears fuse it themselves); without it ``ColumnParallelLinear`` raises at model
   build.
@@ -55,12 +57,11 @@ def fusion_defaults(args) -> list[str]:
             setattr(args, name, value)
 
     te = transformer_engine.installed()
-    if not te and getattr(args, "position_embedding_type", "rope") in ("rope", "mrope"):
-        change(
-            "apply_rope_fusion",
-            False,
-            "megatron's fused RoPE is TransformerEngine's, not installed; ours: --use-fused-rotary-pos-emb",
-        )
+    rope = getattr(args, "position_embedding_type", "rope") in ("rope", "mrope")
+    if rope and getattr(args, "apply_rope_fusion", False):
+        why = transformer_engine.rope_fusion_unavailable(args)
+        if why is not None:
+            change("apply_rope_fusion", False, why)
     te_linears = te and getattr(args, "transformer_impl", None) == "transformer_engine"
     if not te_linears and not _installed("fused_weight_gradient_mlp_cuda"):
         change("gradient_accumulation_fusion", False, "megatron's linears need apex's fused_weight_gradient_mlp_cuda")

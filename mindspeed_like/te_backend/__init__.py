@@ -16,6 +16,7 @@ feature acts on TE-spec models as on local-spec ones:
   layernorm_linear.py    TELayerNormColumnParallelLinear                  norm + ColumnParallelLinear
   attention.py           TEDotProductAttention                            DotProductAttention (flash, CP)
   grouped_linear.py      TEGroupedLinear, TE{Column,Row}ParallelGrouped   the grouped-GEMM kernel
+  rope.py                fused_apply_rotary_pos_emb(_thd) (rope_utils')   our RoPE kernel (TE 2.1's contract)
   refusals.py            TEFusedMLP, TEActivationOp, ...                  a clear error naming the TE feature
   guarded_classes.py     megatron's classes defined under `if HAVE_TE:`   megatron's class body on the above
 
@@ -45,6 +46,7 @@ from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 
 NAME = "te-backend"
 CLASSES = "mindspeed_like.te_backend.classes"
+ROPE = "mindspeed_like.te_backend.rope"
 GUARDED = "mindspeed_like.te_backend.guarded_classes"
 VERSIONS = "mindspeed_like.te_backend.versions"
 
@@ -65,6 +67,13 @@ OURS = (
 """The names of megatron's extension module that get our classes (the others, TE's fp8 recipes, RNG
 tracker, fused permute / cross-entropy kernels, are only used on paths TE-only options open)."""
 
+FUNCTIONS = ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd")
+"""megatron's functions over TE's kernels that the backend binds (``rope.py``: megatron's
+``apply_rope_fusion``) where megatron's modules take them from the extension module (``rope_utils``:
+None without TE). Not in the extension module itself: there they are unbound without TE, and a
+module importing them while they were bound there would keep ours after ``reset()`` (an unbound
+name has no stand-in whose aliases the engine could swap back)."""
+
 
 def is_te_stand_in(value: Any) -> bool:
     """What megatron binds in place of TE's layers when TE is absent: a ``MagicMock`` (its
@@ -76,11 +85,13 @@ def is_te_stand_in(value: Any) -> bool:
 
 
 def _ours(module: str, name: str) -> Deferred:
-    return Deferred(SPEC_PROVIDER, "TESpecProvider") if name == "TESpecProvider" else Deferred(CLASSES, name)
+    if name == "TESpecProvider":
+        return Deferred(SPEC_PROVIDER, "TESpecProvider")
+    return Deferred(ROPE, name) if name in FUNCTIONS else Deferred(CLASSES, name)
 
 
 def patches(ctx: Context) -> list[Patch]:
-    provided = set(OURS) | {"TESpecProvider"}
+    provided = set(OURS) | set(FUNCTIONS) | {"TESpecProvider"}
     result = [
         Patch(
             f"{EXTENSION}.{name}",

@@ -27,7 +27,8 @@ def _megatron_lm_defaults(**overrides) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{**values, **overrides})
 
 
-def test_the_fusions_without_their_kernels_are_switched_with_the_reason():
+def test_the_fusions_without_their_kernels_are_switched_with_the_reason(monkeypatch):
+    monkeypatch.setattr(fix.transformer_engine, "megatron_fused_rope", lambda: None)  # te-backend off
     args = _megatron_lm_defaults()
     changes = fix.fusion_defaults(args)
     assert (args.apply_rope_fusion, args.gradient_accumulation_fusion, args.no_persist_layer_norm) == (
@@ -47,6 +48,20 @@ def test_what_transformer_engine_provides_is_left_on(monkeypatch):
     local = _megatron_lm_defaults(transformer_impl="local")
     fix.fusion_defaults(local)
     assert local.apply_rope_fusion is True and local.gradient_accumulation_fusion is False  # megatron's linears
+
+
+@pytest.mark.parametrize(
+    ("overrides", "switched"),
+    [({}, False), ({"rotary_interleaved": True}, True), ({"multi_latent_attention": True}, True)],
+)
+def test_rope_fusion_stays_where_the_te_backend_serves_it(monkeypatch, overrides, switched):
+    """The te-backend serves TE 2.1's fused RoPE (rotate-half) on our kernel: megatron's default stays
+    on, except for what that does not cover (interleaved rotation, MLA's Triton kernel)."""
+    monkeypatch.setattr(fix.transformer_engine, "megatron_fused_rope", lambda: "te-backend")
+    args = _megatron_lm_defaults(**overrides)
+    changes = fix.fusion_defaults(args)
+    assert args.apply_rope_fusion is not switched
+    assert any("apply_rope_fusion" in line for line in changes) is switched
 
 
 def test_rope_fusion_is_not_touched_for_a_model_without_rope():

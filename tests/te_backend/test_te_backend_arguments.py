@@ -55,11 +55,23 @@ def test_transformer_engine_impl_kept_while_the_backend_is_on(configured):
     changes = host_defaults(args)
     assert args.transformer_impl == "transformer_engine"
     assert not any("transformer_impl" in line for line in changes)
-    # TE's fused RoPE is not a layer: the backend does not provide it; ours is --use-fused-rotary-pos-emb
-    assert args.apply_rope_fusion is False
-    assert any("--use-fused-rotary-pos-emb" in line for line in changes)
+    # TE's fused RoPE is served by the backend (TE 2.1's contract on our kernel): left on
+    assert args.apply_rope_fusion is True
+    assert not any("apply_rope_fusion" in line for line in changes)
     # the TE-spec linears are megatron's parallel linears: apex's wgrad fusion is still absent
     assert args.gradient_accumulation_fusion is False
+
+
+@pytest.mark.parametrize(
+    ("field", "reason"),
+    [("rotary_interleaved", "needs TransformerEngine >= 2.3"), ("multi_latent_attention", "Triton kernel")],
+)
+def test_rope_fusion_switched_where_te_2_1_s_fused_rope_does_not_cover_it(configured, field, reason):
+    configured()
+    args = _megatron_lm_defaults(**{field: True})
+    changes = host_defaults(args)
+    assert args.apply_rope_fusion is False
+    assert any("apply_rope_fusion" in line and reason in line for line in changes), changes
 
 
 def test_switched_to_local_with_the_reason_when_the_backend_is_off(configured):
@@ -70,6 +82,7 @@ def test_switched_to_local_with_the_reason_when_the_backend_is_off(configured):
     assert args.transformer_impl == "local"
     assert any("transformer_impl" in line and "--no-te-backend" in line for line in changes), changes
     assert args.apply_rope_fusion is False
+    assert any("apply_rope_fusion" in line and "the te-backend is off" in line for line in changes), changes
 
 
 def test_local_impl_given_by_name_is_left_alone(configured):

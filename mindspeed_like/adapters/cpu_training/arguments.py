@@ -6,7 +6,9 @@ where the extension is absent the default is switched to the portable choice bef
 the exception while the te-backend is on (wherever TE is not installed, unless --no-te-backend):
 megatron's TE wrapper classes are then ours, so ``--transformer-impl transformer_engine`` (the
 default) stays and builds the TE-spec model; only with the backend off is it switched to
-``local``. Runs as the feature's hook of
+``local``. So is TE's RoPE fusion (``--apply-rope-fusion``, the default), which the te-backend
+serves on our RoPE kernel: switched off only where that does not cover the model
+(``transformer_engine.rope_fusion_unavailable``). Runs as the feature's hook of
 the one ``validate_args`` wrap (``mindspeed_like.integrations.megatron_lm``).
 """
 
@@ -53,11 +55,12 @@ def host_defaults(args) -> list[str]:
         change("transformer_impl", "local", why)
     if getattr(args, "distributed_backend", None) == "nccl" and not torch.distributed.is_nccl_available():
         change("distributed_backend", "gloo", "this torch has no NCCL")
-    if not have_te:
-        # megatron's fused RoPE is TE's fused_apply_rotary_pos_emb, which the te-backend does not provide
-        # (it is not a layer); our kernel is --use-fused-rotary-pos-emb, on either spec
-        why = "the fused RoPE kernel needs TransformerEngine (ours: --use-fused-rotary-pos-emb)"
-        change("apply_rope_fusion", False, why)
+    if not have_te and getattr(args, "apply_rope_fusion", False):
+        # megatron's fused RoPE is TE's; the te-backend serves TE 2.1's (rotate-half, sbhd/thd) on our
+        # kernel, so it stays on where that covers the model (the same rule as fix-megatron-lm-fusion-defaults)
+        why = transformer_engine.rope_fusion_unavailable(args)
+        if why is not None:
+            change("apply_rope_fusion", False, why)
     if not _installed("fused_weight_gradient_mlp_cuda"):
         change("gradient_accumulation_fusion", False, "needs apex's fused_weight_gradient_mlp_cuda")
     if not _installed("scaled_masked_softmax_cuda"):

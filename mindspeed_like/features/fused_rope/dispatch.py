@@ -16,8 +16,10 @@ cp_group=None)``, and from 0.19 ``mla_rotary_interleaved=False``): sbhd and thd,
 interleaved rotation, multi-latent attention's de-interleaving (non-interleaved only; asked by
 ``config.multi_latent_attention`` up to 0.18, by the call's ``mla_rotary_interleaved`` from
 0.19), partial rotary, mscale.
+``config.apply_rope_fusion`` where the te-backend serves megatron's fused RoPE: megatron's path,
+unlogged (it is TE's contract on this same kernel).
 Handed back to megatron (logged once per reason; an error under ``strict``): context parallel
-> 1, ``config.apply_rope_fusion`` (megatron's TransformerEngine path, which the user chose),
+> 1, ``config.apply_rope_fusion`` (a real TransformerEngine's path, which the user chose),
 MLA with ``rotary_interleaved``, freqs that require grad, thd freqs with a batch dim, and
 shapes the kernel does not take.
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mindspeed_like.toolkit import transformer_engine
 from mindspeed_like.toolkit.binding import Call
 from mindspeed_like.toolkit.errors import FeatureUnsupported
 from mindspeed_like.toolkit.fallback import Fallback
@@ -105,6 +108,12 @@ class FusedRope:
         from mindspeed_like.kernels.rope import apply_rope
 
         call = Call(wrapped, args, kwargs)
+        if (
+            getattr(call["config"], "apply_rope_fusion", False)
+            and transformer_engine.megatron_fused_rope() == "te-backend"
+        ):
+            # megatron's fused path is the te-backend's: TE's contract on this same kernel; nothing to hand back
+            return wrapped(*args, **kwargs)
         reason = _unsupported(call, self.per_token_thd_freqs)
         if reason is not None:
             self.fall_back(reason)
