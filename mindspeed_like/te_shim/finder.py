@@ -1,5 +1,5 @@
 """The import-system side of the client module: a meta-path finder that serves ``transformer_engine``
-(and ``.pytorch``, ``.pytorch.ops``, ``.common.recipe``) from our implementation,
+(and ``.pytorch``, ``.pytorch.attention``, ``.pytorch.ops``, ``.common.recipe``) from our implementation,
 only where no real TransformerEngine is installed, and never to megatron-core.
 
 Never shadows a real TE, structurally: the finder is APPENDED to ``sys.meta_path``, after the path
@@ -57,6 +57,7 @@ ROOT = "transformer_engine"
 MODULES = {
     ROOT: "mindspeed_like.te_shim.client",
     f"{ROOT}.pytorch": "mindspeed_like.te_shim.pytorch",
+    f"{ROOT}.pytorch.attention": "mindspeed_like.te_shim.attention",
     f"{ROOT}.pytorch.ops": "mindspeed_like.te_shim.ops",
     f"{ROOT}.pytorch.fp8": "mindspeed_like.te_shim.fp8",
     f"{ROOT}.common": "mindspeed_like.te_shim.common",
@@ -65,7 +66,10 @@ MODULES = {
 """Module served -> our module whose ``__all__`` it exposes (packages: those with children here)."""
 
 _PACKAGES = {name.rsplit(".", 1)[0] for name in MODULES if "." in name}
-_CHILDREN_IMPORTED = {ROOT: (f"{ROOT}.pytorch",), f"{ROOT}.pytorch": (f"{ROOT}.pytorch.ops", f"{ROOT}.pytorch.fp8")}
+_CHILDREN_IMPORTED = {
+    ROOT: (f"{ROOT}.pytorch",),
+    f"{ROOT}.pytorch": (f"{ROOT}.pytorch.attention", f"{ROOT}.pytorch.ops", f"{ROOT}.pytorch.fp8"),
+}
 
 
 def real_te_installed() -> bool:
