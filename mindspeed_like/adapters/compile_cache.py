@@ -39,7 +39,7 @@ KEY_FIELD = "mindspeed_like_cpu_vec_isa"
 
 def vec_isa() -> str:
     """The vector ISA Inductor's C++ code generator uses in this process, as torch names it
-    (``"avx2"``, ``"avx512"``, ``"avx512 avx512_vnni amx_tile"``; ``"none"``: scalar code).
+    (``"avx2"``, ``"avx512"``, ``"avx512 avx512_vnni amx_tile"``; ``"INVALID_VEC_ISA"``: scalar code).
 
     torch's own ``pick_vec_isa()``, so the key names exactly what the generated code assumes: it
     honours ``ATEN_CPU_CAPABILITY``, Inductor's ``cpp.simdlen`` and what the host and its compiler
@@ -47,7 +47,7 @@ def vec_isa() -> str:
     anyway (its build probe is cached per process)."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    return str(pick_vec_isa()) or "none"
+    return str(pick_vec_isa())
 
 
 def key_with_isa(wrapped, instance, args, kwargs) -> None:
