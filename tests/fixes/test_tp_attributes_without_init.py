@@ -25,7 +25,13 @@ from mindspeed_like.testing.parity import SEED
 from mindspeed_like.testing.training import make_batches, unwrap
 
 FP32_RTOL = 1e-5  # same sums over other shards and in another order
-IMPLS = ("local", "transformer_engine")
+# the grad-norm runs: (spec, model arguments); TE-spec MLA adds the duplicated TELinear down
+# projections (the same weight on every TP rank: counted once, not TP times)
+NORM_CASES = {
+    "local": ("local", {}),
+    "te": ("transformer_engine", {}),
+    "te-mla": ("transformer_engine", dict(multi_latent_attention=True)),
+}
 MOE = dict(num_moe_experts=4, moe_router_topk=2)
 HAS_GROUPED_MLP = megatron_core_version() is not None and megatron_core_version().release < (0, 17)
 # every kind of sharded weight: embedding, column/row linears (stride 2 on the gated fc1), the output
@@ -83,30 +89,31 @@ def _record_grad_norm(norms: list[float]):
     return on_optimizer
 
 
-def _loaded_without_init(transformer_impl: str, sequence_parallel: bool):
+def _loaded_without_init(transformer_impl: str, sequence_parallel: bool, **model_args):
     """The model built with ``perform_initialization=False`` on the device route (no
     ``use_cpu_initialization``, as ms-swift builds it), holding an initialised model's weights."""
-    common = dict(transformer_impl=transformer_impl, sequence_parallel=sequence_parallel)
+    common = dict(transformer_impl=transformer_impl, sequence_parallel=sequence_parallel, **model_args)
     reference = tiny_gpt(**common)
     model = tiny_gpt(perform_initialization=False, use_cpu_initialization=False, **common)
     model.load_state_dict(reference.state_dict())
     return model
 
 
-def grad_norms_worker(fixed: bool) -> dict:
-    """``{(impl, tp): first step's grad norm}`` for both specs at TP=1 (DP=2) and TP=2 (with SP on
-    the TE spec, so its norms' ``sequence_parallel`` marks are exercised too)."""
+def grad_norms_worker(fixed: bool, cases: tuple[str, ...] = tuple(NORM_CASES)) -> dict:
+    """``{(case, tp): first step's grad norm}`` for :data:`NORM_CASES` at TP=1 (DP=2) and TP=2 (with SP
+    on the TE spec, so its norms' ``sequence_parallel`` marks are exercised too)."""
     mindspeed_like.reset()
     mindspeed_like.configure(device="cpu")
     if not fixed:
         runtime.ENGINE.remove(fix.FEATURE.name)  # megatron's own layers
     out = {}
     try:
-        for impl in IMPLS:
+        for case in cases:
+            impl, model_args = NORM_CASES[case]
             for tp in (1, 2):
                 init_parallel(tp=tp, seed=SEED)
                 try:
-                    model = _loaded_without_init(impl, sequence_parallel=tp > 1 and impl != "local")
+                    model = _loaded_without_init(impl, tp > 1 and impl != "local", **model_args)
                     gpt = unwrap(model)
                     batch = make_batches(1, MICRO_BATCH, gpt.max_sequence_length, gpt.vocab_size, SEED)[0]
                     norms: list[float] = []
@@ -118,7 +125,7 @@ def grad_norms_worker(fixed: bool) -> dict:
                         finalize_grads=True,
                         on_optimizer=_record_grad_norm(norms),
                     )
-                    out[(impl, tp)] = norms[0]
+                    out[(case, tp)] = norms[0]
                 finally:
                     destroy_parallel()
     finally:
@@ -126,16 +133,28 @@ def grad_norms_worker(fixed: bool) -> dict:
     return out
 
 
+FAST_NORM_CASES = ("local", "te")
+
+
 @pytest.fixture(scope="module")
 def fixed_norms() -> list[dict]:
-    return run_distributed(grad_norms_worker, 2, True, timeout=300)
+    return run_distributed(grad_norms_worker, 2, True, FAST_NORM_CASES, timeout=300)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_tp2_grad_norm_equals_tp1_without_initialization(fixed_norms, impl):
-    for rank, norms in enumerate(fixed_norms):
-        tp1, tp2 = norms[(impl, 1)], norms[(impl, 2)]
-        assert abs(tp2 - tp1) <= FP32_RTOL * tp1, f"rank {rank}: TP=2 grad norm {tp2!r}, TP=1 {tp1!r}"
+def _assert_tp2_equals_tp1(results: list[dict], case: str) -> None:
+    for rank, norms in enumerate(results):
+        tp1, tp2 = norms[(case, 1)], norms[(case, 2)]
+        assert abs(tp2 - tp1) <= FP32_RTOL * tp1, f"{case}, rank {rank}: TP=2 grad norm {tp2!r}, TP=1 {tp1!r}"
+
+
+@pytest.mark.parametrize("case", FAST_NORM_CASES)
+def test_tp2_grad_norm_equals_tp1_without_initialization(fixed_norms, case):
+    _assert_tp2_equals_tp1(fixed_norms, case)
+
+
+@pytest.mark.slow
+def test_te_mla_tp2_grad_norm_equals_tp1_duplicated_linears_counted_once():
+    _assert_tp2_equals_tp1(run_distributed(grad_norms_worker, 2, True, ("te-mla",), timeout=300), "te-mla")
 
 
 @pytest.mark.slow
@@ -146,6 +165,6 @@ def test_tp2_grad_norm_equals_tp1_without_initialization(fixed_norms, impl):
 def test_megatron_tp2_grad_norm_too_small_without_the_fix():
     """The bug: megatron's own layers leave TP rank 1's shards out of the norm."""
     norms = run_distributed(grad_norms_worker, 2, False, timeout=300)[0]
-    for impl in IMPLS:
-        tp1, tp2 = norms[(impl, 1)], norms[(impl, 2)]
-        assert tp2 < (1 - 1e-3) * tp1, f"{impl}: TP=2 {tp2!r}, TP=1 {tp1!r}"
+    for case in NORM_CASES:
+        tp1, tp2 = norms[(case, 1)], norms[(case, 2)]
+        assert tp2 < (1 - 1e-3) * tp1, f"{case}: TP=2 {tp2!r}, TP=1 {tp1!r}"
