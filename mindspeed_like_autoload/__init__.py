@@ -11,8 +11,8 @@ adaptor before they import megatron, mcore-bridge or ``transformer_engine``, wit
 
 Why a package of its own, outside ``mindspeed_like``: torch imports this module in EVERY process
 of the environment. ``mindspeed_like/__init__.py`` imports the patch engine (wrapt, ...), so a
-module inside it would cost every process that never asked. This one imports nothing beyond
-``os`` (already loaded by then) unless the variable asks, and does nothing else
+module inside it would cost every process that never asked. This one imports nothing that is not
+loaded by then (``os``, ``sys``, ``typing``) unless the variable asks, and does nothing else
 (docs/clients.md has the measured cost).
 
 Why deferred to that first import and not done here: this runs INSIDE ``import torch`` (near its
@@ -29,6 +29,11 @@ after megatron-core, before the model is built, which the adaptor supports like 
 from __future__ import annotations
 
 import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 ENV = "MINDSPEED_LIKE_AUTOLOAD"
 WATCHED = ("megatron", "mcore_bridge", "transformer_engine")
@@ -36,7 +41,7 @@ WATCHED = ("megatron", "mcore_bridge", "transformer_engine")
 _trigger = None  # the installed _Trigger, None when not asked (or already fired)
 
 
-def requested(environ: dict[str, str] | None = None) -> bool:
+def requested(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``MINDSPEED_LIKE_AUTOLOAD`` asks for the adaptor: "1" yes; unset, empty or "0" no.
     Anything else is a ValueError naming the variable: a value meant to switch it on ("true",
     "yes") must not silently leave the process without the adaptor."""
@@ -63,8 +68,6 @@ def load() -> None:
 def install() -> None:
     """Put the trigger first on ``sys.meta_path`` (once)."""
     global _trigger
-    import sys
-
     if _trigger is None:
         _trigger = _Trigger()
     if _trigger not in sys.meta_path:
@@ -73,8 +76,6 @@ def install() -> None:
 
 def uninstall() -> None:
     """Take the trigger off ``sys.meta_path`` (tests; it also removes itself when it fires)."""
-    import sys
-
     while _trigger is not None and _trigger in sys.meta_path:
         sys.meta_path.remove(_trigger)
 
@@ -84,8 +85,6 @@ def _import_under_way() -> bool:
     module frame is on the stack: an import of it is under way). Frames, not ``__spec__._initializing``
     of every module: a walk up this thread's stack is cheap, scanning ``sys.modules`` on each
     import is not, and another thread's import is no reason to wait."""
-    import sys
-
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "<module>":
@@ -124,8 +123,6 @@ def _find_spec(fullname: str, path, target):
     """The spec the finders now on ``sys.meta_path`` give (what the import would have found had
     the trigger not been first). Python's own loop over ``sys.meta_path`` has moved past the
     trigger's slot, which its removal shifted: a finder appended since would not be asked."""
-    import sys
-
     for finder in list(sys.meta_path):
         find = getattr(finder, "find_spec", None)
         if find is None:

@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from mindspeed_like.testing.parallel import free_port
+from mindspeed_like_autoload import ENV, requested
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "autoload_script.py")
 LEVEL_1 = "--optimization-level 1"
@@ -28,10 +29,22 @@ def _registered() -> bool:
     )
 
 
-pytestmark = pytest.mark.skipif(
+needs_entry_point = pytest.mark.skipif(
     not _registered(),
     reason="the torch.backends entry point is not installed: reinstall the project (pip install -e .)",
 )
+
+
+@pytest.mark.parametrize(("value", "asked"), [(None, False), ("", False), ("0", False), (" 1 ", True), ("1", True)])
+def test_the_variable_asks_with_1_only(value, asked):
+    environ = {} if value is None else {ENV: value}
+    assert requested(environ) is asked
+
+
+@pytest.mark.parametrize("value", ["true", "yes", "2", "on"])
+def test_any_other_value_is_an_error_naming_it(value):
+    with pytest.raises(ValueError, match=rf"MINDSPEED_LIKE_AUTOLOAD={value!r}: expected 1 .* or 0"):
+        requested({ENV: value})
 
 
 def _env(autoload: str | None, args: str | None = LEVEL_1) -> dict[str, str]:
@@ -54,15 +67,16 @@ def _run(order: str, env: dict[str, str], ok: bool = True) -> dict | subprocess.
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@needs_entry_point
 def test_without_the_variable_nothing_of_ours_is_imported():
+    """Unset (``0`` and empty are the same to ``requested()``, tested above): at ``import torch`` and
+    after megatron's import, no module of mindspeed_like, no finder."""
     out = _run("off", _env(None))
     assert out["after_torch"] == {"ours": [], "trigger_armed": False}
-    assert out["ours"] == [] and not out["adaptor"]
-    for value in ("0", ""):
-        out = _run("off", _env(value))
-        assert out["after_torch"]["ours"] == [] and not out["adaptor"]
+    assert out["ours"] == [] and not out["adaptor"] and not out["trigger_armed"]
 
 
+@needs_entry_point
 def test_torch_then_megatron_gets_the_adaptor_before_megatron():
     out = _run("torch-first", _env("1"))
     # at `import torch`: only the trigger, none of mindspeed_like
@@ -74,6 +88,7 @@ def test_torch_then_megatron_gets_the_adaptor_before_megatron():
     assert out["patches_applied"] > 0
 
 
+@needs_entry_point
 def test_the_adaptor_imports_nothing_of_megatron():
     """What the trigger relies on: it runs the adaptor inside the import system's look-up of
     megatron's first module; were megatron imported there, the look-up would execute it again."""
@@ -81,6 +96,7 @@ def test_the_adaptor_imports_nothing_of_megatron():
     assert out["watched_loaded"] == []
 
 
+@needs_entry_point
 def test_transformer_engine_first_gets_our_client_module_and_megatron_sees_no_te():
     out = _run("te-first", _env("1", args=None))
     assert out["adaptor_in_before"]["transformer_engine"] is True
@@ -88,6 +104,7 @@ def test_transformer_engine_first_gets_our_client_module_and_megatron_sees_no_te
     assert out["have_te_true"] == [] and out["fp8_utils_have_te"] is False
 
 
+@needs_entry_point
 @pytest.mark.slow
 def test_megatron_imported_before_torch_gets_it_at_its_next_module():
     """``import megatron.core`` imports torch: the adaptor waits for megatron.core to finish (its
@@ -99,18 +116,21 @@ def test_megatron_imported_before_torch_gets_it_at_its_next_module():
     assert out["te_served_by_us"] and out["have_te_true"] == []
 
 
+@needs_entry_point
 def test_a_bad_value_fails_import_torch_naming_the_variable():
     done = _run("off", _env("true"), ok=False)
     assert done.returncode != 0
     assert "MINDSPEED_LIKE_AUTOLOAD='true'" in done.stderr and "expected 1" in done.stderr
 
 
+@needs_entry_point
 def test_a_bad_flag_fails_the_megatron_import_with_its_message():
     done = _run("torch-first", _env("1", args="--use-flash-atn"), ok=False)
     assert done.returncode != 0
     assert "unknown flag '--use-flash-atn'" in done.stderr and "--use-flash-attn" in done.stderr
 
 
+@needs_entry_point
 @pytest.mark.slow
 def test_torchrun_workers_get_it(tmp_path):
     env = {**_env("1"), "OUT_DIR": str(tmp_path)}
