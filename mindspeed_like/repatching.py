@@ -39,6 +39,7 @@ class Repatched:
     flags: each flag whose resolved value changed, as (before, after).
     switched_on / switched_off: the features that were switched on / off by it.
     config: the resolved config now.
+    True when anything changed (``if repatch(args): ...``), False for a call that changed nothing.
     """
 
     flags: dict[str, tuple[Any, Any]]
