@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mindspeed_like.engine import Deferred, Kind, Patch
-from mindspeed_like.te_backend import megatron_names
+from mindspeed_like.te_backend import fsdp2, megatron_names
 from mindspeed_like.te_backend.fallbacks import TransformerConfigFallbacks
 from mindspeed_like.te_backend.megatron_names import EXTENSION, SPEC_PROVIDER
 from mindspeed_like.te_backend.vision_norm import CLIP_VIT, NormFromTheBackend
@@ -142,6 +142,15 @@ def patches(ctx: Context) -> list[Patch]:
             Kind.WRAP,
             NormFromTheBackend(),
             why="its NORM_IMPL default is torch's LayerNorm without TE, which takes no config= (vision_norm.py)",
+        )
+    )
+    result.append(
+        Patch(
+            fsdp2.TARGET,
+            Kind.WRAP,
+            fsdp2.shard_as_under_te,
+            after=("cpu-adapter",),
+            why="--use-torch-fsdp2 shards ColumnParallelLinear instances: our TE layers are, TE's are not (fsdp2.py)",
         )
     )
     spec_provider_names = megatron_names.names_of(SPEC_PROVIDER)

@@ -68,11 +68,6 @@ NOT_ADAPTED: tuple[NotAdapted, ...] = (
     ),
     NotAdapted(f"{CORE}.distributed.custom_fsdp", "megatron-FSDP's 0.13 home (--use-custom-fsdp)", versions="<0.14"),
     NotAdapted(
-        f"{CORE}.distributed.torch_fully_sharded_data_parallel",
-        "torch FSDP2 (--use-torch-fsdp2): its mesh is built on 'cuda'",
-        ("use_torch_fsdp2",),
-    ),
-    NotAdapted(
         f"{CORE}.transformer.fsdp_dtensor_checkpoint", "checkpoints of megatron-FSDP's DTensors", versions=">=0.16"
     ),
     NotAdapted(f"{CORE}.transformer.cuda_graphs", "CUDA graphs (--cuda-graph-impl, --enable-cuda-graph)"),

@@ -119,3 +119,21 @@ def portable_defaults(args) -> Iterator[None]:
     refuse_host_unsupported(args)
     host_defaults(args)
     yield
+    drop_nccl_stream_priorities(args)
+
+
+def drop_nccl_stream_priorities(args) -> list[str]:
+    """High-priority communication streams are an NCCL communicator option: ``validate_args`` adds
+    ``dp_cp`` (and ``ep_dp``) to ``args.high_priority_stream_groups`` for ``--use-torch-fsdp2``
+    whatever the device, and ``parallel_state.get_nccl_options`` then builds
+    ``torch.distributed.ProcessGroupNCCL.Options``, which a torch without NCCL does not have
+    (AttributeError while the process groups are created). Without NCCL there are no streams to
+    prioritise: the groups are dropped after validation, said once on rank 0."""
+    groups = list(getattr(args, "high_priority_stream_groups", None) or [])
+    if not groups or torch.distributed.is_nccl_available():
+        return []
+    args.high_priority_stream_groups = []
+    change = f"args.high_priority_stream_groups: {groups!r} -> [] (an NCCL stream option; this torch has no NCCL)"
+    if getattr(args, "rank", 0) == 0:
+        logger.warning("mindspeed_like cpu-training-loop adjusted Megatron-LM arguments:\n  %s", change)
+    return [change]
