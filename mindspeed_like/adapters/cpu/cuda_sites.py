@@ -38,6 +38,7 @@ CUDA_CONSTANT = "'cuda'"  # the string 'cuda' anywhere but a factory's device=
 FACTORY_DEVICE = "factory-device"  # torch.<factory>(..., device='cuda')
 TYPE_STRING = "'torch.cuda.*Tensor'"
 CUDA_INDEXED = "'cuda:N'"  # a 'cuda:...' string or f-string: no host twin rewrites it
+CURRENT_DEVICE_FORMAT = "f'cuda:{current_device()}'"  # exactly f"cuda:{torch.cuda.current_device()}": twins read "cpu"
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,24 @@ def _dotted(node: ast.AST) -> str | None:
         parts.append(node.id)
         return ".".join(reversed(parts))
     return None
+
+
+def _is_current_device_format(node: ast.JoinedStr) -> bool:
+    """``f"cuda:{torch.cuda.current_device()}"`` and nothing else: a host twin reads it as "cpu"
+    (its literal ``'cuda:'`` is dropped and the host view's current device formats as "cpu")."""
+    if len(node.values) != 2:
+        return False
+    literal, value = node.values
+    return (
+        isinstance(literal, ast.Constant)
+        and literal.value == "cuda:"
+        and isinstance(value, ast.FormattedValue)
+        and value.conversion == -1
+        and value.format_spec is None
+        and isinstance(value.value, ast.Call)
+        and _dotted(value.value.func) == "torch.cuda.current_device"
+        and not value.value.args
+    )
 
 
 class _Finder(ast.NodeVisitor):
@@ -138,7 +157,10 @@ class _Finder(ast.NodeVisitor):
     def visit_JoinedStr(self, node: ast.JoinedStr) -> None:
         first = node.values[0] if node.values else None
         if isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value.startswith("cuda:"):
-            self._add(CUDA_INDEXED, "f'cuda:{...}'", node)
+            if _is_current_device_format(node):
+                self._add(CURRENT_DEVICE_FORMAT, "f'cuda:{torch.cuda.current_device()}'", node)
+            else:
+                self._add(CUDA_INDEXED, "f'cuda:{...}'", node)
             return
         self.generic_visit(node)
 

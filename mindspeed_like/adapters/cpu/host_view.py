@@ -4,7 +4,8 @@ Megatron-core spells "the accelerator" in three ways inside function bodies:
 
 1. ``torch.cuda.<fn>()`` (``current_device()`` as a device argument, ``Stream()``,
    ``current_stream()``, ``get_rng_state()``, ``manual_seed()``, ``synchronize()``, ...);
-2. the string constant ``'cuda'`` (``device='cuda'``, ``torch.device('cuda')``);
+2. the string constant ``'cuda'`` (``device='cuda'``, ``torch.device('cuda')``), and the f-string
+   ``f"cuda:{torch.cuda.current_device()}"`` (megatron-FSDP's device);
 3. type strings compared with ``tensor.type()`` (``'torch.cuda.FloatTensor'`` ...);
 4. the method ``.cuda()`` (``weight.data.cuda()``, ``send_tensor.cuda()``) to move a tensor there.
 
@@ -16,7 +17,9 @@ with
 
 * ``torch`` resolved to :data:`HOST_TORCH`, a read-through view of torch whose ``cuda``
   namespace is :data:`HOST_CUDA` (host device, host RNG, no-op streams and events);
-* the constants of (2) and (3) rewritten to their host spelling (``'cpu'``, ``'torch.FloatTensor'``);
+* the constants of (2) and (3) rewritten to their host spelling (``'cpu'``, ``'torch.FloatTensor'``;
+  an f-string's literal ``'cuda:'`` to nothing, so ``f"cuda:{torch.cuda.current_device()}"`` reads
+  ``"cpu"``);
 * the method calls of (4) read as ``.to(...)`` with the same arguments (only method-call loads of
   the name ``cuda`` are rewritten: ``torch.cuda.<fn>`` is an attribute load and keeps going to the
   host view). ``.to()`` takes every argument ``.cuda()`` takes on tensors and modules (``device``,
@@ -46,6 +49,10 @@ import wrapt
 
 _HOST_CONSTANTS = {
     "cuda": "cpu",
+    # the literal part of f"cuda:{torch.cuda.current_device()}": the host view's current_device()
+    # formats as "cpu", so the f-string reads "cpu" (an int index would read "0": torch.device
+    # refuses it, loud rather than wrong)
+    "cuda:": "",
     "torch.cuda.FloatTensor": "torch.FloatTensor",
     "torch.cuda.HalfTensor": "torch.HalfTensor",
     "torch.cuda.BFloat16Tensor": "torch.BFloat16Tensor",

@@ -63,13 +63,47 @@ TRAINING = "megatron.training"
 NOT_ADAPTED: tuple[NotAdapted, ...] = (
     # whole areas that exist for a GPU (or for inference) only
     NotAdapted(f"{CORE}.inference", "inference engines and servers: CUDA graphs, KV caches, unified memory"),
+    *(
+        NotAdapted(f"{CORE}.distributed.fsdp.src.megatron_fsdp.utils:{name}", why, versions=">=0.14")
+        for name, why in (
+            (
+                "initialize_rng_tracker",
+                "megatron-FSDP's standalone RNG tracker: inside megatron-core it takes megatron's (adapted)",
+            ),
+            ("_get_cuda_rng_state", "megatron-FSDP's standalone RNG tracker (megatron-core brings its own)"),
+            ("_set_cuda_rng_state", "megatron-FSDP's standalone RNG tracker (megatron-core brings its own)"),
+            ("<module>", "'cuda' at import: the standalone RNG tracker's default device name"),
+        )
+    ),
+    *(
+        NotAdapted(f"{CORE}.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer:{name}", why, versions=">=0.14")
+        for name, why in (
+            ("MultiGroupUBRAllocator.__enter__", "NCCL user buffers (--nccl-ub): NCCL's memory pool"),
+            ("MultiGroupUBRAllocator.__exit__", "NCCL user buffers (--nccl-ub): NCCL's memory pool"),
+            (
+                "ParamAndGradBuffer.manual_buffer_registration",
+                "NCCL user buffers (--nccl-ub): registration with NCCL",
+            ),
+            (
+                "ParamAndGradBuffer",
+                "'cuda' as a default argument, evaluated at import; megatron-FSDP passes its own device",
+            ),
+            (
+                "ParamAndGradBuffer._init_each_parameter_group_buffers",
+                "'cuda' compared with a buffer's device type (a host's buffers are 'cpu')",
+            ),
+            (
+                "check_gpu_memory",
+                "only with --init-model-with-meta-device (refused on a host: training.get_model's entry)",
+            ),
+        )
+    ),
     NotAdapted(
-        f"{CORE}.distributed.fsdp", "megatron-FSDP (--use-megatron-fsdp)", ("use_megatron_fsdp",), versions=">=0.14"
+        f"{CORE}.distributed.fsdp.src.megatron_fsdp.mixed_precision:_fp8_quantize_fallback",
+        "FP8 parameters need TransformerEngine",
+        versions=">=0.14",
     ),
     NotAdapted(f"{CORE}.distributed.custom_fsdp", "megatron-FSDP's 0.13 home (--use-custom-fsdp)", versions="<0.14"),
-    NotAdapted(
-        f"{CORE}.transformer.fsdp_dtensor_checkpoint", "checkpoints of megatron-FSDP's DTensors", versions=">=0.16"
-    ),
     NotAdapted(f"{CORE}.transformer.cuda_graphs", "CUDA graphs (--cuda-graph-impl, --enable-cuda-graph)"),
     NotAdapted(
         f"{CORE}.full_cuda_graph",
