@@ -117,12 +117,16 @@ PATCHES = [
         f"{CHECKPOINTING}._load_base_checkpoint",
         Kind.WRAP,
         _keep_loaded_state,
+        optional=True,  # megatron.training: a Megatron-LM checkout (in the wheel from 0.17)
+        module=CHECKPOINTING,
         why="the loaded state dict, for load_checkpoint's FSDP2 step restore below",
     ),
     Patch(
         f"{CHECKPOINTING}.load_checkpoint",
         Kind.WRAP,
         _load_with_steps,
+        optional=True,
+        module=CHECKPOINTING,
         why="--use-torch-fsdp2 with torch_dist skips optimizer.load_state_dict, which alone restores Adam's step",
     ),
     Patch(

@@ -49,6 +49,28 @@ def _optimizer_config(optimizer: str | Mapping[str, Any], *, lr: float, bf16: bo
     return OptimizerConfig(**values)
 
 
+DATA_PARALLEL = ("ddp", "torch_fsdp2", "megatron_fsdp")
+
+
+def _wrap_data_parallel(kind: str, config, model, ddp_fields: dict, options: dict):
+    """``model`` in megatron's data-parallel wrapper ``kind`` (see ``train_steps``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    if kind == "ddp":
+        return DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_fields, **options), model)
+    if kind == "torch_fsdp2":
+        from megatron.core.distributed import TorchFullyShardedDataParallelConfig
+        from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+
+        return TorchFullyShardedDataParallel(config, TorchFullyShardedDataParallelConfig(**options), model)
+    if kind == "megatron_fsdp":
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        fields = {**ddp_fields, "use_distributed_optimizer": True, "use_megatron_fsdp": True, **options}
+        return FullyShardedDataParallel(config, DistributedDataParallelConfig(**fields), model)
+    raise ValueError(f"data_parallel={kind!r}: choose one of {DATA_PARALLEL}")
+
+
 def train_steps(
     model: torch.nn.Module,
     steps: int,
@@ -69,6 +91,8 @@ def train_steps(
     device: torch.device | str | None = None,
     forward_context: Callable[[int], contextlib.AbstractContextManager] | None = None,
     finalize_grads: bool = False,
+    data_parallel: str = "ddp",
+    ddp_options: Mapping[str, Any] | None = None,
 ) -> list[float]:
     """Train ``model`` for ``steps`` steps; return the loss of each step (before its update).
 
@@ -101,12 +125,18 @@ def train_steps(
     TE-spec down projections). Without it such a gradient holds only this rank's sequence shard's
     part; two specs with the same SP-marked parameters agree anyway, a spec with more of them
     does not (opt-in so existing parity baselines keep their numbers).
+    ``data_parallel``: megatron's wrapper, ``"ddp"`` (``DistributedDataParallel``), ``"torch_fsdp2"``
+    (``TorchFullyShardedDataParallel``; ``ddp_options`` go to ``TorchFullyShardedDataParallelConfig``,
+    e.g. ``reshard_after_forward``) or ``"megatron_fsdp"`` (``FullyShardedDataParallel`` with
+    ``use_megatron_fsdp=True``; ``ddp_options`` are ``DistributedDataParallelConfig`` fields, e.g.
+    ``data_parallel_sharding_strategy``), as Megatron-LM's ``get_model`` builds them.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
+    if data_parallel == "megatron_fsdp":
+        use_distributed_optimizer = True  # megatron-FSDP's optimizer is the distributed one (Megatron-LM asserts it)
     gpt = unwrap(model)
     config = gpt.config
     bf16 = bool(config.bf16) if bf16 is None else bf16
@@ -122,12 +152,17 @@ def train_steps(
         data = data.unsqueeze(0).expand(steps, *data.shape)
 
     if ddp:
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=grad_reduce_in_fp32,
-            overlap_grad_reduce=overlap_grad_reduce,
-            use_distributed_optimizer=use_distributed_optimizer,
+        model = _wrap_data_parallel(
+            data_parallel,
+            config,
+            model,
+            dict(
+                grad_reduce_in_fp32=grad_reduce_in_fp32,
+                overlap_grad_reduce=overlap_grad_reduce,
+                use_distributed_optimizer=use_distributed_optimizer,
+            ),
+            dict(ddp_options or {}),
         )
-        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     opt = get_megatron_optimizer(
         _optimizer_config(optimizer, lr=lr, bf16=bf16, use_distributed_optimizer=use_distributed_optimizer),
         [model],
