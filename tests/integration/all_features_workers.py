@@ -17,6 +17,8 @@ EXERCISED_ELSEWHERE: dict[str, str] = {
     "moe-zero-memory": "tests/features/moe_zero_memory/test_moe_zero_memory.py (EP=1: the experts call recomputed "
     "whole, with recompute-activation-function) and tests/features/moe_alltoall_overlap/"
     "test_moe_alltoall_overlap_distributed.py (EP=2: per chunk inside moe-alltoall-overlap's pipeline)",
+    "fsdp2-config": "tests/fsdp/test_fsdp2_config.py (megatron's torch-FSDP2 wrapper, DP=2 and HSDP over 4): it "
+    "acts only on --use-torch-fsdp2 and needs a YAML file, and these runs are TP=2 under megatron's DDP",
 }
 """Accelerations the shared TP=2 runs cannot exercise (megatron's own config switches them on, or
 they act only under a parallelism these runs do not have), and the test that runs them with
