@@ -26,16 +26,20 @@ def _model(impl: str, bf16: bool, seed: int = 1234):
     return model
 
 
-def train_cases(cases: list[dict], flags: dict | None = None, without: tuple[str, ...] = ()) -> dict[str, list[float]]:
+def train_cases(
+    cases: list[dict], flags: dict | None = None, without: tuple[str, ...] = (), keep_config: bool = False
+) -> dict[str, list[float]]:
     """``cases``: dicts of ``name``, ``impl`` ('local' / 'transformer_engine'), ``bf16``,
     ``data_parallel`` and ``ddp_options`` (``train_steps``'s). Returns each case's losses.
-    ``flags``: the adaptor's (``configure``); ``without``: features removed first (a fix's test)."""
+    ``flags``: the adaptor's (``configure``); ``without``: features removed first (a fix's test);
+    ``keep_config``: the adaptor as the caller left it (no ``configure`` here)."""
     import mindspeed_like
     from mindspeed_like import runtime
     from mindspeed_like.testing import destroy_parallel, init_parallel
     from mindspeed_like.testing.training import train_steps
 
-    mindspeed_like.configure(device="cpu", **(flags or {}))
+    if not keep_config:
+        mindspeed_like.configure(device="cpu", **(flags or {}))
     for name in without:
         runtime.ENGINE.remove(name)
     init_parallel(seed=1234)
@@ -129,3 +133,15 @@ def save_resume(impl: str, ckpt_dir: str, broken: tuple[str, ...] = ()) -> dict:
     finally:
         destroy_parallel()
     return result
+
+
+def train_with_megatron_reduce_op(cases: list[dict]) -> dict[str, list[float]]:
+    """``train_cases`` with the cpu adapter's scale-then-SUM taken out: megatron's own reduce op."""
+    import mindspeed_like
+    from mindspeed_like import runtime
+    from mindspeed_like.adapters.cpu import FEATURE as CPU_ADAPTER
+    from mindspeed_like.adapters.cpu.fsdp import scale_then_sum
+
+    mindspeed_like.configure(device="cpu")
+    runtime.ENGINE.apply(CPU_ADAPTER.name, [p for p in CPU_ADAPTER.patches if p.new is not scale_then_sum])
+    return train_cases(cases, flags=None, keep_config=True)

@@ -26,7 +26,7 @@ def _cases(impl: str, bf16: bool) -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+@pytest.mark.parametrize("impl", ["transformer_engine", pytest.param("local", marks=pytest.mark.slow)])
 def test_fsdp2_trains_as_ddp_fp32(impl):
     losses = run_distributed(workers.train_cases, 2, _cases(impl, bf16=False), timeout=240)[0]
     # the same gradients, reduced as a reduce-scatter (AVG) instead of DDP's all-reduce: equal to
@@ -36,6 +36,7 @@ def test_fsdp2_trains_as_ddp_fp32(impl):
     assert losses["ddp"][-1] < losses["ddp"][0]
 
 
+@pytest.mark.slow
 def test_fsdp2_trains_as_ddp_bf16():
     losses = run_distributed(workers.train_cases, 2, _cases("transformer_engine", bf16=True), timeout=240)[0]
     assert losses["fsdp2"] == pytest.approx(losses["ddp"], rel=2e-3)
@@ -53,6 +54,7 @@ def test_checkpoint_resumes_exactly(tmp_path):
     assert result["resumed"] == result["straight"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "fix, failure",
     [
