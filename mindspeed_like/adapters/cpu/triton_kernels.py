@@ -7,17 +7,58 @@ routing map with it, through a Triton kernel that allocates on ``device="cuda"``
 replaces the function with the same conversion in torch operations
 (``kernels/indices_multihot.py``, checked against megatron's own test of the kernel); the
 dispatcher's module-level alias is re-pointed by the engine.
+
+``fusions.fused_mla_yarn_rope_apply.fused_apply_mla_rope_for_q`` / ``_for_kv`` (0.16-0.19): multi-latent
+attention with ``apply_rope_fusion`` (and a YaRN ``rope_type``) takes cos/sin from
+``get_cached_cos_sin`` and calls only these two (``multi_latent_attention``'s module-level aliases),
+four Triton kernels on the GPU ("libcuda.so cannot found" on a CPU host). Replaced by the same
+contract in torch operations (``kernels/mla_yarn_rope.py``: forward in place for the query, new
+key/value tensors, gradients, sbhd and thd with context-parallel positions). 0.13's functions have
+no ``cp_rank``/``cp_size`` (its callers pass the arguments before them), and the defaults (0, 1) give
+0.13's thd positions. Before 0.16 both are ``@experimental_fn``: megatron raises
+``ExperimentalNotEnabledError`` unless ``config.ENABLE_EXPERIMENTAL``, and their replacements there keep
+that gate.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.kernels.indices_multihot import indices_to_multihot
+from mindspeed_like.kernels.mla_yarn_rope import mla_rope_kv, mla_rope_q
+
+MLA_ROPE = "megatron.core.fusions.fused_mla_yarn_rope_apply"
 
 
 def fused_indices_to_multihot(indices, probs_indices, num_of_local_experts):
     """megatron's ``fused_indices_to_multihot`` (same arguments), computed by torch operations."""
     return indices_to_multihot(indices, probs_indices, num_of_local_experts)
+
+
+def _experimental(fn: Callable) -> Callable:
+    """``fn`` behind megatron's experimental flag, as ``@experimental_fn`` put the functions it replaces
+    (megatron-core 0.13-0.15): the same error, raised at the call."""
+
+    @functools.wraps(fn)
+    def gated(*args, **kwargs):
+        from megatron.core import config
+        from megatron.core.utils import ExperimentalNotEnabledError
+
+        if config.is_experimental_enabled() is not True:
+            raise ExperimentalNotEnabledError("Flag config.ENABLE_EXPERIMENTAL not enabled.")
+        return fn(*args, **kwargs)
+
+    return gated
+
+
+def _mla_rope(name: str, fn: Callable) -> list[Patch]:
+    why = "Triton kernels (need a GPU); MLA's only RoPE path under apply_rope_fusion"
+    return [
+        Patch(f"{MLA_ROPE}.{name}", Kind.REPLACE, fn, why=why, versions=">=0.16"),
+        Patch(f"{MLA_ROPE}.{name}", Kind.REPLACE, _experimental(fn), why=why + " (experimental)", versions="<0.16"),
+    ]
 
 
 PATCHES = [
@@ -27,4 +68,6 @@ PATCHES = [
         fused_indices_to_multihot,
         why="a Triton kernel on device='cuda' (needs a GPU); the flex dispatcher's only path",
     ),
+    *_mla_rope("fused_apply_mla_rope_for_q", mla_rope_q),
+    *_mla_rope("fused_apply_mla_rope_for_kv", mla_rope_kv),
 ]
