@@ -154,6 +154,8 @@ def _cases() -> list[dict]:
         dict(te, name="recompute-nonreentrant", yaml="recompute_modules:\n" + LAYERS + "use_reentrant: false\n"),
         dict(te, name="bf16", yaml="param_dtype: bf16\nreduce_dtype: fp32\n"),
         dict(te, name="no-match", yaml="sub_modules_to_wrap:\n  - decoder.layer.{*}\n"),
+        dict(name="local-plain", impl="local", yaml=None),
+        dict(name="local-keep", impl="local", yaml="reshard_after_forward: false\n"),
         dict(te, name="out-of-range", yaml="recompute_modules:\n  - decoder.layers.{0-5}\n"),
     ]
 
@@ -189,6 +191,17 @@ def test_recompute_modules_save_less_and_train_the_same(trained, name):
     run, plain = trained[name], trained["plain"]
     assert run["losses"] == plain["losses"]  # the recompute is the same forward
     assert run["saved_bytes"] < plain["saved_bytes"] / 2, (run["saved_bytes"], plain["saved_bytes"])
+
+
+def test_local_spec_keeps_megatrons_units(trained):
+    # megatron drops ColumnParallelLinear from its entries for the local spec; the YAML's matcher too
+    local = trained["local-keep"]
+    assert (
+        local["units"]
+        == trained["local-plain"]["units"]
+        == ["embedding", "rotary_pos_emb", "decoder.layers.0", "decoder.layers.1"]
+    )
+    assert local["losses"] == trained["local-plain"]["losses"]  # keeping the unsharded parameters changes nothing
 
 
 def test_bf16_compute_stays_close(trained):

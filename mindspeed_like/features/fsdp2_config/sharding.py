@@ -231,10 +231,17 @@ class _Plan:
         return kwargs
 
 
-def _matcher(plan: _Plan, megatrons: Any) -> type:
+def _matcher(plan: _Plan, megatrons: Any, config: Any) -> type:
     """What megatron's ``isinstance(sub_module, entry)`` walk should match: the YAML's units, or
-    megatron's own entries minus the ignored modules."""
+    megatron's own entries minus the ignored modules. Megatron drops ``ColumnParallelLinear`` from
+    its entries for the local spec (whose layers' linears are ``ColumnParallelLinear`` and sit inside
+    an already-sharded layer) by comparing entries: it cannot see inside this matcher, so the same
+    rule is applied here."""
+    from megatron.core import tensor_parallel
+
     entries = tuple(megatrons or ())
+    if getattr(config, "transformer_impl", None) == "local":
+        entries = tuple(e for e in entries if e != tensor_parallel.ColumnParallelLinear)
 
     class _Units(type):
         def __instancecheck__(cls, instance: Any) -> bool:
@@ -293,7 +300,7 @@ class ShardWithConfig:
         plan = _Plan(options, mesh, units, ignored_ids, ignored_params)
         token = _PLAN.set(plan)
         try:
-            result = call(sub_modules_to_wrap={_matcher(plan, call.get("sub_modules_to_wrap"))})
+            result = call(sub_modules_to_wrap={_matcher(plan, call.get("sub_modules_to_wrap"), call["config"])})
         finally:
             _PLAN.reset(token)
         instance.device_mesh = mesh
