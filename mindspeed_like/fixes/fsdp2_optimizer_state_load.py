@@ -50,7 +50,12 @@ def states_as_dtensors(optimizer: torch.optim.Optimizer) -> int:
                 if value.dim() == 0 and param.dim() != 0:  # a scalar (e.g. Adam's step) is no shard
                     continue
                 state[key] = dtensor.from_local(
-                    value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+                    value,
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
                 )
                 rewrapped += 1
     return rewrapped
@@ -69,6 +74,8 @@ PATCHES = [
         f"{OPTIMIZER}.{owner}.load_state_dict",
         Kind.WRAP,
         load_then_rewrap,
+        # innermost: states are DTensors again before reuse-fp32-param re-splits the loaded masters
+        before=("reuse-fp32-param",),
         why="a checkpoint's optimizer states are local shards; FSDP2's parameters are DTensors",
     )
     for owner in ("FP32Optimizer", "Float16OptimizerWithFloat16Params")
