@@ -110,6 +110,12 @@ def cmd_report(args: argparse.Namespace, flag_values: dict) -> int:
 
     if any(r.feature == compile_cache.NAME for r in mindspeed_like.report()):
         print(compile_cache.describe())  # where compiled graphs are cached, and why there
+    from mindspeed_like import runtime
+    from mindspeed_like.adapters import collective_streams
+
+    ctx = runtime.current_context()
+    if collective_streams.NAME in ctx.enabled_names:
+        print(collective_streams.describe(ctx.device))  # what collectives' buffers need here, and what was set
     if args.verbose:
         for r in mindspeed_like.report():
             print(f"{r.target}: {r.why}")
