@@ -220,3 +220,64 @@ def test_the_cpu_adapter_binds_it_where_megatron_takes_the_names():
     from megatron.core.fusions import fused_mla_yarn_rope_apply as fused
 
     assert fused.fused_apply_mla_rope_for_q.__module__ == fused.__name__
+
+
+def _mla_attention(apply_rope_fusion: bool) -> dict[str, torch.Tensor]:
+    """Layer 0's MLA self-attention of a tiny GPT with YaRN RoPE (scaling 4 over an original 16 of a
+    sequence of 32, mscale 1.0 against mscale_all_dim 0.8): output and gradients on fixed inputs."""
+    from megatron.core import config as megatron_config
+
+    from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt
+    from mindspeed_like.testing.parity import SEED
+
+    experimental = megatron_core_version() < Version("0.16")
+    mindspeed_like.reset()
+    try:
+        mindspeed_like.configure(device="cpu")
+        megatron_config.set_experimental_flag(experimental)
+        init_parallel(tp=1, seed=SEED)
+        model = tiny_gpt(
+            multi_latent_attention=True,
+            seq_length=32,
+            apply_rope_fusion=apply_rope_fusion,
+            rope_type="yarn",
+            rotary_scaling_factor=4.0,
+            original_max_position_embeddings=16,
+            beta_fast=4.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=0.8,
+        )
+        attention = model.decoder.layers[0].self_attention
+        gen = torch.Generator().manual_seed(SEED)
+        hidden = torch.randn(32, 2, model.config.hidden_size, generator=gen).requires_grad_(True)
+        output, _ = attention(hidden, attention_mask=None)
+        output.backward(torch.randn(output.shape, generator=gen))
+        out = {"output": output.detach().clone(), "d_hidden": hidden.grad.clone()}
+        out.update({name: p.grad.clone() for name, p in attention.named_parameters()})
+        return out
+    finally:
+        megatron_config.set_experimental_flag(False)
+        destroy_parallel()
+        mindspeed_like.reset()
+
+
+@pytest.mark.skipif(megatron_core_version() < Version("0.14"), reason="0.13 names the original length otherwise")
+def test_megatron_mla_with_rope_fusion_equals_its_unfused_path(monkeypatch):
+    """megatron's MLASelfAttention with apply_rope_fusion (cos/sin from get_cached_cos_sin, then the two
+    functions bound here) against its unfused YaRN path (apply_rotary_pos_emb on split q/k): fp32 output
+    and every gradient within 1e-6 of the reference's largest entry (the same products, another order)."""
+    from mindspeed_like.kernels import mla_yarn_rope
+
+    calls = []
+    for cls in (mla_yarn_rope.MLARopeQ, mla_yarn_rope.MLARopeKV):
+        forward = cls.forward
+        monkeypatch.setattr(cls, "forward", staticmethod(lambda *a, f=forward, c=cls: calls.append(c) or f(*a)))
+    unfused = _mla_attention(False)
+    assert calls == []
+    fused = _mla_attention(True)
+    assert calls == [mla_yarn_rope.MLARopeQ, mla_yarn_rope.MLARopeKV]  # megatron's fused path reached ours
+    assert fused.keys() == unfused.keys()
+    for name, want in unfused.items():
+        error = ((fused[name] - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        assert error < 1e-6, f"{name}: {error:.2e}"
