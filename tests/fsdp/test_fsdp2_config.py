@@ -169,12 +169,12 @@ def _more_cases() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    return run_distributed(workers.train_cases, 2, _cases(), str(tmp_path_factory.mktemp("yaml")), timeout=400)[0]
+    return run_distributed(workers.train_cases, 2, _cases(), str(tmp_path_factory.mktemp("yaml")), timeout=600)[0]
 
 
 @pytest.fixture(scope="module")
 def trained_more(tmp_path_factory):
-    return run_distributed(workers.train_cases, 2, _more_cases(), str(tmp_path_factory.mktemp("yaml")), timeout=400)[0]
+    return run_distributed(workers.train_cases, 2, _more_cases(), str(tmp_path_factory.mktemp("yaml")), timeout=600)[0]
 
 
 def test_patterns_choose_the_units_and_train_as_the_default(trained):
