@@ -84,6 +84,15 @@ def test_each_mistake_names_its_key(tmp_path, text, key, says):
     assert f": {key}: " in message and says in message, message
 
 
+def test_the_docs_table_lists_every_key_taken():
+    from pathlib import Path
+
+    page = Path(__file__).parents[2] / "docs" / "features" / "fsdp2-config.md"
+    section = page.read_text().split("## The YAML's keys", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1].strip().strip("`") for line in section.splitlines() if line.startswith("| `")]
+    assert rows == list(yaml_options.KEYS)
+
+
 def test_sharding_size_must_divide_the_data_parallel_size():
     options = yaml_options.from_mapping({"sharding_size": 3})
     options.check_group_size(6, "DP")
