@@ -65,6 +65,11 @@ class TELayerNormColumnParallelLinear(TEColumnParallelLinear):
         if getattr(norm, "bias", None) is not None:
             self.layer_norm_bias = norm.bias
         self.eps = config.layernorm_epsilon
+        # TE's LayerNormLinear switches (megatron builds it with both False; clients set them on the
+        # built module: mcore-bridge's LoRA sets return_layernorm_output to feed its adapter the
+        # normed input the linear saw)
+        self.return_layernorm_output = False
+        self.return_layernorm_output_gathered = False
 
     def _normed(self, x: torch.Tensor) -> torch.Tensor:
         norm = self._norm
@@ -76,7 +81,19 @@ class TELayerNormColumnParallelLinear(TEColumnParallelLinear):
         return norm(x)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any):
-        return super().forward(self._normed(x), *args, **kwargs)
+        """megatron's ``(output, bias)``; with ``return_layernorm_output`` TE's ``((output, normed), bias)``,
+        ``normed`` being this rank's normed input, or under sequence parallelism with
+        ``return_layernorm_output_gathered`` the all-gathered one the linear multiplied (TE's
+        contract: its gradient is reduce-scattered back, as the linear's own input gradient is)."""
+        normed = self._normed(x)
+        output, bias = super().forward(normed, *args, **kwargs)
+        if not self.return_layernorm_output:
+            return output, bias
+        if self.return_layernorm_output_gathered and self.sequence_parallel and self.tp_size > 1:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            normed = gather_from_sequence_parallel_region(normed, tensor_parallel_output_grad=True, group=self.tp_group)
+        return (output, normed), bias
 
     @property
     def normalization(self) -> str:

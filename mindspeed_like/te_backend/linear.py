@@ -74,6 +74,18 @@ def _column_row_kwargs(base: type, tp_group, stride: int | None, name: str | Non
     return accepted(base.__init__, **optional)
 
 
+def set_te_sizes(linear: torch.nn.Module, in_features: int, out_features: int, *, tp_size: int, bias: bool) -> None:
+    """TE's public attributes of a ``transformer_engine.pytorch.Linear``, which clients read:
+    mcore-bridge's ``TELinear.__repr__`` (called when ms-swift logs the model before LoRA) and its
+    LoRA layers size their adapters from ``in_features`` / ``out_features`` / ``tp_size``. As TE
+    sets them: this rank's shard (a column linear's ``out_features`` and a row linear's
+    ``in_features`` divided by ``tp_size``), ``tp_size`` 1 where megatron gives TE no tensor-parallel
+    group (duplicated, and experts under explicit expert communication), ``use_bias`` as asked."""
+    linear.in_features, linear.out_features = in_features, out_features
+    linear.tp_size = tp_size
+    linear.use_bias = bias
+
+
 class TELinear(TEExtraState, torch.nn.Module):
     """megatron's ``TELinear`` with ``parallel_mode="duplicated"`` (column/row: the subclasses)."""
 
@@ -125,6 +137,7 @@ class TELinear(TEExtraState, torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype, device=device))
         else:
             self.register_parameter("bias", None)
+        set_te_sizes(self, input_size, output_size, tp_size=1, bias=bias)
         if config.perform_initialization:
             self._initialize(init_method)
         for param in self.parameters():
@@ -220,6 +233,8 @@ class TEColumnParallelLinear(TELinear, ColumnParallelLinear):
         )
         self.parallel_mode = "column"
         self._tp_group = self.tp_group
+        split = 1 if self.explicit_expert_comm else self.output_size // self.output_size_per_partition
+        set_te_sizes(self, input_size, self.output_size_per_partition, tp_size=split, bias=bias)
         # TE's reset_parameters (dim 0), then megatron's wrapper's partition_stride
         mark_tensor_parallel(self.weight, 0, stride)
         if self.bias is not None:
@@ -290,6 +305,8 @@ class TERowParallelLinear(TELinear, RowParallelLinear):
         )
         self.parallel_mode = "row"
         self._tp_group = self.tp_group
+        split = 1 if self.explicit_expert_comm else self.input_size // self.input_size_per_partition
+        set_te_sizes(self, self.input_size_per_partition, output_size, tp_size=split, bias=bias)
         mark_tensor_parallel(self.weight, 1, 1)  # TE's reset_parameters; the bias is megatron's (sequence_parallel)
 
     def forward(self, *args: Any, **kwargs: Any):

@@ -105,3 +105,34 @@ def test_te_norms_marked_sequence_parallel_as_te_does(without_megatron_fix):
         object.__setattr__(config, "sequence_parallel", sequence_parallel)  # TP=1 refuses SP in __post_init__
         norm = build_norm(config, 64)
         assert [p.sequence_parallel for p in norm.parameters()] == [sequence_parallel] * len(list(norm.parameters()))
+
+
+def test_te_public_sizes_as_te_sets_them(without_megatron_fix):
+    """TE's ``Linear`` exposes ``in_features`` / ``out_features`` (this rank's shard), ``tp_size`` and
+    ``use_bias``; mcore-bridge's ``TELinear.__repr__`` and LoRA read them (ms-swift's
+    ``--tuner_type lora`` stopped at ``'TELinear' object has no attribute 'in_features'``)."""
+    gpt = tiny_gpt(transformer_impl="transformer_engine", wrap_float16=False, **MODELS["mla"])
+    seen = set()
+    for module in gpt.modules():
+        if not isinstance(module, TELinear):
+            continue
+        weight = module.weight
+        assert (module.out_features, module.in_features) == tuple(weight.shape)
+        assert module.tp_size == 1 and module.use_bias == (module.bias is not None)
+        seen.add(type(module).__name__)
+    assert {"TELinear", "TELayerNormColumnParallelLinear", "TERowParallelLinear"} <= seen
+
+
+def test_layernorm_linear_returns_the_normed_input_when_asked(without_megatron_fix):
+    """TE's ``LayerNormLinear(return_layernorm_output=True)`` returns ``((output, normed), bias)``;
+    mcore-bridge's LoRA sets it on the built module to feed its adapter (ms-swift's LoRA stopped at
+    ``too many values to unpack`` when the flag was ignored)."""
+    gpt = tiny_gpt(transformer_impl="transformer_engine", wrap_float16=False)
+    qkv = gpt.decoder.layers[0].self_attention.linear_qkv
+    x = torch.randn(8, 2, qkv.in_features)
+    plain, bias = qkv(x)
+    qkv.return_layernorm_output = True
+    (output, normed), same_bias = qkv(x)
+    torch.testing.assert_close(output, plain, rtol=0, atol=0)
+    torch.testing.assert_close(normed, qkv._normed(x), rtol=0, atol=0)
+    assert same_bias is bias and normed.shape == x.shape
