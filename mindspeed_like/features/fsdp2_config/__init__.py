@@ -26,12 +26,13 @@ MODULE = f"{CORE}.distributed.torch_fully_sharded_data_parallel"
 
 
 def patches(ctx: Context) -> list[Patch]:
-    options = yaml_options.load(ctx["fsdp2_config_path"])
+    # the file is read when megatron's wrapper is built (validate() has checked it by then): building
+    # the patch list reads nothing (the CLI and the version audit build it without a file)
     return [
         Patch(
             f"{MODULE}.TorchFullyShardedDataParallel.__init__",
             Kind.WRAP,
-            ShardWithConfig(options, ctx.device),
+            ShardWithConfig(ctx["fsdp2_config_path"], ctx.device),
             # above the cpu adapter's host twin (megatron's body on a host), below the te-backend's
             # unit filter (its filtered entries are the "megatron's choice" we keep)
             after=("cpu-adapter",),

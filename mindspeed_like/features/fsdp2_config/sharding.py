@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from mindspeed_like.features.fsdp2_config.options import Fsdp2Options, ModuleEntry
+from mindspeed_like.features.fsdp2_config.options import Fsdp2Options, ModuleEntry, load
 from mindspeed_like.toolkit.binding import Call
 
 _PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("fsdp2_config_plan", default=None)
@@ -259,9 +259,10 @@ def _matcher(plan: _Plan, megatrons: Any, config: Any) -> type:
 
 @dataclass(frozen=True)
 class ShardWithConfig:
-    """WRAP of ``TorchFullyShardedDataParallel.__init__``: the YAML's plan for this one call."""
+    """WRAP of ``TorchFullyShardedDataParallel.__init__``: the YAML's plan for this one call (the
+    file is read here, once per wrapper built: what it says when the model is wrapped is applied)."""
 
-    options: Fsdp2Options
+    path: str
     device_type: str
 
     def __call__(self, wrapped, instance, args, kwargs):
@@ -269,7 +270,7 @@ class ShardWithConfig:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.fsdp._fully_shard._fsdp_init import _get_device_from_mesh
 
-        options = self.options
+        options = load(self.path)
         call = Call(wrapped, args, kwargs)
         root = unwrap(call["module"])
         group = call.get("process_group") or parallel_state.get_data_parallel_group(with_context_parallel=True)
