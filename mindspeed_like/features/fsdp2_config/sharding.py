@@ -292,6 +292,8 @@ class ShardWithConfig:
                 )
         mesh = build_mesh(group, options, self.device_type)
         ignored_ids = {id(m) for module in ignored for m in module.modules()}
+        if units is not None:
+            units = [unit for unit in units if id(unit) not in ignored_ids]  # a unit inside an ignored module
         ignored_params = {p for module in ignored for p in module.parameters()}
         device = _get_device_from_mesh(mesh)
         for module in ignored:
