@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 # The demo and tests time a CPU run; torch.compile's first-step compile would dominate.
 export TORCHDYNAMO_DISABLE ?= 1
 
-.PHONY: install demo test test-all test-compile test-isa test-cuda lint bench bench-gpu docs megatron-lm-smoke megatron-lm-smoke-versions test-megatron-lm-flags test-megatron-unit test-megatron-unit-ci megatron-bridge-smoke mbridge-smoke test-versions clean
+.PHONY: install demo test test-all test-compile test-isa test-cuda lint bench bench-gpu docs megatron-lm-smoke megatron-lm-smoke-versions test-megatron-lm-flags test-megatron-unit test-megatron-unit-ci megatron-bridge-smoke mbridge-smoke ms-swift-smoke test-versions clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -226,5 +226,31 @@ mbridge-smoke: $(STAMP)
 	$(PY) -m pip install -q "transformers<5" safetensors
 	$(PY) -m pytest -q -s tests/te_backend/test_mbridge.py
 
+# ms-swift (ModelScope's trainer) as a client: its unmodified `megatron sft` CLI, with MINDSPEED_LIKE_AUTOLOAD=1 and
+# MINDSPEED_LIKE_ARGS="--transfer-to-host --optimization-level 1" (the import line in every torchrun worker; the client's
+# own CUDA calls on the host), on a random 2-layer Qwen3 / Qwen3-MoE, tokenizer and data made locally (no hub;
+# --check_model false). Full and LoRA, bf16 / fp16 / fp32, 1 and 2 ranks (DP=2, TP=2 with SP, PP=2, EP=2), a resume
+# from ms-swift's dist checkpoint, megatron export's HF logits check (mindspeed_like/testing/ms_swift_smoke.py,
+# docs/clients.md). Its own venv: ms-swift brings transformers 5 (mbridge-smoke and megatron-bridge-smoke pin <5).
+# MS_SWIFT_SMOKE_ARGS="--cases ci" runs the CI-sized part (2 launches); tests/te_backend/test_ms_swift.py runs it under
+# pytest where ms-swift is installed and skips with the reason elsewhere. Record: MS_SWIFT_RECORD.
+MS_SWIFT_VERSION ?= 4.6.0
+MCORE_BRIDGE_VERSION ?= 1.6.5
+MS_SWIFT_VENV ?= .venv-ms-swift
+MS_SWIFT_RECORD ?= results/ms-swift-smoke.json
+$(MS_SWIFT_VENV)/.installed: pyproject.toml setup.py
+	test -x $(MS_SWIFT_VENV)/bin/python || $(PYTHON) -m venv $(MS_SWIFT_VENV)
+	$(MS_SWIFT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MS_SWIFT_VENV)/bin/python -m pip install -q torch==2.13.0
+	printf 'torch==2.13.0\nmegatron-core==$(PRIMARY_VERSION)\n' > $(MS_SWIFT_VENV)/constraints.txt
+	$(MS_SWIFT_VENV)/bin/python -m pip install -q -c $(MS_SWIFT_VENV)/constraints.txt megatron-core==$(PRIMARY_VERSION) \
+		ms-swift==$(MS_SWIFT_VERSION) mcore-bridge==$(MCORE_BRIDGE_VERSION) triton
+	$(MS_SWIFT_VENV)/bin/python -m pip install -q -c $(MS_SWIFT_VENV)/constraints.txt -e '.[test]'
+	touch $@
+
+ms-swift-smoke: $(MS_SWIFT_VENV)/.installed
+	$(MS_SWIFT_VENV)/bin/python -m mindspeed_like.testing.ms_swift_smoke --root build/ms-swift-smoke \
+		--record $(MS_SWIFT_RECORD) $(MS_SWIFT_SMOKE_ARGS)
+
 clean:
-	rm -rf $(VENV) .venv-mc* build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-mc* .venv-ms-swift build *.egg-info .pytest_cache
