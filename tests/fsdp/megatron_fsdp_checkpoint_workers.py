@@ -1,0 +1,151 @@
+"""Runs for test_megatron_fsdp_checkpoint.py in spawned gloo processes (must be importable).
+
+Megatron-FSDP's ``fsdp_dtensor`` checkpoint through megatron-core's API, step for step what Megatron-LM's
+``save_checkpoint`` / ``load_checkpoint`` do with ``--ckpt-format fsdp_dtensor`` (megatron/training/
+checkpointing.py, core_v0.16.1): the model's ``state_dict_for_save_checkpoint()``, the distributed
+optimizer's ``sharded_state_dict(metadata={'distrib_optim_sharding_type': 'fsdp_dtensor'})``, then
+``preprocess_fsdp_dtensor_state_dict`` (megatron-core's ``handle_fp8_extra_state_case``,
+``handle_swiglu_in_state_dict`` on the ``MegatronFSDP`` module, ``preprocess_state_dict_for_uneven_dtensor``)
+and torch's distributed checkpoint. A load builds the same with ``is_loading=True``, reads into it, and
+hands the unsplit dicts to ``load_state_dict`` of the wrapper and the optimizer."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+STEPS = 6
+SAVE_AFTER = 3
+STRATEGY = dict(data_parallel_sharding_strategy="optim_grads_params")
+
+
+def _model(bf16: bool):
+    from megatron.core import tensor_parallel
+
+    from mindspeed_like.testing import tiny_gpt
+
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    return tiny_gpt(bf16=bf16, share_embeddings_and_output_weights=False)
+
+
+def _state(model, optimizer, loading: bool) -> tuple[dict, dict]:
+    """(raw, prepared): the state dicts Megatron-LM builds, before and after its fsdp_dtensor preprocessing."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+    from megatron.core.transformer import fsdp_dtensor_checkpoint as fdc
+
+    state = {"model": model.state_dict_for_save_checkpoint()}
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state, is_loading=loading, metadata={"distrib_optim_sharding_type": "fsdp_dtensor"}
+    )
+    raw = {"model": dict(state["model"]), "optimizer": dict(state["optimizer"])}
+    fdc.handle_fp8_extra_state_case(state["model"])
+    megatron_fsdp = model.module  # what Megatron-LM hands it: model[0] unwrapped once
+    state["model"], state["optimizer"] = fdc.handle_swiglu_in_state_dict(
+        megatron_fsdp, state["model"], state["optimizer"]
+    )
+    preprocess_state_dict_for_uneven_dtensor(state)
+    return raw, state
+
+
+def save(model, optimizer, ckpt_dir: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    _, prepared = _state(model, optimizer, loading=False)
+    dcp.save(prepared, storage_writer=dcp.FileSystemWriter(ckpt_dir))
+
+
+def load(model, optimizer, ckpt_dir: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    raw, prepared = _state(model, optimizer, loading=True)
+    dcp.load(prepared, storage_reader=dcp.FileSystemReader(ckpt_dir))
+    model.load_state_dict(raw["model"])
+    optimizer.load_state_dict(raw["optimizer"])
+
+
+def _setup(without: tuple[str, ...]):
+    """``without``: names of fix-megatron-fsdp-dtensor-checkpoint's wrappers left out (the fix's test);
+    a spawned process ends with its test, so nothing is put back."""
+    import mindspeed_like
+    from mindspeed_like import runtime
+    from mindspeed_like.fixes import megatron_fsdp_dtensor_checkpoint as fix
+    from mindspeed_like.testing import init_parallel
+
+    mindspeed_like.configure(device="cpu")
+    if without:
+        runtime.ENGINE.apply(fix.NAME, [p for p in fix.PATCHES if p.new.__name__ not in without])
+    init_parallel(seed=1234)
+
+
+def _data():
+    from mindspeed_like.testing.training import make_batches
+
+    return make_batches(STEPS, 4, 32, 256, seed=7)  # global batch 4 at every DP size
+
+
+def _train(bf16: bool, steps: int, data, on_optimizer=None, on_step=None) -> list[float]:
+    from mindspeed_like.testing.training import train_steps
+
+    dp = torch.distributed.get_world_size()
+    return train_steps(
+        _model(bf16),
+        steps,
+        lr=1e-2,
+        micro_batch_size=4 // dp,
+        data=data,
+        data_parallel="megatron_fsdp",
+        ddp_options=STRATEGY,
+        finalize_grads=True,
+        on_optimizer=on_optimizer,
+        on_step=on_step,
+    )
+
+
+def save_midway(bf16: bool, ckpt_dir: str, without: tuple[str, ...] = ()) -> list[float]:
+    """``STEPS`` steps straight, saving after ``SAVE_AFTER``; returns the losses."""
+    from mindspeed_like.testing import destroy_parallel
+
+    _setup(without)
+    held: dict = {}
+
+    def keep(model, optimizer):
+        held.update(model=model, optimizer=optimizer)
+
+    def maybe_save(step, loss):
+        if step == SAVE_AFTER - 1:
+            save(held["model"], held["optimizer"], ckpt_dir)
+
+    try:
+        return _train(bf16, STEPS, _data(), keep, maybe_save)
+    finally:
+        destroy_parallel()
+
+
+def resume(bf16: bool, ckpt_dir: str, without: tuple[str, ...] = ()) -> list[float]:
+    """A fresh model and optimizer load the checkpoint and take the remaining steps."""
+    from mindspeed_like.testing import destroy_parallel
+
+    _setup(without)
+    try:
+        return _train(bf16, STEPS - SAVE_AFTER, _data()[SAVE_AFTER:], lambda m, o: load(m, o, ckpt_dir))
+    finally:
+        destroy_parallel()
+
+
+def empty_load(bf16: bool, ckpt_dir: str, without: tuple[str, ...] = ()) -> dict[str, list[float]]:
+    """Megatron-LM's ``--load DIR`` without a checkpoint in DIR: the load's state dict is built
+    (``sharded_state_dict(is_loading=True)``), nothing is read. Returns that run's and a plain run's losses."""
+    from mindspeed_like.testing import destroy_parallel
+
+    _setup(without)
+    os.makedirs(ckpt_dir, exist_ok=True)
+    try:
+        plain = _train(bf16, 3, _data())
+        built = _train(bf16, 3, _data(), lambda m, o: _state(m, o, loading=True))
+    finally:
+        destroy_parallel()
+    return {"plain": plain, "empty_load": built}
