@@ -255,8 +255,8 @@ def run_export(assets: dict[str, str], root: str, done: dict[str, dict]) -> dict
     source = os.path.join(done[EXPORT_FROM]["output_dir"], f"checkpoint-{ITERS}")
     out = os.path.join(root, "runs", "export-hf")
     command = [
-        _megatron(), "export", "--model", assets["qwen3"], "--model_type", "qwen3", "--mcore_model", source,
-        "--to_hf", "true",
+        _megatron(), "export", "--model", assets["qwen3"], "--model_type", "qwen3", "--template", "qwen3_nothinking",
+        "--mcore_model", source, "--to_hf", "true",
         "--test_convert_precision", "true", "--torch_dtype", "bfloat16", "--output_dir", out,
         "--check_model", "false", "--ddp_backend", "gloo",
     ]  # fmt: skip
