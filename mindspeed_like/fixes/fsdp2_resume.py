@@ -78,7 +78,11 @@ def restore_steps(optimizer: Any, optimizer_state: Any) -> int:
 def _load_with_steps(wrapped, instance, args, kwargs):
     call = Call(wrapped, args, kwargs)
     optimizer = call.get("optimizer")
-    if not call.get("skip_load_to_model_and_opt") or optimizer is None or getattr(optimizer, "is_stub_optimizer", False):
+    if (
+        not call.get("skip_load_to_model_and_opt")
+        or optimizer is None
+        or getattr(optimizer, "is_stub_optimizer", False)
+    ):
         return wrapped(*args, **kwargs)
     holder: list = []
     token = _loaded.set(holder)

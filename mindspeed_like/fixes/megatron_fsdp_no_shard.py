@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.binding import Call
-from mindspeed_like.toolkit.declaration import Feature, always_on
+from mindspeed_like.toolkit.declaration import Feature
 from mindspeed_like.toolkit.errors import ConfigError
 
 NAME = "fix-megatron-fsdp-no-shard"
@@ -52,7 +52,10 @@ def refuse_at_construction(wrapped, instance, args, kwargs):
 
 @contextlib.contextmanager
 def refuse_on_the_command_line(args) -> Iterator[None]:
-    if getattr(args, "use_megatron_fsdp", False) and getattr(args, "data_parallel_sharding_strategy", None) == "no_shard":
+    if (
+        getattr(args, "use_megatron_fsdp", False)
+        and getattr(args, "data_parallel_sharding_strategy", None) == "no_shard"
+    ):
         raise ConfigError("--data-parallel-sharding-strategy no_shard: " + MESSAGE.format(version=_version()))
     yield
 

@@ -8,7 +8,8 @@ test derives what the cpu-adapter and cpu-training-loop patches cover, site by s
 
 * a host twin (a ``run_on_host`` patch on the function): every spelling, except a ``torch.cuda``
   function the host view does not define (it falls through to the real ``torch.cuda``) and a
-  ``'cuda:N'`` string other than ``f"cuda:{torch.cuda.current_device()}"`` (which a twin reads "cpu"), which no twin rewrites;
+  ``'cuda:N'`` string other than ``f"cuda:{torch.cuda.current_device()}"`` (which a twin reads
+  "cpu"), which no twin rewrites;
 * any other adapter patch on the function (our own implementation): the function as a whole;
 * a module-wide host view of torch (megatron.training's modules): ``torch.cuda`` functions the
   training view defines and ``device='cuda'`` of tensor factories, nothing else;

@@ -125,7 +125,9 @@ def save_resume(impl: str, ckpt_dir: str, broken: tuple[str, ...] = ()) -> dict:
         loaded = dist_checkpointing.load(sharded(model, optimizer, True), ckpt_dir)
         model.load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])
-        result["state_types"] = sorted({type(v).__name__ for s in _optimizer_state(optimizer).values() for v in s.values()})
+        result["state_types"] = sorted(
+            {type(v).__name__ for s in _optimizer_state(optimizer).values() for v in s.values()}
+        )
         try:
             result["resumed"] = [step(model, optimizer, i) for i in (2, 3)]
         except RuntimeError as error:

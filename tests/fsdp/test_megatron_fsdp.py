@@ -9,15 +9,13 @@ refuses; the cpu adapter runs megatron's own scale-then-SUM branch instead, bit 
 
 from __future__ import annotations
 
-import pytest
-
-from mindspeed_like.testing import run_distributed
-from mindspeed_like.testing.distributed import DistributedError
-
 import fsdp_workers as workers
+import pytest
 
 from mindspeed_like.fixes import megatron_fsdp_no_shard
 from mindspeed_like.megatron_version import megatron_core_version
+from mindspeed_like.testing import run_distributed
+from mindspeed_like.testing.distributed import DistributedError
 
 NO_SHARD_REFUSED = megatron_core_version() is not None and megatron_core_version().release < (0, 19)
 STRATEGIES = ("optim", "optim_grads", "optim_grads_params") + (() if NO_SHARD_REFUSED else ("no_shard",))
@@ -29,7 +27,9 @@ def _case(name: str, **options) -> dict:
 
 def test_every_sharding_strategy_trains_as_the_distributed_optimizer():
     cases = [
-        dict(name="distopt", impl="transformer_engine", bf16=False, data_parallel="ddp", use_distributed_optimizer=True),
+        dict(
+            name="distopt", impl="transformer_engine", bf16=False, data_parallel="ddp", use_distributed_optimizer=True
+        ),
         *[_case(s, data_parallel_sharding_strategy=s) for s in STRATEGIES],
         _case("no-div-fusion", data_parallel_sharding_strategy="optim_grads_params", gradient_reduce_div_fusion=False),
         _case(

@@ -10,11 +10,11 @@ its schedules do."""
 
 from __future__ import annotations
 
+import fsdp_workers as workers
 import pytest
 
 from mindspeed_like.testing import run_distributed
 from mindspeed_like.testing.distributed import DistributedError
-import fsdp_workers as workers
 
 
 def _cases(impl: str, bf16: bool) -> list[dict]:
