@@ -30,7 +30,8 @@ def train_cases(
     cases: list[dict], flags: dict | None = None, without: tuple[str, ...] = (), keep_config: bool = False
 ) -> dict[str, list[float]]:
     """``cases``: dicts of ``name``, ``impl`` ('local' / 'transformer_engine'), ``bf16``,
-    ``data_parallel`` and ``ddp_options`` (``train_steps``'s). Returns each case's losses.
+    ``data_parallel`` and ``ddp_options`` (``train_steps``'s), optionally ``flags`` (the adaptor's
+    for that case). Returns each case's losses.
     ``flags``: the adaptor's (``configure``); ``without``: features removed first (a fix's test);
     ``keep_config``: the adaptor as the caller left it (no ``configure`` here)."""
     import mindspeed_like
@@ -46,6 +47,8 @@ def train_cases(
     losses: dict[str, list[float]] = {}
     try:
         for case in cases:
+            if "flags" in case:  # this case's adaptor flags (configure() rebuilds: the same process, new features)
+                mindspeed_like.configure(device="cpu", **case["flags"])
             model = _model(case["impl"], case["bf16"])
             losses[case["name"]] = train_steps(
                 model,
