@@ -71,6 +71,9 @@ PATCHES = [
             (f"{MFSDP}.fully_shard.fully_shard_model", "init_device_mesh('cuda', ...)"),
         )
     ],
+    # megatron-core 0.19: the double buffer's limit and its max-pool allocator
+    on_host(f"{BUFFER}.GradReducePipeline._enforce_double_buffer_limit", "torch.cuda.stream", versions=">=0.19"),
+    on_host(f"{BUFFER}.MaxPoolAllocator.allocate", "torch.cuda.synchronize()", versions=">=0.19"),
     on_host(
         "transformer.fsdp_dtensor_checkpoint.validate_loaded_state_dict",
         "DeviceMesh.from_group(..., 'cuda')",

@@ -99,6 +99,12 @@ NOT_ADAPTED: tuple[NotAdapted, ...] = (
         )
     ),
     NotAdapted(
+        f"{CORE}.distributed.fsdp.src.megatron_fsdp.experimental",
+        "megatron-FSDP's experimental module API (FsdpModule, symmetric-memory parameter groups): not what "
+        "--use-megatron-fsdp builds; not run on a host",
+        versions=">=0.19",
+    ),
+    NotAdapted(
         f"{CORE}.distributed.fsdp.src.megatron_fsdp.mixed_precision:_fp8_quantize_fallback",
         "FP8 parameters need TransformerEngine",
         versions=">=0.14",
