@@ -165,10 +165,16 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
         return out, None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        return self._sharded_state_dict_grouped(self._tp_axis_map(), prefix, sharded_offsets, metadata)
+
+    def _sharded_state_dict_grouped(self, tp_axis_map, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """megatron's ``TEGroupedLinear._sharded_state_dict_grouped`` contract (``tp_axis_map`` None:
+        not split over TP). Clients call it by name: mcore-bridge 1.6.5 replaces the base class's
+        ``sharded_state_dict`` with a call of it (ms-swift's MoE checkpoint save stopped on its absence)."""
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
         singleton_local_shards = (metadata or {}).get("singleton_local_shards", False)
-        axis_map = self._tp_axis_map()
+        axis_map = tp_axis_map
         num_global = _size(self._ep_group) * self.num_gemms
         offset = _rank(self._ep_group) * self.num_gemms
         ep_axis = len(sharded_offsets)
@@ -226,9 +232,19 @@ class TEColumnParallelGroupedLinear(TEGroupedLinear):
     def __init__(self, num_gemms: int, input_size: int, output_size: int, **kwargs: Any) -> None:
         super().__init__(num_gemms, input_size, output_size, parallel_mode="column", **kwargs)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """Its own, as megatron's subclass has: a client's patch of the base class's (mcore-bridge's
+        passes no TP axes) leaves the TP-split experts' checkpoint as it is."""
+        return self._sharded_state_dict_grouped(self._tp_axis_map(), prefix, sharded_offsets, metadata)
+
 
 class TERowParallelGroupedLinear(TEGroupedLinear):
     """megatron's row-parallel grouped linear (fc2): weights split along the input."""
 
     def __init__(self, num_gemms: int, input_size: int, output_size: int, **kwargs: Any) -> None:
         super().__init__(num_gemms, input_size, output_size, parallel_mode="row", **kwargs)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """Its own, as megatron's subclass has: a client's patch of the base class's (mcore-bridge's
+        passes no TP axes) leaves the TP-split experts' checkpoint as it is."""
+        return self._sharded_state_dict_grouped(self._tp_axis_map(), prefix, sharded_offsets, metadata)

@@ -136,3 +136,21 @@ def test_layernorm_linear_returns_the_normed_input_when_asked(without_megatron_f
     torch.testing.assert_close(output, plain, rtol=0, atol=0)
     torch.testing.assert_close(normed, qkv._normed(x), rtol=0, atol=0)
     assert same_bias is bias and normed.shape == x.shape
+
+
+def test_grouped_linear_offers_megatrons_sharded_state_dict_grouped(without_megatron_fix):
+    """mcore-bridge 1.6.5 replaces ``TEGroupedLinear.sharded_state_dict`` with a call of megatron's
+    ``_sharded_state_dict_grouped(None, ...)`` (ms-swift's MoE save stopped on its absence); the
+    column / row subclasses keep their own, with their TP axes, as megatron's do."""
+    from mindspeed_like.te_backend.grouped_linear import TEColumnParallelGroupedLinear, TERowParallelGroupedLinear
+
+    gpt = tiny_gpt(transformer_impl="transformer_engine", wrap_float16=False, **MODELS["grouped-moe"])
+    grouped = [m for m in gpt.modules() if isinstance(m, TEGroupedLinear)]
+    assert grouped
+    for module in grouped:
+        own = module.sharded_state_dict(prefix="experts.")
+        by_name = module._sharded_state_dict_grouped(module._tp_axis_map(), "experts.", (), None)
+        assert own.keys() == by_name.keys()
+        assert [s.key for s in own.values()] == [s.key for s in by_name.values()]
+    for cls in (TEColumnParallelGroupedLinear, TERowParallelGroupedLinear):
+        assert "sharded_state_dict" in vars(cls)
