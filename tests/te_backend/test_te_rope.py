@@ -169,14 +169,6 @@ def test_freqs_get_no_gradient_as_in_te():
 
 
 # --------------------------------------------------------------------------- megatron's apply_rope_fusion
-@pytest.fixture
-def megatron():
-    mindspeed_like.reset()
-    mindspeed_like.configure(device="cpu")
-    init_parallel(seed=SEED)
-    yield
-    destroy_parallel()
-    mindspeed_like.reset()
 
 
 def _config(**fields):
@@ -186,7 +178,7 @@ def _config(**fields):
 
 
 @pytest.mark.parametrize("d2", [16, 8])
-def test_megatron_rope_fusion_equals_its_unfused_path_sbhd(megatron, d2):
+def test_megatron_rope_fusion_equals_its_unfused_path_sbhd(adapter, d2):
     from megatron.core.models.common.embeddings import rope_utils
 
     assert rope_utils.fused_apply_rotary_pos_emb is rope.fused_apply_rotary_pos_emb
@@ -201,7 +193,7 @@ def test_megatron_rope_fusion_equals_its_unfused_path_sbhd(megatron, d2):
     _assert_within_bound(fused16, _reference(t16, freqs), t16, fused=True)
 
 
-def test_megatron_rope_fusion_equals_its_unfused_path_thd(megatron):
+def test_megatron_rope_fusion_equals_its_unfused_path_thd(adapter):
     from megatron.core.models.common.embeddings import rope_utils
 
     torch.manual_seed(SEED)
