@@ -222,6 +222,9 @@ NOT_ON_ONE_GPU: dict[str, str] = {
     "moe-alltoall-overlap": "acts only at expert_model_parallel_size > 1 with the alltoall dispatcher: two ranks. "
     "Not covered on CUDA: its dispatch/combine pipeline and its streams (moe-zero-memory's EP = 1 recompute "
     "is covered by its own case)",
+    "fsdp2-config": "configures megatron's torch-FSDP2 wrapper (--use-torch-fsdp2 --fsdp2-config-path), which the "
+    "lane's GPT parity cases do not build, and shards at data-parallel size > 1: two ranks. Not covered on CUDA: "
+    "the YAML's mesh (HSDP), units, mixed precision, offload and recompute (tests/fsdp runs them on a CPU host)",
 }
 """Accelerations one GPU cannot run, and what the lane therefore does not cover."""
 
