@@ -42,6 +42,7 @@ def test_fsdp2_trains_as_ddp_bf16():
     assert losses["fsdp2"] == pytest.approx(losses["ddp"], rel=2e-3)
 
 
+@pytest.mark.slow  # every FSDP2 run here goes through finalize_model_grads, i.e. the fix
 def test_finish_grad_sync_takes_force_all_reduce_only_with_the_fix():
     case = dict(name="fsdp2", impl="local", bf16=False, data_parallel="torch_fsdp2")
     with pytest.raises(DistributedError, match="unexpected keyword argument 'force_all_reduce'"):
