@@ -119,7 +119,7 @@ VERSION_PYTEST_ARGS ?= -q -p no:cacheprovider
 	.venv-mc$*/bin/python -m pip install -q --upgrade pip
 	.venv-mc$*/bin/python -m pip install -q torch==2.13.0
 	.venv-mc$*/bin/python -m pip install -q --no-deps --ignore-requires-python megatron-core==$*
-	.venv-mc$*/bin/python -m pip install -q numpy packaging wrapt einops pytest ruff psutil pybind11
+	.venv-mc$*/bin/python -m pip install -q numpy packaging wrapt einops pyyaml pytest ruff psutil pybind11
 	case "$*" in 0.1[3-7].*) ;; *) .venv-mc$*/bin/python -m pip install -q triton ;; esac
 	.venv-mc$*/bin/python -m pip install -q --no-deps -e .
 	touch $@
