@@ -117,10 +117,10 @@ def demo_size(args: argparse.Namespace, device: str) -> DemoSize:
 
 def build_model(preset_name: str, size: DemoSize, features_on: list[str]) -> torch.nn.Module:
     """The preset's GPT at ``size``, built by megatron on the host (``use_cpu_initialization``, as
-    ``testing.tiny_gpt`` does). MoE: megatron's grouped experts where our grouped GEMM runs, else
+    ``workloads.tiny_gpt`` does). MoE: megatron's grouped experts where our grouped GEMM runs, else
     its expert loop."""
     from mindspeed_like.compare.presets import PRESETS
-    from mindspeed_like.testing import tiny_gpt
+    from mindspeed_like.workloads import tiny_gpt
 
     preset = PRESETS[preset_name]
     model_args = preset.model_args(
@@ -159,7 +159,7 @@ def run_demo(args: argparse.Namespace, flag_values: dict) -> int:
     from mindspeed_like.compare.report import describe_features
     from mindspeed_like.demo_data import megatron_source_bytes, sample_windows
     from mindspeed_like.runtime import context_for, enabled_feature_names
-    from mindspeed_like.testing import destroy_parallel, init_parallel, param_bytes, train_steps
+    from mindspeed_like.workloads import destroy_parallel, init_parallel, param_bytes, train_steps
 
     device = context_for(config).device
     size = demo_size(args, device)

@@ -282,9 +282,9 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
     from mindspeed_like.compare.worker import FEATURES, MEGATRON, run_arm
     from mindspeed_like.demo_data import megatron_source_bytes, sample_windows
     from mindspeed_like.run_arguments import quiet_expected_warnings
-    from mindspeed_like.testing import run_distributed
-    from mindspeed_like.testing.distributed import DistributedError
     from mindspeed_like.toolkit.records import device_record_name
+    from mindspeed_like.workloads import run_distributed
+    from mindspeed_like.workloads.distributed import DistributedError
 
     quiet_expected_warnings()  # megatron's config, built here by the checks, says TE/Apex are absent
     check_arguments(args, flag_values)

@@ -78,7 +78,7 @@ def _moe_layers(args: dict[str, Any]) -> list[bool]:
 
 
 def model_flops(args: dict[str, Any]) -> ModelFlops:
-    """The forward FLOPs of the GPT that ``testing.tiny_gpt(**args)`` builds (a preset's
+    """The forward FLOPs of the GPT that ``workloads.tiny_gpt(**args)`` builds (a preset's
     ``model_args``: its TransformerConfig and GPTModel fields)."""
     hidden, heads = args["hidden_size"], args["num_attention_heads"]
     seq, vocab = args["seq_length"], args["vocab_size"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mindspeed_like.testing.memory import SavedBytesMeter
+from mindspeed_like.workloads.memory import SavedBytesMeter
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:

@@ -25,7 +25,7 @@ def _microbatches(
     cut to this context-parallel rank's zigzag chunks."""
     from megatron.core import parallel_state
 
-    from mindspeed_like.testing.training import batch_on_this_cp_rank
+    from mindspeed_like.workloads.training import batch_on_this_cp_rank
 
     rows = batch.shape[0] // dp_size
     mine = batch[dp_rank * rows : (dp_rank + 1) * rows]
@@ -68,7 +68,7 @@ def train_pipeline(
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from mindspeed_like.testing.training import _optimizer_config, unwrap
+    from mindspeed_like.workloads.training import _optimizer_config, unwrap
 
     config = unwrap(chunks[0]).config
     dp_size = parallel_state.get_data_parallel_world_size()

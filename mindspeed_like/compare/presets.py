@@ -1,7 +1,7 @@
 """Model presets for `mindspeed-like compare` and the demo: the shapes people train, in small.
 
 Each preset turns the size arguments (layers, hidden, heads, seq) into megatron-core
-TransformerConfig / GPTModel arguments for ``testing.tiny_gpt`` (megatron's local or TE spec;
+TransformerConfig / GPTModel arguments for ``workloads.tiny_gpt`` (megatron's local or TE spec;
 the TE spec runs on the te-backend where TransformerEngine is not installed).
 
 MoE presets follow Megatron-LM's examples in asking for grouped GEMM (``moe_grouped_gemm=True``,

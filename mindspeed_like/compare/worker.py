@@ -52,7 +52,7 @@ def _reseed(seed: int) -> None:
 
 def _init_parallel(spec: dict[str, Any]) -> None:
     """megatron's parallel state for the spec: TP, PP (with virtual stages), CP, EP; DP is the rest."""
-    from mindspeed_like.testing.parallel import init_parallel
+    from mindspeed_like.workloads.parallel import init_parallel
 
     init_parallel(
         tp=spec["tp"],
@@ -95,7 +95,7 @@ def megatron_config(spec: dict[str, Any]):
     """The TransformerConfig the children's model is built with (``tiny_gpt``'s, from the same
     values): `compare` builds it before starting any process, so megatron's own checks refuse a bad
     combination there, with megatron's message."""
-    from mindspeed_like.testing.models import MODEL_DEFAULTS, gpt_config
+    from mindspeed_like.workloads.models import MODEL_DEFAULTS, gpt_config
 
     args = _model_args(spec)
     for key in (*MODEL_DEFAULTS, "seq_length"):
@@ -140,7 +140,7 @@ def _build_model(
     the same function. The TE spec builds the preset as it is (TEGroupedMLP for the MoE presets) in
     both arms. ``place``: a pipeline chunk's ``pre_process`` / ``post_process`` / ``vp_stage``."""
     from mindspeed_like.compare.presets import PRESETS
-    from mindspeed_like.testing import tiny_gpt
+    from mindspeed_like.workloads import tiny_gpt
 
     preset = PRESETS[spec["preset"]]
     args = dict(_model_args(spec), **(place or {}))
@@ -156,7 +156,7 @@ def _build_model(
     _reseed(seed)
     model = tiny_gpt(wrap_float16=False, **dict(args, moe_grouped_gemm=True))
     if any(".experts.weight1" in name for name, _ in model.named_parameters()):  # GroupedMLP (< 0.17)
-        from mindspeed_like.testing.moe import copy_sequential_into_grouped
+        from mindspeed_like.workloads.moe import copy_sequential_into_grouped
 
         copy_sequential_into_grouped(reference, model, 8 // spec["ep"])
     else:  # 0.17+: SequentialMLP either way, the same parameters from the same seed
@@ -174,8 +174,8 @@ def _te_spec_model(spec: dict[str, Any], args: dict[str, Any], seed: int):
     local-spec model of the same seed by distributed-checkpoint key: both arms, and both
     ``--transformer-impl`` choices, start from the same function (TE's grouped experts take
     SequentialMLP's weights as ``weight0..N-1``)."""
-    from mindspeed_like.testing import tiny_gpt
-    from mindspeed_like.testing.checkpoint_keys import copy_weights
+    from mindspeed_like.workloads import tiny_gpt
+    from mindspeed_like.workloads.checkpoint_keys import copy_weights
 
     local = tiny_gpt(wrap_float16=False, **dict(args, moe_grouped_gemm=False))
     _reseed(seed)
@@ -245,9 +245,9 @@ def _run_arm(spec: dict[str, Any]) -> dict[str, Any]:
     from mindspeed_like.compare.profile import StepProfiler
     from mindspeed_like.run_arguments import quiet_expected_warnings
     from mindspeed_like.runtime import ENGINE
-    from mindspeed_like.testing import destroy_parallel, train_steps
     from mindspeed_like.toolkit import allocator_history
     from mindspeed_like.toolkit.fallback import fell_back, served
+    from mindspeed_like.workloads import destroy_parallel, train_steps
 
     quiet_expected_warnings()
     features_on = _configure(spec)

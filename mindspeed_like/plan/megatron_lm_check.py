@@ -91,7 +91,7 @@ def arguments(case: tuple[str, int, str]) -> list[str]:
 
 def measure(case: tuple[str, int, str]) -> dict[int, int]:
     """rank -> the peak bytes Megatron-LM printed for it (every rank of data-parallel rank 0)."""
-    from mindspeed_like.testing import megatron_lm
+    from mindspeed_like.workloads import megatron_lm
 
     output = megatron_lm.torchrun_output(
         case[1], megatron_lm.launcher(), arguments(case), base=megatron_lm.TINY_SCHEDULE
@@ -107,7 +107,7 @@ def _plan(args: Sequence[str], processes: int):
     """The plan's prediction of a pretrain_gpt.py run as the CLI makes it (built-in parser: Megatron-LM
     need not be importable), on a CPU host."""
     from mindspeed_like.plan import cli
-    from mindspeed_like.testing.megatron_lm import TINY_SCHEDULE
+    from mindspeed_like.workloads.megatron_lm import TINY_SCHEDULE
 
     argv = [*TINY_SCHEDULE, *args, "--world-size", str(processes), "--target-device", "cpu", "--parser", "builtin"]
     return cli.predict_argv(argv)
@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be 1 or more, got {args.repeats}")
     if args.measure:
-        from mindspeed_like.testing import megatron_lm
+        from mindspeed_like.workloads import megatron_lm
 
         if not megatron_lm.available():
             print(megatron_lm.SKIP_REASON, file=sys.stderr)

@@ -1,17 +1,28 @@
-"""Public helpers for patch-level regression tests of megatron-core (CPU, gloo).
+"""Helpers for patch-level regression tests of megatron-core (CPU, gloo): the npu emulator, parity
+(seeds, tolerances, float64 and loss-curve comparisons, the backend fixture), the Megatron-LM
+unit-test plugin, fake_cuda, the ISA lane, simulated links.
 
     from mindspeed_like.testing import init_parallel, tiny_gpt, train_steps, run_distributed
 
-Megatron is imported inside the helpers, so importing this package does not import it.
-On a CPU host the helpers need the cpu-adapter feature applied (``mindspeed_like.configure()``
-or ``import mindspeed_like.megatron_adaptor``) before a model is built.
+The tiny models, the training loop, parallel init, the process launcher, the byte meters and
+the Megatron-LM launch helpers are product code now (the demo, compare and plan run them):
+they live in :mod:`mindspeed_like.workloads`. Their names are re-exported here, and
+``mindspeed_like.testing.<module>`` for each moved module is that same module object, so tests
+written against this package keep working. This package may import
+the product; the product never imports it (tests/engine/test_import_cycles.py).
 """
 
-from mindspeed_like.testing.distributed import run_distributed
-from mindspeed_like.testing.memory import SavedBytesMeter, param_bytes
-from mindspeed_like.testing.models import gpt_config, tiny_gpt
-from mindspeed_like.testing.parallel import destroy_parallel, init_parallel
-from mindspeed_like.testing.training import make_batches, train_steps
+from mindspeed_like.workloads import (
+    SavedBytesMeter,
+    destroy_parallel,
+    gpt_config,
+    init_parallel,
+    make_batches,
+    param_bytes,
+    run_distributed,
+    tiny_gpt,
+    train_steps,
+)
 
 __all__ = [
     "init_parallel",

@@ -39,7 +39,7 @@ def main(argv: list[str]) -> dict[str, int]:
     import torch
     import torch.distributed as dist
 
-    from mindspeed_like.testing.parallel import free_port
+    from mindspeed_like.workloads.parallel import free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
     # megatron's CUDA RNG bookkeeping, answered by the CPU generator (no CUDA on this host)
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> dict[str, int]:
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     import gpt_builders
 
-    from mindspeed_like.testing.memory import SavedBytesMeter
+    from mindspeed_like.workloads.memory import SavedBytesMeter
 
     model = gpt_builders.gpt_builder(args, True, True)
     if args.bf16:

@@ -38,8 +38,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from mindspeed_like.testing import megatron_lm
 from mindspeed_like.testing.megatron_lm_flags import Case, fill
+from mindspeed_like.workloads import megatron_lm
 
 ITERATIONS = 3
 BATCH = 8

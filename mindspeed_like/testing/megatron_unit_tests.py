@@ -39,7 +39,7 @@ import pytest
 
 from mindspeed_like.testing.megatron_unit import checkout, host_device, ranks, reasons
 from mindspeed_like.testing.megatron_unit.record import Outcomes, directory_of, write
-from mindspeed_like.testing.parallel import free_port
+from mindspeed_like.workloads.parallel import free_port
 
 # GPU-sized tests: minutes or gigabytes each on a host; skipped with the reason, not run.
 GPU_SIZED = {

@@ -96,7 +96,7 @@ def _build(device: torch.device, size: dict, flags: dict, distributed: bool, fie
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     import mindspeed_like
-    from mindspeed_like.testing import init_parallel, tiny_gpt
+    from mindspeed_like.workloads import init_parallel, tiny_gpt
 
     mindspeed_like.reset()
     mindspeed_like.configure(device=device.type, **flags)

@@ -31,7 +31,7 @@ def compare_options(preset: str, impl: str) -> argparse.Namespace:
 
 def measured(args: argparse.Namespace, level: int, device: torch.device) -> tuple[int, int]:
     """Parameters megatron built, and bytes one training forward saved on ``device`` (parameters
-    excluded). Dropout as :data:`mindspeed_like.testing.models.DEFAULTS` says at the call."""
+    excluded). Dropout as :data:`mindspeed_like.workloads.models.DEFAULTS` says at the call."""
     from mindspeed_like.compare import _spec_layout
     from mindspeed_like.compare.worker import _configure, engine_calls_restored
 
@@ -50,10 +50,10 @@ def measured(args: argparse.Namespace, level: int, device: torch.device) -> tupl
 def _measured(spec: dict, args: argparse.Namespace, device: torch.device, on: set) -> tuple[int, int]:
     import mindspeed_like
     from mindspeed_like.compare.worker import build_chunks
-    from mindspeed_like.testing import destroy_parallel
-    from mindspeed_like.testing.memory import SavedBytesMeter
-    from mindspeed_like.testing.parallel import clear_moe_loss_log
-    from mindspeed_like.testing.training import make_batches
+    from mindspeed_like.workloads import destroy_parallel
+    from mindspeed_like.workloads.memory import SavedBytesMeter
+    from mindspeed_like.workloads.parallel import clear_moe_loss_log
+    from mindspeed_like.workloads.training import make_batches
 
     clear_moe_loss_log()  # a model built before this one may have sized it
     try:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from mindspeed_like.testing.parallel import free_port
+from mindspeed_like.workloads.parallel import free_port
 
 FAILURE_GRACE_S = 3.0
 """After one rank fails, how long the others get to report their own failure or death."""

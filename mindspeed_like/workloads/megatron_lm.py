@@ -1,5 +1,5 @@
 """Run Megatron-LM's own ``pretrain_gpt.py`` as a user does (torchrun, the one import line) and read
-its losses: the opt-in Megatron-LM tests of every feature use these.
+its losses: plan's Megatron-LM checks and the opt-in Megatron-LM tests of every feature use these.
 
 ``MEGATRON_LM_PATH`` points at a Megatron-LM checkout whose tag matches the installed
 megatron-core (``core_v0.16.1`` for 0.16.1); nothing of Megatron-LM is in this repository.
@@ -14,7 +14,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from mindspeed_like.testing.parallel import free_port
+from mindspeed_like.workloads.parallel import free_port
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH", "")
 PRETRAIN_GPT = os.path.join(MEGATRON_LM, "pretrain_gpt.py")

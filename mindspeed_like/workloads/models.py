@@ -1,4 +1,5 @@
-"""Tiny megatron-core GPT models for tests (local spec: no TransformerEngine needed)."""
+"""Tiny megatron-core GPT models (local spec: no TransformerEngine needed): what the demo, compare and
+plan's checks build, and tests too."""
 
 from __future__ import annotations
 

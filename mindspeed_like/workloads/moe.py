@@ -1,4 +1,4 @@
-"""MoE test helpers: move expert weights between megatron's SequentialMLP and GroupedMLP layouts.
+"""MoE helpers (compare's arms, tests): move expert weights between megatron's SequentialMLP and GroupedMLP layouts.
 
 SequentialMLP holds one ``MLP`` per local expert: ``linear_fc1.weight`` ``[fc1_out, hidden]``
 (``fc1_out = 2 * ffn`` with a gated unit, rows ``[gate; up]``) and ``linear_fc2.weight``

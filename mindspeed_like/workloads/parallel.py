@@ -1,4 +1,4 @@
-"""Process groups and seeds for tests: one call before building a model, one after."""
+"""Process groups and seeds: one call before building a model, one after (demo, compare, tests)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A few deterministic training steps through megatron's DDP and optimizer (parity tests)."""
+"""A few deterministic training steps through megatron's DDP and optimizer (compare's arms, the demo, parity tests)."""
 
 from __future__ import annotations
 

@@ -18,12 +18,12 @@ TINY += ["--seq-length", "16", "--micro-batch-size", "2", "--quiet"]
 @pytest.fixture
 def no_process(monkeypatch):
     """Fails the test if compare starts a process."""
-    import mindspeed_like.testing as testing
+    import mindspeed_like.workloads as workloads
 
     def refuse(*args, **kwargs):
         raise AssertionError("compare started processes for a combination it should have refused")
 
-    monkeypatch.setattr(testing, "run_distributed", refuse)
+    monkeypatch.setattr(workloads, "run_distributed", refuse)
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def _fake_rank(spec: dict, rank: int, world: int) -> dict:
 @pytest.fixture
 def fake_arms(monkeypatch):
     """run_distributed replaced by ranks from ``_fake_rank``; the order of the arms is kept."""
-    import mindspeed_like.testing as testing
+    import mindspeed_like.workloads as workloads
 
     calls: list[tuple[str, int]] = []
     flaky = {"on": False}
@@ -127,7 +127,7 @@ def fake_arms(monkeypatch):
         calls.append((spec["arm"], spec["repeat"]))
         return [_fake_rank(dict(spec, flaky=flaky["on"]), rank, world) for rank in range(world)]
 
-    monkeypatch.setattr(testing, "run_distributed", run_distributed)
+    monkeypatch.setattr(workloads, "run_distributed", run_distributed)
     return calls, flaky
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mindspeed_like.testing.parallel import free_port
+from mindspeed_like.workloads.parallel import free_port
 
 STARTUP_S = float(os.environ.get("MEGATRON_UNIT_STARTUP_S", "900"))
 DIVERGED_S = float(os.environ.get("MEGATRON_UNIT_DIVERGED_S", "60"))
