@@ -19,6 +19,7 @@ from typing import Any
 
 from mindspeed_like.toolkit.declaration import Feature, Flag
 from mindspeed_like.toolkit.errors import ConfigError
+from mindspeed_like.toolkit.resolved_config import Config
 
 ENV_VAR = "MINDSPEED_LIKE_ARGS"
 SOURCES = ("default", "optimization-level", "env", "argv", "megatron-args", "configure")
@@ -63,33 +64,6 @@ GLOBAL_FLAGS = (
 class _RaisingParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse would sys.exit(2)
         raise ConfigError(f"mindspeed_like: {message}")
-
-
-class Config(Mapping[str, Any]):
-    """Resolved flag values (read-only) and where each came from."""
-
-    def __init__(self, values: dict[str, Any], sources: dict[str, str]) -> None:
-        self._values = dict(values)
-        self.sources = dict(sources)
-
-    def __getitem__(self, name: str) -> Any:
-        return self._values[name]
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["_values"][name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __iter__(self):
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __repr__(self) -> str:
-        changed = {k: v for k, v in self._values.items() if self.sources.get(k) != "default"}
-        return f"Config({changed})"
 
 
 def all_flags(features: Iterable[Feature]) -> list[Flag]:

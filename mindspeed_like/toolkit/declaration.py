@@ -20,11 +20,10 @@ from mindspeed_like.engine import Patch
 from mindspeed_like.toolkit.errors import FeatureUnsupported, LevelConflict
 from mindspeed_like.toolkit.fallback import Fallback
 from mindspeed_like.toolkit.precision import PRECISIONS, precision_checked
+from mindspeed_like.toolkit.resolved_config import Config
 
 if TYPE_CHECKING:
     import argparse
-
-    from mindspeed_like.config import Config
 
 
 @dataclass(frozen=True)

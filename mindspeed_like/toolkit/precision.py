@@ -17,16 +17,38 @@ name is the error, with the message built here. The precision is known in two pl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 from mindspeed_like.toolkit.errors import LevelConflict
 
-if TYPE_CHECKING:
-    from mindspeed_like.toolkit.declaration import Feature
-
 PRECISIONS = ("fp32", "fp16", "bf16")
 """Megatron's three training precisions: fp32 (its default), fp16 and bf16 mixed precision."""
+
+
+class _Option(Protocol):
+    @property
+    def option(self) -> str: ...
+
+    @property
+    def type(self) -> type: ...
+
+
+class DeclaresPrecisions(Protocol):
+    """What this module reads of a :class:`~mindspeed_like.toolkit.declaration.Feature`.
+
+    Said here rather than imported: declaration.py builds every feature's hook with
+    :func:`precision_checked`, so this module importing it back, even only for types, would be an
+    import cycle (tests/engine/test_import_cycles.py counts type-only imports)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def precisions(self) -> tuple[str, ...]: ...
+
+    @property
+    def flags(self) -> Sequence[_Option]: ...
 
 
 def precision_of(settings: Any) -> str:
@@ -41,12 +63,12 @@ MEGATRON_LM_SPELLING = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "neither --b
 CONFIG_SPELLING = {"bf16": "bf16=True", "fp16": "fp16=True", "fp32": "neither bf16 nor fp16"}
 
 
-def conflicts(features: Iterable[Feature], precision: str, spelling: dict[str, str]) -> list[LevelConflict]:
+def conflicts(features: Iterable[DeclaresPrecisions], precision: str, spelling: dict[str, str]) -> list[LevelConflict]:
     """One :class:`LevelConflict` per feature that cannot act in ``precision``."""
     return [conflict(f, precision, spelling) for f in features if f.precisions and precision not in f.precisions]
 
 
-def conflict(feature: Feature, precision: str, spelling: dict[str, str]) -> LevelConflict:
+def conflict(feature: DeclaresPrecisions, precision: str, spelling: dict[str, str]) -> LevelConflict:
     acts_in = " or ".join(feature.precisions)
     given = f"{precision} ({spelling[precision]})"
     option = next((flag.option for flag in feature.flags if flag.type is bool), f"feature '{feature.name}'")
@@ -60,7 +82,7 @@ def conflict(feature: Feature, precision: str, spelling: dict[str, str]) -> Leve
     )
 
 
-def precision_checked(feature: Feature, hook: Any = None):
+def precision_checked(feature: DeclaresPrecisions, hook: Any = None):
     """``feature``'s validate_args hook with the precision check first: a run in a precision the
     feature cannot act in raises its :class:`LevelConflict` before Megatron-LM validates (each
     step-aside starts validation again, without the feature). Composed once (``Feature``'s
