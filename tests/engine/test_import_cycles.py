@@ -1,8 +1,11 @@
-"""No import cycle anywhere in mindspeed_like, counting imports inside functions.
+"""No import cycle anywhere in mindspeed_like, counting imports inside functions and under
+``if TYPE_CHECKING:``; the product never imports ``mindspeed_like.testing``.
 
 Dependencies point one way (docs/architecture.md): a cycle, even through an import inside a
 function, means a lower layer reaches back up (e.g. a feature reading the runtime's global
-config per call). Imports under ``if TYPE_CHECKING:`` do not count (they never run).
+config per call). A type-only import never runs, but it is still a dependency: the module cannot
+be read, type-checked or moved without the one it names, so it counts (config.py,
+toolkit/declaration.py and toolkit/precision.py formed one cycle through two such imports).
 """
 
 from __future__ import annotations
@@ -25,14 +28,8 @@ def _modules() -> dict[str, pathlib.Path]:
     return {_module_name(p): p for p in ROOT.rglob("*.py")}
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
-    """Every mindspeed_like module ``module`` imports, anywhere but under TYPE_CHECKING."""
+    """Every mindspeed_like module ``module`` imports, anywhere (functions, TYPE_CHECKING)."""
     found: set[str] = set()
 
     def resolve(name: str) -> str | None:
@@ -41,10 +38,6 @@ def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> s
         return name or None
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] == PACKAGE:
@@ -114,18 +107,75 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_checker_sees_a_cycle_through_a_function_level_import():
+def test_the_checker_sees_a_cycle_through_a_function_level_or_type_checking_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     tree = ast.parse(
         "import typing\nif typing.TYPE_CHECKING:\n    import mindspeed_like.x\ndef f():\n    import mindspeed_like.y\n"
     )
-    assert _imports(tree, "mindspeed_like.z", False, {"mindspeed_like.x", "mindspeed_like.y"}) == {"mindspeed_like.y"}
+    known = {"mindspeed_like.x", "mindspeed_like.y"}
+    assert _imports(tree, "mindspeed_like.z", False, known) == {"mindspeed_like.x", "mindspeed_like.y"}
 
 
 def test_no_import_cycle_in_mindspeed_like():
     found = cycles(import_graph())
-    assert not found, "import cycles (imports inside functions count):\n" + "\n".join(" <-> ".join(c) for c in found)
+    assert not found, "import cycles (imports inside functions and under TYPE_CHECKING count):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+TESTING = f"{PACKAGE}.testing"
+
+
+def _testing_paths_named(tree: ast.AST) -> set[str]:
+    """String constants that are a ``mindspeed_like.testing`` module path (``importlib.import_module``,
+    ``python -m``, ``pytest -p``): an import the graph cannot see. Prose naming one (a docstring)
+    is not a path."""
+    return {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and (node.value == TESTING or node.value.startswith(f"{TESTING}."))
+        and " " not in node.value
+    }
+
+
+def _outside_testing(module: str) -> bool:
+    return module != TESTING and not module.startswith(f"{TESTING}.")
+
+
+def test_the_product_never_imports_testing():
+    """``mindspeed_like.testing`` holds what only tests use (the npu emulator, parity helpers, the
+    Megatron-LM unit-test plugin) and may import the product; what the product runs lives in the
+    product (``workloads/``). Counted: imports at module level, in functions, under TYPE_CHECKING,
+    and module paths given as strings."""
+    graph, modules = import_graph(), _modules()
+    offenders = {
+        module: sorted(
+            {target for target in graph[module] if not _outside_testing(target)}
+            | _testing_paths_named(ast.parse(modules[module].read_text()))
+        )
+        for module in graph
+        if _outside_testing(module)
+    }
+    offenders = {module: targets for module, targets in offenders.items() if targets}
+    assert not offenders, f"the product imports test-only helpers: {offenders}"
+
+
+def test_the_testing_rule_sees_every_kind_of_import():
+    known = {PACKAGE, TESTING, f"{TESTING}.parity", f"{PACKAGE}.workloads"}
+    for source in (
+        "from mindspeed_like.testing import parity\n",
+        "def f():\n    import mindspeed_like.testing.parity\n",
+        "import typing\nif typing.TYPE_CHECKING:\n    from mindspeed_like.testing.parity import SEED\n",
+    ):
+        assert _imports(ast.parse(source), f"{PACKAGE}.demo", False, known) == {f"{TESTING}.parity"}, source
+    tree = ast.parse(
+        '"""Checked against the emulator (``mindspeed_like.testing.npu_emulator``)."""\n'
+        'CMD = ["-m", "mindspeed_like.testing.isa_lane"]\n'
+    )
+    assert _testing_paths_named(tree) == {"mindspeed_like.testing.isa_lane"}
 
 
 def test_lower_layers_never_import_the_runtime():
