@@ -126,6 +126,7 @@ def _native_then_held(mode: str, cache: Path) -> tuple[dict, dict]:
     return native, held
 
 
+@pytest.mark.slow  # two compiling processes, ~50 s; the key test above runs in the default lane
 def test_a_held_process_does_not_read_the_graph_a_native_process_wrote(tmp_path):
     native, held = _native_then_held("adaptor", tmp_path / "inductor")
     assert native["fx_miss"] >= 1 and native["close"]

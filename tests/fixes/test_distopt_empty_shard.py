@@ -116,6 +116,7 @@ def test_a_rank_without_parameters_saves_and_loads_the_step(tmp_path):
         assert rank["weight"] == rank["trained_weight"]
 
 
+@pytest.mark.slow  # megatron's own failure, shown; the fix's case above runs in the default lane
 def test_megatrons_own_path_fails_on_the_empty_rank(tmp_path):
     """What the fix is for: without it, the save stops on the rank without parameters."""
     with pytest.raises(DistributedError, match=r"assert len\(steps\) == 1"):

@@ -50,6 +50,7 @@ def test_bf16_save_fails_without_the_fix_on_missing_optimizer_state(tmp_path):
         run_distributed(workers.save_midway, 2, True, str(tmp_path / "c"), without, timeout=TIMEOUT)
 
 
+@pytest.mark.slow
 def test_building_a_load_without_a_checkpoint_changes_nothing(tmp_path):
     runs = run_distributed(workers.empty_load, 2, False, str(tmp_path / "empty"), timeout=TIMEOUT)[0]
     assert runs["empty_load"] == runs["plain"]
