@@ -86,6 +86,21 @@ def set_te_sizes(linear: torch.nn.Module, in_features: int, out_features: int, *
     linear.use_bias = bias
 
 
+def hide_megatron_sizes(linear: ColumnParallelLinear) -> None:
+    """Take megatron's ``input_size`` / ``output_size`` (the full sizes) off a column linear, which
+    TE's ``Linear`` does not have; they stay readable as ``_megatron_sizes``.
+
+    peft's ``_get_in_out_features`` reads ``input_size`` / ``output_size`` ("megatron's parallel
+    linears") before ``in_features`` / ``out_features``, so a LoRA layer on this linear took the full
+    output size for TE's per-rank one. mcore-bridge's LoRA multiplies that by ``tp_size`` for its
+    column-parallel ``lora_B``: at TP=2 the adapter gave twice the base layer's outputs
+    (ms-swift ``--tuner_type lora`` at TP=2 stopped on ``64 vs 128`` in mcore-bridge's
+    ``tuners/lora.py``). The row linear keeps them: mcore-bridge takes it for megatron's
+    ``RowParallelLinear`` (it is one) and then sizes its row-parallel ``lora_A`` from the full input
+    size peft reads there, which is right."""
+    linear._megatron_sizes = (linear.__dict__.pop("input_size"), linear.__dict__.pop("output_size"))
+
+
 class TELinear(TEExtraState, torch.nn.Module):
     """megatron's ``TELinear`` with ``parallel_mode="duplicated"`` (column/row: the subclasses)."""
 
@@ -235,12 +250,17 @@ class TEColumnParallelLinear(TELinear, ColumnParallelLinear):
         self._tp_group = self.tp_group
         split = 1 if self.explicit_expert_comm else self.output_size // self.output_size_per_partition
         set_te_sizes(self, input_size, self.output_size_per_partition, tp_size=split, bias=bias)
+        hide_megatron_sizes(self)
         # TE's reset_parameters (dim 0), then megatron's wrapper's partition_stride
         mark_tensor_parallel(self.weight, 0, stride)
         if self.bias is not None:
             mark_tensor_parallel(self.bias, 0, stride)
 
     def forward(self, *args: Any, **kwargs: Any):
+        if (len(args) > 1 and args[1] is not None) or kwargs.get("weight") is not None:
+            # megatron's ColumnParallelLinear takes an outside weight (checked against its
+            # input_size, hidden here); TE's linear owns its weight: megatron's wrapper is forward(x)
+            raise TypeError(f"{type(self).__name__}.forward(x) takes no weight: a TE linear owns its weight")
         _no_tp_comm_when_unset(self)
         return ColumnParallelLinear.forward(self, *args, **kwargs)
 
@@ -256,7 +276,12 @@ class TEColumnParallelLinear(TELinear, ColumnParallelLinear):
         return ""
 
     def __repr__(self) -> str:
-        return ColumnParallelLinear.__repr__(self)
+        """megatron's ColumnParallelLinear's text (full sizes), from the sizes hidden at construction."""
+        full_in, full_out = self._megatron_sizes
+        return (
+            f"{type(self).__name__}(in_features={full_in}, out_features={full_out}, "
+            f"bias={self.bias is not None}, TP={full_out // self.output_size_per_partition})"
+        )
 
 
 def _no_tp_comm_when_unset(linear: Any) -> None:

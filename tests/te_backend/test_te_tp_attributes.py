@@ -19,7 +19,7 @@ from mindspeed_like.fixes import tp_attributes_without_init as fix
 from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.te_backend.grouped_linear import TEGroupedLinear
 from mindspeed_like.te_backend.linear import TEColumnParallelLinear, TELinear, TERowParallelLinear
-from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt
+from mindspeed_like.testing import destroy_parallel, init_parallel, run_distributed, tiny_gpt
 from mindspeed_like.testing.parity import SEED
 
 VERSION = megatron_core_version()
@@ -121,6 +121,75 @@ def test_te_public_sizes_as_te_sets_them(without_megatron_fix):
         assert module.tp_size == 1 and module.use_bias == (module.bias is not None)
         seen.add(type(module).__name__)
     assert {"TELinear", "TELayerNormColumnParallelLinear", "TERowParallelLinear"} <= seen
+
+
+def peft_sizes(module: torch.nn.Module) -> tuple[int, int]:
+    """The sizes peft (0.20, ``tuners_utils._get_in_out_features``) gives a LoRA layer on a linear
+    that is no ``nn.Linear``: megatron's ``input_size`` / ``output_size`` if it has both, else TE's
+    ``in_features`` / ``out_features``."""
+    if hasattr(module, "input_size") and hasattr(module, "output_size"):
+        return module.input_size, module.output_size
+    return module.in_features, module.out_features
+
+
+def test_column_linears_have_no_megatron_full_sizes_as_te(without_megatron_fix):
+    """TE's ``Linear`` has no ``input_size`` / ``output_size``; megatron's ColumnParallelLinear has,
+    the full sizes, and peft reads them first: mcore-bridge's LoRA at TP=2 then built a ``lora_B``
+    twice as wide as the column linear's shard (ms-swift LoRA at TP=2 with SP stopped on ``64 vs 128``).
+    The TP=2 case is below; here the attributes and megatron's repr text."""
+    gpt = tiny_gpt(transformer_impl="transformer_engine", wrap_float16=False)
+    columns = [m for m in gpt.modules() if isinstance(m, TEColumnParallelLinear)]
+    rows = [m for m in gpt.modules() if isinstance(m, TERowParallelLinear)]
+    assert columns and rows
+    for module in columns:
+        assert not hasattr(module, "input_size") and not hasattr(module, "output_size")
+        assert peft_sizes(module) == (module.weight.shape[1], module.weight.shape[0])
+        assert repr(module).endswith(
+            f"(in_features={module.in_features}, out_features={module.out_features}, "
+            f"bias={module.bias is not None}, TP=1)"
+        )
+        with pytest.raises(TypeError, match="takes no weight"):
+            module(torch.randn(4, 1, module.in_features), module.weight)
+    for module in rows:  # mcore-bridge's RowParallelLinear branch sizes lora_A from the full input
+        assert peft_sizes(module) == (module.input_size, module.output_size)
+
+
+def _lora_sizes_at_tp2() -> list[tuple]:
+    mindspeed_like.reset()
+    mindspeed_like.configure(device="cpu")
+    init_parallel(tp=2, seed=SEED)
+    try:
+        gpt = tiny_gpt(transformer_impl="transformer_engine", wrap_float16=False, sequence_parallel=True)
+        found = []
+        for name, module in gpt.named_modules():
+            if isinstance(module, TEColumnParallelLinear):
+                in_features, out_features = peft_sizes(module)
+                # mcore-bridge: lora_A duplicated (in_features -> r), lora_B column-parallel of
+                # out_features * tp_size, i.e. out_features on this rank; the base's shard is weight.shape[0]
+                found.append((name, in_features, out_features, tuple(module.weight.shape), module.tp_size))
+            elif isinstance(module, TERowParallelLinear):
+                in_features, out_features = peft_sizes(module)
+                # mcore-bridge's native-row branch: RowParallelLinear(in_features) splits it over TP
+                found.append((name, in_features // 2, out_features, tuple(module.weight.shape), module.tp_size))
+        return found
+    finally:
+        destroy_parallel()
+        mindspeed_like.reset()
+
+
+@pytest.mark.slow
+def test_lora_sizes_match_the_shards_at_tp2_sp():
+    """At TP=2 with SP the sizes mcore-bridge's LoRA takes from peft give adapters as wide as this
+    rank's shard: a column linear's ``lora_B`` shard (peft's ``out_features``) is its weight's rows,
+    a row linear's ``lora_A`` shard (peft's input size / TP) its weight's columns."""
+    for found in run_distributed(_lora_sizes_at_tp2, 2, timeout=300):
+        assert found
+        for name, lora_in, lora_out, shape, tp_size in found:
+            assert tp_size == 2, name
+            if "linear_proj" in name or "linear_fc2" in name:
+                assert lora_in == shape[1], f"{name}: lora_A shard {lora_in} vs the row shard {shape}"
+            else:
+                assert (lora_in, lora_out) == (shape[1], shape[0]), f"{name}: peft's {lora_in, lora_out} vs {shape}"
 
 
 def test_layernorm_linear_returns_the_normed_input_when_asked(without_megatron_fix):
