@@ -67,6 +67,20 @@ def _packed_positions(cu_seqlens: torch.Tensor, total: int, freqs_len: int) -> t
     return torch.arange(total) - torch.repeat_interleave(cu[:-1], lengths)
 
 
+def _cos_sin(
+    freqs: torch.Tensor, dtype: torch.dtype, mscale: float, cu_seqlens: torch.Tensor | None, total: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        angles = freqs.detach()
+        if cu_seqlens is not None:
+            assert total is not None
+            index = _packed_positions(cu_seqlens, total, angles.shape[0]).to(angles.device)
+            angles = angles.index_select(0, index)
+        cos = (torch.cos(angles) * mscale).to(dtype)
+        sin = (torch.sin(angles) * mscale).to(dtype)
+    return cos, sin
+
+
 def cos_sin(
     freqs: torch.Tensor,
     dtype: torch.dtype,
@@ -80,6 +94,11 @@ def cos_sin(
     bit-identical to megatron's per-call ones. With ``cu_seqlens`` the result is already
     gathered per packed token: shape ``[total, 1, 1, rot_dim]``.
     """
+    if freqs.is_inference():
+        # made under torch.inference_mode (ms-swift's `megatron export --test_convert_precision`
+        # runs the model so): no version counter (`_version` raises), so a cache entry could not
+        # tell an in-place change of it; computed each call
+        return _cos_sin(freqs, dtype, mscale, cu_seqlens, total)
     cu_key = None if cu_seqlens is None else tuple(cu_seqlens.tolist())
     key = (id(freqs), freqs._version, dtype, freqs.device, float(mscale), cu_key, total)
     with _cache_lock:
@@ -87,14 +106,7 @@ def cos_sin(
         if hit is not None and hit[0]() is freqs:
             _cache.move_to_end(key)
             return hit[1], hit[2]
-    with torch.no_grad():
-        angles = freqs.detach()
-        if cu_seqlens is not None:
-            assert total is not None
-            index = _packed_positions(cu_seqlens, total, angles.shape[0]).to(angles.device)
-            angles = angles.index_select(0, index)
-        cos = (torch.cos(angles) * mscale).to(dtype)
-        sin = (torch.sin(angles) * mscale).to(dtype)
+    cos, sin = _cos_sin(freqs, dtype, mscale, cu_seqlens, total)
     with _cache_lock:
         _cache[key] = (weakref.ref(freqs), cos, sin)
         _cache.move_to_end(key)

@@ -125,6 +125,20 @@ def test_cos_sin_cache_shared_and_invalidated():
     torch.testing.assert_close(cos_sin(freqs, torch.float32)[0], torch.cos(freqs))
 
 
+def test_cos_sin_of_inference_tensors():
+    """Frequencies made under ``torch.inference_mode`` (ms-swift's export check runs the megatron
+    model so) have no version counter; ``cos_sin`` keyed its cache on it and raised
+    ``Inference tensors do not track version counter``. Now computed, uncached, equal."""
+    with torch.inference_mode():
+        freqs = torch.randn(8, 1, 1, 16)
+        cos, sin = cos_sin(freqs, torch.float32)
+        x = torch.randn(8, 2, 4, 16)
+        out = apply_rope(x, freqs, mode="half")
+    torch.testing.assert_close(cos, torch.cos(freqs), rtol=0, atol=0)
+    torch.testing.assert_close(sin, torch.sin(freqs), rtol=0, atol=0)
+    torch.testing.assert_close(out, apply_rope(x.clone(), freqs.clone(), mode="half"), rtol=0, atol=0)
+
+
 def test_npu_backend_falls_back_outside_op_limits():
     t = torch.randn(1, 40, 30, 8, requires_grad=True)  # interleave needs B*N < 1000
     freqs = torch.rand(1, 1, 1, 8)
