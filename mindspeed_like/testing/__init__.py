@@ -8,8 +8,9 @@ The tiny models, the training loop, parallel init, the process launcher, the byt
 the Megatron-LM launch helpers are product code now (the demo, compare and plan run them):
 they live in :mod:`mindspeed_like.workloads`. Their names are re-exported here, and
 ``mindspeed_like.testing.<module>`` for each moved module is that same module object, so tests
-written against this package keep working. This package may import
-the product; the product never imports it (tests/engine/test_import_cycles.py).
+written against this package keep working. This package may import the product; the product
+never imports it (tests/engine/test_import_cycles.py). Megatron is imported inside the helpers,
+so importing this package does not import it.
 """
 
 from mindspeed_like.workloads import (
