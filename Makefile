@@ -231,18 +231,21 @@ mbridge-smoke: $(STAMP)
 # own CUDA calls on the host), on a random 2-layer Qwen3 / Qwen3-MoE, tokenizer and data made locally (no hub;
 # --check_model false). Full and LoRA, bf16 / fp16 / fp32, 1 and 2 ranks (DP=2, TP=2 with SP, PP=2, EP=2), a resume
 # from ms-swift's dist checkpoint, megatron export's HF logits check (mindspeed_like/testing/ms_swift_smoke.py,
-# docs/clients.md). Its own venv: ms-swift brings transformers 5 (mbridge-smoke and megatron-bridge-smoke pin <5).
+# docs/clients.md). Its own venv, transformers pinned to 4.57.6 (ms-swift 4.6.0 accepts >=4.33,<5.20): with the
+# transformers 5 pip picks otherwise, mcore-bridge 1.6.5's rope code reads `config.rope_theta`, which transformers 5's
+# Qwen3Config no longer has, and the export's logits check stops before comparing.
 # MS_SWIFT_SMOKE_ARGS="--cases ci" runs the CI-sized part (2 launches); tests/te_backend/test_ms_swift.py runs it under
 # pytest where ms-swift is installed and skips with the reason elsewhere. Record: MS_SWIFT_RECORD.
 MS_SWIFT_VERSION ?= 4.6.0
 MCORE_BRIDGE_VERSION ?= 1.6.5
+MS_SWIFT_TRANSFORMERS ?= 4.57.6
 MS_SWIFT_VENV ?= .venv-ms-swift
 MS_SWIFT_RECORD ?= results/ms-swift-smoke.json
 $(MS_SWIFT_VENV)/.installed: pyproject.toml setup.py
 	test -x $(MS_SWIFT_VENV)/bin/python || $(PYTHON) -m venv $(MS_SWIFT_VENV)
 	$(MS_SWIFT_VENV)/bin/python -m pip install -q --upgrade pip
 	$(MS_SWIFT_VENV)/bin/python -m pip install -q torch==2.13.0
-	printf 'torch==2.13.0\nmegatron-core==$(PRIMARY_VERSION)\n' > $(MS_SWIFT_VENV)/constraints.txt
+	printf 'torch==2.13.0\nmegatron-core==$(PRIMARY_VERSION)\ntransformers==$(MS_SWIFT_TRANSFORMERS)\n' > $(MS_SWIFT_VENV)/constraints.txt
 	$(MS_SWIFT_VENV)/bin/python -m pip install -q -c $(MS_SWIFT_VENV)/constraints.txt megatron-core==$(PRIMARY_VERSION) \
 		ms-swift==$(MS_SWIFT_VERSION) mcore-bridge==$(MCORE_BRIDGE_VERSION) triton
 	$(MS_SWIFT_VENV)/bin/python -m pip install -q -c $(MS_SWIFT_VENV)/constraints.txt -e '.[test]'

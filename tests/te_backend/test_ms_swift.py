@@ -1,8 +1,8 @@
 """ms-swift's unmodified ``megatron sft`` on a CPU host (issue 55 items 1 and 7): the CI-sized part.
 
-Opt-in: ms-swift and mcore-bridge are not dependencies (ms-swift brings transformers 5; mbridge and
-Megatron-Bridge are tested with transformers<5). ``make ms-swift-smoke`` builds ``.venv-ms-swift``
-with both pinned beside torch 2.13.0 and megatron-core 0.16.1 and runs the whole matrix
+Opt-in: ms-swift and mcore-bridge are not dependencies. ``make ms-swift-smoke`` builds
+``.venv-ms-swift`` with both pinned beside torch 2.13.0, megatron-core 0.16.1 and transformers 4.57.6
+(mcore-bridge's export check needs a Qwen3Config with ``rope_theta``) and runs the whole matrix
 (mindspeed_like/testing/ms_swift_smoke.py); this file runs its CI-sized part there, through the same
 driver: one rank in the default lane, TP=2 with sequence parallelism in the slow lane. Each is one
 ``megatron sft`` launch with ``MINDSPEED_LIKE_AUTOLOAD=1`` and ``--transfer-to-host``, on a random
