@@ -23,6 +23,7 @@ from mindspeed_like.compare.arguments import (  # noqa: F401 (re-exported: the C
     SHARED_FLAGS,
     TRANSFORMER_IMPLS,
     add_compare_arguments,
+    data_parallel_path,
 )
 from mindspeed_like.compare.presets import PRESETS
 from mindspeed_like.toolkit.errors import ConfigError
@@ -114,6 +115,7 @@ def check_arguments(args: argparse.Namespace, flag_values: dict[str, Any] | None
                 f"part is half the head dim), got {head_dim}"
             )
     _check_pipeline(args)
+    _check_sharded_data_parallel(args)
     _check_megatron_config(args)  # heads and query groups by TP, MoE sizes, ... in megatron's words
     _check_context_parallel(args, flag_values)
 
@@ -143,6 +145,49 @@ def _check_pipeline(args: argparse.Namespace) -> None:
             "compare: --preset deepseek with --pipeline-model-parallel-size > 1 is not supported by compare (its "
             "dense-first block spec and MTP layer are not placed per pipeline stage here); use another preset"
         )
+
+
+def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
+    """Megatron-LM's validate_args checks of --use-torch-fsdp2 and --use-megatron-fsdp (quoted), the
+    options that act only with one of them, and the Megatron-FSDP strategy refused on this release."""
+    if args.use_torch_fsdp2 and args.use_megatron_fsdp:
+        raise ConfigError("compare: --use-torch-fsdp2 and --use-megatron-fsdp are two FSDP paths; choose one")
+    if args.torch_fsdp2_no_reshard_after_forward and not args.use_torch_fsdp2:
+        raise ConfigError("compare: --torch-fsdp2-no-reshard-after-forward acts with --use-torch-fsdp2; give both")
+    if args.data_parallel_sharding_strategy != "no_shard" and not args.use_megatron_fsdp:
+        raise ConfigError(
+            f"compare: --data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} acts with "
+            "--use-megatron-fsdp; give both"
+        )
+    if not (args.use_torch_fsdp2 or args.use_megatron_fsdp):
+        return
+    flag = "--use-torch-fsdp2" if args.use_torch_fsdp2 else "--use-megatron-fsdp"
+    if args.pipeline_model_parallel_size > 1:
+        # Megatron-LM refuses FSDP2 with PP; compare's pipeline schedule wraps its chunks in DDP
+        raise ConfigError(
+            f"compare: {flag} with --pipeline-model-parallel-size > 1: megatron refuses it for FSDP2 ('--use-torch-"
+            "fsdp2 is not supported with pipeline parallelism') and compare trains pipeline stages under DDP only"
+        )
+    if args.use_torch_fsdp2:
+        tied = PRESETS[args.preset].model_args(num_layers=1, hidden_size=8, num_attention_heads=1, seq_length=8)
+        refusals = (
+            (args.expert_model_parallel_size > 1, "'--use-torch-fsdp2 is not supported with expert parallelism'"),
+            (args.use_distributed_optimizer, "'--use-torch-fsdp2 is not supported with MCore's distributed optimizer'"),
+            (
+                tied.get("share_embeddings_and_output_weights", False),
+                f"'--use-torch-fsdp2 requires --untie-embeddings-and-output-weights' (--preset {args.preset} ties "
+                "them)",
+            ),
+        )
+        for refused, words in refusals:
+            if refused:
+                raise ConfigError(f"compare: megatron refuses this with --use-torch-fsdp2: {words}")
+    if args.use_megatron_fsdp and args.data_parallel_sharding_strategy == "no_shard":
+        from mindspeed_like.fixes.megatron_fsdp_no_shard import refusal
+
+        message = refusal()
+        if message is not None:
+            raise ConfigError(f"compare: --data-parallel-sharding-strategy no_shard: {message}")
 
 
 def _check_context_parallel(args: argparse.Namespace, flag_values: dict[str, Any]) -> None:
@@ -324,6 +369,8 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
         seed=args.seed,
         transformer_impl=args.transformer_impl,
         distributed_optimizer=args.use_distributed_optimizer,
+        data_parallel=data_parallel_path(args)[0],
+        ddp_options=data_parallel_path(args)[1],
         device=device,
         data=data,
         progress=not args.quiet,

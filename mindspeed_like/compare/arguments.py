@@ -7,6 +7,7 @@ defaults) and the package root both read them without importing each other.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from mindspeed_like.compare.presets import PRESETS
 from mindspeed_like.toolkit.cli_values import above, non_negative_int, output_directory, record_name
@@ -16,6 +17,8 @@ DEFAULT_REPEATS = 3
 # flags both arms run with: the context-parallel algorithm is megatron's only CP attention on this host
 SHARED_FLAGS = ("device", "strict", "context_parallel_algo", "ulysses_degree_in_cp")
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
+# Megatron-LM's --data-parallel-sharding-strategy choices and default (megatron/training/arguments.py)
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +57,28 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument(
+        "--use-torch-fsdp2",
+        action="store_true",
+        help="both arms under megatron's torch FSDP2 wrapper (TorchFullyShardedDataParallel), as Megatron-LM's flag",
+    )
+    group.add_argument(
+        "--torch-fsdp2-no-reshard-after-forward",
+        action="store_true",
+        help="with --use-torch-fsdp2: keep each unit's gathered parameters from its forward to its backward (ZeRO-2)",
+    )
+    group.add_argument(
+        "--use-megatron-fsdp",
+        action="store_true",
+        help="both arms under Megatron-FSDP (megatron's FullyShardedDataParallel, its distributed optimizer)",
+    )
+    group.add_argument(
+        "--data-parallel-sharding-strategy",
+        choices=SHARDING_STRATEGIES,
+        default=SHARDING_STRATEGIES[0],
+        help="with --use-megatron-fsdp: what is sharded over DP (Megatron-LM's flag and default, no_shard; "
+        "optim_grads_params is ZeRO-3)",
+    )
+    group.add_argument(
         "--transformer-impl",
         choices=TRANSFORMER_IMPLS,
         default="transformer_engine",
@@ -87,3 +112,13 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="CPU threads per process (default: the host's cores / processes)",
     )
+
+
+def data_parallel_path(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """megatron's data-parallel wrapper both arms train under (``train_steps``'s ``data_parallel``)
+    and its options, from Megatron-LM's flags."""
+    if args.use_torch_fsdp2:
+        return "torch_fsdp2", {"reshard_after_forward": not args.torch_fsdp2_no_reshard_after_forward}
+    if args.use_megatron_fsdp:
+        return "megatron_fsdp", {"data_parallel_sharding_strategy": args.data_parallel_sharding_strategy}
+    return "ddp", {}

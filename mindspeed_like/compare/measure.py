@@ -21,12 +21,30 @@ import torch
 from mindspeed_like.workloads.memory import SavedBytesMeter
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the sharded parameters of torch FSDP2 and Megatron-FSDP, their
+    optimizer states): the bytes this rank holds."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     out: dict[int, int] = {}
     for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        tensor = _local(tensor)
+        if tensor.device.type == "meta":
+            continue
+        try:
             storage = tensor.untyped_storage()
-            out[storage.data_ptr()] = max(out.get(storage.data_ptr(), 0), storage.nbytes())
+            pointer, size = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:
+            # a storage freed in place: FSDP's unsharded parameters between steps (resharded) hold none
+            continue
+        if size:
+            out[pointer] = max(out.get(pointer, 0), size)
     return out
 
 
@@ -70,18 +88,61 @@ def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
                         stack.append(getattr(obj, slot))
 
 
+def _megatron_fsdp_buffer_roles() -> dict[str, str]:
+    """Megatron-FSDP keeps a model's state in per-parameter-group ``DataParallelBuffer``s, not in
+    the module's parameters (resharded, they hold no storage between steps): which kind each
+    buffer field of the installed release's ``ParameterGroup`` is. A field this table does not
+    know counts as weights, and tests/compare checks the table against the installed release."""
+    try:
+        import dataclasses
+
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import ParameterGroup
+    except ImportError:
+        return {}
+    roles = {"main_weight_buffer": "optimizer", "main_grad_buffer": "gradients", "hsdp_gbuf": "gradients"}
+    return {
+        field.name: roles.get(field.name, "weights")
+        for field in dataclasses.fields(ParameterGroup)
+        if "DataParallelBuffer" in str(field.type)
+    }
+
+
+def _data_parallel_buffers(models: Sequence[torch.nn.Module]) -> dict[str, list[torch.Tensor]]:
+    """The tensors of Megatron-FSDP's buffers, by kind (empty for DDP and torch FSDP2, whose
+    state is the parameters' own storages or their DTensor shards)."""
+    out: dict[str, list[torch.Tensor]] = {"weights": [], "gradients": [], "optimizer": []}
+    roles = _megatron_fsdp_buffer_roles()
+    for model in models:
+        buffer = getattr(model, "param_and_grad_buffer", None)
+        for group in getattr(buffer, "parameter_groups", None) or ():
+            for name, kind in roles.items():
+                data = getattr(getattr(group, name, None), "data", None)
+                if isinstance(data, torch.Tensor):
+                    out[kind].append(data)
+    return out
+
+
 def state_bytes(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer) -> dict[str, int]:
     """Weights, gradients and optimizer state in bytes; each storage counted once, in the first
     of those kinds that holds it. ``model``: a model or the chunks of a virtual pipeline (one
-    optimizer over all of them)."""
+    optimizer over all of them). Sharded data parallelism counts this rank's shards: DTensor
+    parameters by their local shard, Megatron-FSDP's buffers by their kind."""
     models = [model] if isinstance(model, torch.nn.Module) else list(model)
     params = [p for m in models for p in m.parameters()]
-    weights = _storages(params)
+    buffers = _data_parallel_buffers(models)
+    weights = _storages([*params, *buffers["weights"]])
     grads = _storages(
-        t for p in params for t in (getattr(p, "main_grad", None), p.grad, getattr(p, "decoupled_grad", None))
+        [
+            *(t for p in params for t in (getattr(p, "main_grad", None), p.grad, getattr(p, "decoupled_grad", None))),
+            *buffers["gradients"],
+        ]
     )
     grads = {k: v for k, v in grads.items() if k not in weights}
-    state = {k: v for k, v in _storages(_optimizer_tensors(optimizer)).items() if k not in weights and k not in grads}
+    state = {
+        k: v
+        for k, v in _storages([*_optimizer_tensors(optimizer), *buffers["optimizer"]]).items()
+        if k not in weights and k not in grads
+    }
     return {"weights": sum(weights.values()), "gradients": sum(grads.values()), "optimizer": sum(state.values())}
 
 

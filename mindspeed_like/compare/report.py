@@ -215,6 +215,7 @@ def build(
             "data_parallel_size": args.data_parallel_size,
             "expert_model_parallel_size": args.expert_model_parallel_size,
             "use_distributed_optimizer": args.use_distributed_optimizer,
+            "data_parallel": _data_parallel(args),
             "microbatches_per_step": args.pipeline_model_parallel_size,
         },
         "steps": args.steps,
@@ -422,6 +423,14 @@ _CP_ALGO_TAGS = {
 }
 
 
+def _data_parallel(args: argparse.Namespace) -> dict[str, Any]:
+    """megatron's data-parallel wrapper both arms trained under, and its options."""
+    from mindspeed_like.compare.arguments import data_parallel_path
+
+    path, options = data_parallel_path(args)
+    return {"wrapper": path, **options}
+
+
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """compare's own options (the feature flags, parsed into the same namespace, are kept apart)."""
     from mindspeed_like import runtime
@@ -453,6 +462,10 @@ def record_name(args: argparse.Namespace, flag_values: dict[str, Any]) -> str:
         "data_parallel_size": "dp",
         "expert_model_parallel_size": "ep",
         "use_distributed_optimizer": "distopt",
+        "use_torch_fsdp2": "fsdp2",
+        "torch_fsdp2_no_reshard_after_forward": "noreshard",
+        "use_megatron_fsdp": "mfsdp",
+        "data_parallel_sharding_strategy": "",
         "fp32": "fp32",
         "num_layers": "layers",
         "hidden_size": "hidden",

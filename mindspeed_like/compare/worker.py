@@ -275,6 +275,7 @@ def _run_arm(spec: dict[str, Any]) -> dict[str, Any]:
         ddp_models = ddp_model if isinstance(ddp_model, list) else [ddp_model]
         held.update(models=ddp_models, optimizer=optimizer)
         probe.exclude = [*(p for m in ddp_models for p in m.parameters()), *_masters(optimizer)]
+        _measure_state_as_the_last_step_starts(optimizer, ddp_models, spec["steps"], held)
         stamps.append(time.perf_counter())
 
     def on_step(step: int, loss: float) -> None:
@@ -309,9 +310,11 @@ def _run_arm(spec: dict[str, Any]) -> dict[str, Any]:
                 # megatron's finalize_model_grads also updates the router's expert bias (DeepSeek's
                 # aux-loss-free balancing), as Megatron-LM's training loop does
                 finalize_grads=bool(getattr(chunks[0].config, "moe_router_enable_expert_bias", False)),
+                data_parallel=spec.get("data_parallel", "ddp"),
+                ddp_options=spec.get("ddp_options"),
                 **common,
             )
-        memory = state_bytes(held["models"], held["optimizer"])
+        memory = held.get("state_before_last_step") or state_bytes(held["models"], held["optimizer"])
         microbatches = spec.get("microbatches", 1)
         tokens_per_step = spec["micro_batch_size"] * microbatches * parallel_state.get_data_parallel_world_size()
         tokens_per_step *= spec["size"]["seq_length"]
@@ -353,6 +356,25 @@ def _run_arm(spec: dict[str, Any]) -> dict[str, Any]:
         "tokens_per_step": tokens_per_step,
         "memory": {**memory, "activations": probe.bytes, "process_peak": process_peak_bytes(device)},
     }
+
+
+def _measure_state_as_the_last_step_starts(optimizer, models: list, steps: int, held: dict[str, Any]) -> None:
+    """Measure the model state when the last optimizer step starts, where every kind is alive at
+    once: torch FSDP2's sharded gradients exist only from a backward to megatron's optimizer step
+    (which drops them once copied to the masters), so a count after training would leave them out.
+    DDP's and Megatron-FSDP's gradient buffers live all run and count the same either way."""
+    from mindspeed_like.compare.measure import state_bytes
+
+    step = optimizer.step
+    calls = [0]
+
+    def step_measured(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == steps:
+            held["state_before_last_step"] = state_bytes(models, optimizer)
+        return step(*args, **kwargs)
+
+    optimizer.step = step_measured
 
 
 def _release_build_pages() -> None:

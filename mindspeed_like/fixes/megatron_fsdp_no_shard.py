@@ -43,6 +43,19 @@ def _version() -> str:
     return str(megatron_core_version() or "this release")
 
 
+def refusal() -> str | None:
+    """The refusal's message where the installed megatron-core is one it applies to, else None (for
+    tools that check a configuration before any process builds a wrapper: ``mindspeed-like compare``)."""
+    from packaging.specifiers import SpecifierSet
+
+    from mindspeed_like.megatron_version import megatron_core_version
+
+    installed = megatron_core_version()
+    if installed is None or installed not in SpecifierSet(VERSIONS):
+        return None
+    return MESSAGE.format(version=_version())
+
+
 def refuse_at_construction(wrapped, instance, args, kwargs):
     ddp_config = Call(wrapped, args, kwargs)["ddp_config"]
     if getattr(ddp_config, "data_parallel_sharding_strategy", None) == "no_shard":

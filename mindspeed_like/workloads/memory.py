@@ -11,6 +11,19 @@ def _storage(tensor: torch.Tensor):
     return tensor.untyped_storage()
 
 
+def _data_pointer(tensor: torch.Tensor) -> int | None:
+    """Where a tensor's storage lives (a DTensor's: its local shard's); None for a storage freed in
+    place (FSDP's resharded parameters hold none between their unit's forward and backward)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    try:
+        return _storage(tensor).data_ptr()
+    except RuntimeError:
+        return None
+
+
 def param_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views and aliases counted once)."""
     seen: dict[int, int] = {}
@@ -88,7 +101,7 @@ class SavedBytesMeter:
         """
         if getattr(self, "_released", False):
             raise RuntimeError("SavedBytesMeter.current_bytes() after release(): read it before releasing")
-        skip = {_storage(t).data_ptr() for t in exclude if t is not None}
+        skip = {pointer for t in exclude if t is not None and (pointer := _data_pointer(t)) is not None}
         held = sum(s.nbytes() for ptr, s in self._storages.items() if ptr not in skip)
         return held + sum(s.nbytes() for _, s in self._retired)
 

@@ -156,6 +156,10 @@ def tiny_gpt(*, wrap_float16: bool = True, transformer_impl: str = "local", **ov
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
         model_args["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te)
+    if hasattr(config, "transformer_impl"):
+        # what Megatron-LM's config carries for --transformer-impl: megatron's FSDP2 wrapper reads it to
+        # choose its sharding units (its default, "transformer_engine", names TE classes a local spec lacks)
+        config.transformer_impl = transformer_impl
     model = GPTModel(config=config, transformer_layer_spec=spec, **model_args)
     _gated_fc1_layout_of_tp1(model, config)
     if config.bf16 and wrap_float16:

@@ -15,17 +15,6 @@ TINY = ["--steps", "3", "--num-layers", "2", "--hidden-size", "32", "--num-atten
 TINY += ["--seq-length", "16", "--micro-batch-size", "2", "--quiet"]
 
 
-@pytest.fixture
-def no_process(monkeypatch):
-    """Fails the test if compare starts a process."""
-    import mindspeed_like.workloads as workloads
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("compare started processes for a combination it should have refused")
-
-    monkeypatch.setattr(workloads, "run_distributed", refuse)
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [

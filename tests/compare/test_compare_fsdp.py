@@ -1,0 +1,134 @@
+"""`mindspeed-like compare` under megatron's two FSDP paths (Megatron-LM's flags, both arms under the
+same wrapper): Megatron-LM's refusals before any process starts, the meter counting this rank's
+shards (DTensor local shards, Megatron-FSDP's buffers by kind), and the per-rank model state of a
+real run falling with the data-parallel size."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from mindspeed_like.cli import main
+
+TINY = ["--steps", "2", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4"]
+TINY += ["--seq-length", "16", "--micro-batch-size", "2", "--quiet", "--repeats", "1", "--fp32"]
+
+
+def _compare(tmp_path, *args: str) -> dict:
+    out = str(tmp_path / "out")
+    assert main(["compare", *TINY, "--out", out, *args]) == 0
+    with open(os.path.join(out, "compare.json")) as handle:
+        return json.load(handle)["compare"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--use-torch-fsdp2", "--use-megatron-fsdp"], "two FSDP paths; choose one"),
+        (["--torch-fsdp2-no-reshard-after-forward"], "acts with --use-torch-fsdp2"),
+        (["--data-parallel-sharding-strategy", "optim"], "acts with --use-megatron-fsdp"),
+        (
+            ["--use-torch-fsdp2", "--pipeline-model-parallel-size", "2"],
+            "'--use-torch-fsdp2 is not supported with pipeline parallelism'",
+        ),
+        (
+            ["--use-torch-fsdp2", "--preset", "moe", "--data-parallel-size", "2", "--expert-model-parallel-size", "2"],
+            "'--use-torch-fsdp2 is not supported with expert parallelism'",
+        ),
+        (["--use-torch-fsdp2", "--use-distributed-optimizer"], "not supported with MCore's distributed optimizer"),
+        (["--use-torch-fsdp2", "--preset", "gpt"], "requires --untie-embeddings-and-output-weights"),
+    ],
+)
+def test_megatron_lms_refusals_before_any_process_starts(tmp_path, capsys, no_process, args, message):
+    code = main(["compare", "--out", str(tmp_path), *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "compare.json")
+
+
+def test_no_shard_is_refused_where_the_fix_refuses_it(tmp_path, capsys, no_process):
+    from mindspeed_like.fixes.megatron_fsdp_no_shard import refusal
+
+    code = main(["compare", "--out", str(tmp_path), "--use-megatron-fsdp", "--data-parallel-size", "2"])
+    if refusal() is None:  # megatron-core 0.19+: no_shard trains as DDP there
+        pytest.skip("the installed megatron-core trains no_shard correctly")
+    assert code == 2
+    assert "no_shard" in capsys.readouterr().err
+
+
+def test_record_names_tag_the_fsdp_path():
+    import argparse
+
+    from mindspeed_like.compare import add_compare_arguments
+    from mindspeed_like.compare.report import record_name
+
+    parser = argparse.ArgumentParser()
+    add_compare_arguments(parser)
+    args = parser.parse_args("--data-parallel-size 2 --use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward".split())
+    assert record_name(args, {}) == "compare-llama-dp2-fsdp2-noreshard"
+    args = parser.parse_args(
+        "--data-parallel-size 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params".split()
+    )
+    assert record_name(args, {"optimization_level": 1}) == "compare-llama-dp2-mfsdp-optim_grads_params-level1"
+
+
+def test_megatron_fsdp_buffer_roles_cover_the_installed_release():
+    """Every DataParallelBuffer field of the installed ParameterGroup has a kind, and the master
+    weights and gradients are not counted as weights."""
+    from mindspeed_like.compare.measure import _megatron_fsdp_buffer_roles
+
+    roles = _megatron_fsdp_buffer_roles()
+    assert roles["model_weight_buffer"] == "weights"
+    assert roles["main_weight_buffer"] == "optimizer"
+    assert roles["main_grad_buffer"] == "gradients"
+
+
+def test_the_meter_counts_a_dtensors_local_shard_and_skips_a_freed_storage():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mindspeed_like.compare.measure import _storages
+    from mindspeed_like.workloads.parallel import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        shard = distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])
+        freed = torch.ones(16)
+        freed.untyped_storage().resize_(0)  # what FSDP does to a resharded parameter's storage
+        assert sum(_storages([shard, freed]).values()) == 8 * 4 * 4
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # four 2-process arms, ~1-2 min; tests/fsdp trains FSDP2 in the default lane
+def test_torch_fsdp2_model_state_falls_with_data_parallel_size(tmp_path):
+    """Both arms under FSDP2 train the same losses as each other; the per-rank weights, gradients
+    and optimizer state at DP=2 are half the DP=1 run's (the shards), within one row of padding."""
+    one = _compare(tmp_path / "dp1", "--use-torch-fsdp2")
+    two = _compare(tmp_path / "dp2", "--use-torch-fsdp2", "--data-parallel-size", "2")
+    assert two["parallel"]["data_parallel"] == {"wrapper": "torch_fsdp2", "reshard_after_forward": True}
+    assert two["loss"]["max_abs_diff"] < 1e-4
+    for kind in ("weights", "gradients", "optimizer"):
+        whole, shard = one["megatron"]["memory_per_rank"][kind], two["megatron"]["memory_per_rank"][kind]
+        assert whole > 0 and abs(shard - whole / 2) <= 0.02 * whole, (kind, whole, shard)
+
+
+@pytest.mark.slow
+def test_megatron_fsdp_trains_both_arms_and_shards_the_optimizer(tmp_path):
+    result = _compare(
+        tmp_path,
+        "--use-megatron-fsdp",
+        "--data-parallel-sharding-strategy",
+        "optim_grads_params",
+        "--data-parallel-size",
+        "2",
+    )
+    assert result["parallel"]["data_parallel"]["data_parallel_sharding_strategy"] == "optim_grads_params"
+    assert result["loss"]["max_abs_diff"] < 1e-4
+    assert all(v > 0 for v in result["megatron"]["memory_per_rank"].values())
