@@ -362,7 +362,8 @@ def _measure_state_as_the_last_step_starts(optimizer, models: list, steps: int, 
     """Measure the model state when the last optimizer step starts, where every kind is alive at
     once: torch FSDP2's sharded gradients exist only from a backward to megatron's optimizer step
     (which drops them once copied to the masters), so a count after training would leave them out.
-    DDP's and Megatron-FSDP's gradient buffers live all run and count the same either way."""
+    DDP's and Megatron-FSDP's gradient buffers live all run and count the same either way. A
+    one-step run is measured after its step (Adam's moments are made by the first step)."""
     from mindspeed_like.compare.measure import state_bytes
 
     step = optimizer.step
@@ -370,7 +371,7 @@ def _measure_state_as_the_last_step_starts(optimizer, models: list, steps: int, 
 
     def step_measured(*args, **kwargs):
         calls[0] += 1
-        if calls[0] == steps:
+        if calls[0] == steps > 1:
             held["state_before_last_step"] = state_bytes(models, optimizer)
         return step(*args, **kwargs)
 
