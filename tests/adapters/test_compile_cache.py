@@ -80,7 +80,10 @@ def test_the_users_cache_directory_and_tag_are_kept(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "theirs")
+    # config.patch, not monkeypatch: monkeypatch's undo deletes the attribute, and deleting an entry
+    # of a torch config module hides it, so every later compile failed ("cache_key_tag does not exist")
+    tag = torch.compiler.config.patch(cache_key_tag="theirs")
+    tag.__enter__()
     mindspeed_like.reset()
     try:
         mindspeed_like.configure(device="cpu")
@@ -92,6 +95,8 @@ def test_the_users_cache_directory_and_tag_are_kept(monkeypatch, tmp_path):
         assert str(tmp_path) in line and "set by you" in line and "'avx2'" in line
     finally:
         mindspeed_like.reset()
+        tag.__exit__(None, None, None)
+    assert torch.compiler.config.cache_key_tag == ""
     # unset, or set by torch itself to its default (it writes the variable when first asked)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     default = os.path.abspath(default_cache_dir())
