@@ -94,8 +94,11 @@ def test_the_meter_counts_a_dtensors_local_shard_and_skips_a_freed_storage():
     from mindspeed_like.compare.measure import _storages
     from mindspeed_like.workloads.parallel import free_port
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    created = not dist.is_initialized()  # the single-process tests before this one may have left theirs
+    if created:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     try:
         mesh = init_device_mesh("cpu", (1,))
         shard = distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])
@@ -103,7 +106,8 @@ def test_the_meter_counts_a_dtensors_local_shard_and_skips_a_freed_storage():
         freed.untyped_storage().resize_(0)  # what FSDP does to a resharded parameter's storage
         assert sum(_storages([shard, freed]).values()) == 8 * 4 * 4
     finally:
-        dist.destroy_process_group()
+        if created:
+            dist.destroy_process_group()
 
 
 @pytest.mark.slow  # four 2-process arms, ~1-2 min; tests/fsdp trains FSDP2 in the default lane
