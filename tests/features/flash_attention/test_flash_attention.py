@@ -301,10 +301,24 @@ def _dpa_inputs(case, s, dtype, nk, spec):
     return (q, k, v), mask, grad
 
 
+# The default lane: every case at the odd length 7, and the one-token and the longer-than-a-block
+# lengths (1, 129) for the two mask kinds (causal, padding); `make test-all` runs every combination.
+DPA_FAST_EDGE_LENGTHS = ("causal", "padding")
+DPA_CASE_LENGTHS = [
+    pytest.param(
+        case,
+        s,
+        id=f"{case}-{s}",
+        marks=[] if s == 7 or case in DPA_FAST_EDGE_LENGTHS else [pytest.mark.slow],
+    )
+    for case in DPA_CASES
+    for s in (1, 7, 129)
+]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("s", [1, 7, 129])
-@pytest.mark.parametrize("case", list(DPA_CASES))
+@pytest.mark.parametrize("case, s", DPA_CASE_LENGTHS)
 def test_matches_megatron_dot_product_attention(flash, backend, dtype, s, case):
     spec = DPA_CASES[case]
     config = dict(spec.get("config", {}))
