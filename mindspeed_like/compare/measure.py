@@ -18,15 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mindspeed_like.toolkit.dtensors import local_shard
 from mindspeed_like.workloads.memory import SavedBytesMeter
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the sharded parameters of torch FSDP2 and Megatron-FSDP, their
-    optimizer states): the bytes this rank holds."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
@@ -34,7 +27,7 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
             continue
-        tensor = _local(tensor)
+        tensor = local_shard(tensor)
         if tensor.device.type == "meta":
             continue
         try:

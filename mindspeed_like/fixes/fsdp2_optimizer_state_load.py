@@ -22,22 +22,15 @@ import torch
 
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.declaration import Feature, always_on
+from mindspeed_like.toolkit.dtensors import dtensor_type
 
 NAME = "fix-fsdp2-optimizer-state-load"
 OPTIMIZER = "megatron.core.optimizer.optimizer"
 
 
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return None
-    return DTensor
-
-
 def states_as_dtensors(optimizer: torch.optim.Optimizer) -> int:
     """Re-wrap plain state tensors of ``DTensor`` parameters as ``DTensor``s; returns how many."""
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     if dtensor is None:
         return 0
     rewrapped = 0

@@ -14,10 +14,9 @@ def _storage(tensor: torch.Tensor):
 def _data_pointer(tensor: torch.Tensor) -> int | None:
     """Where a tensor's storage lives (a DTensor's: its local shard's); None for a storage freed in
     place (FSDP's resharded parameters hold none between their unit's forward and backward)."""
-    from torch.distributed.tensor import DTensor
+    from mindspeed_like.toolkit.dtensors import local_shard
 
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
+    tensor = local_shard(tensor)
     try:
         return _storage(tensor).data_ptr()
     except RuntimeError:

@@ -51,6 +51,7 @@ import torch
 
 from mindspeed_like.kernels.linear_cross_entropy import auto_chunk_tokens, linear_cross_entropy
 from mindspeed_like.toolkit.binding import Call
+from mindspeed_like.toolkit.dtensors import is_dtensor
 from mindspeed_like.toolkit.errors import FeatureUnsupported
 from mindspeed_like.toolkit.fallback import Fallback
 
@@ -76,20 +77,12 @@ def _unsupported(model: Any, call: Call) -> str | None:
     if has_config_logger_enabled(config):
         return "the config logger records the logits"
     tied = getattr(model, "share_embeddings_and_output_weights", False)
-    if _is_dtensor(model.shared_embedding_or_output_weight() if tied else getattr(layer, "weight", None)):
+    if is_dtensor(model.shared_embedding_or_output_weight() if tied else getattr(layer, "weight", None)):
         return (
             "torch FSDP2 shards the output layer: its weight is all-gathered by the layer's own forward, "
             "which the fused loss does not run"
         )
     return None
-
-
-def _is_dtensor(tensor: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(tensor, DTensor)
 
 
 def _tp_group(layer: Any):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mindspeed_like.kernels import bf16_residual as kernel
+from mindspeed_like.toolkit.dtensors import is_dtensor
 from mindspeed_like.toolkit.errors import ConfigError, FeatureUnsupported
 from mindspeed_like.toolkit.fallback import Fallback
 
@@ -91,14 +92,6 @@ def _owns_its_storage(param: torch.Tensor) -> bool:
     return param.storage_offset() == 0 and param.untyped_storage().nbytes() == param.numel() * param.element_size()
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(tensor, DTensor)
-
-
 def share(optimizer, fall_back: Fallback) -> None:
     """Move each (bf16 model param, fp32 master) pair of a Float16 optimizer into one buffer."""
     state = ReuseState()
@@ -107,7 +100,7 @@ def share(optimizer, fall_back: Fallback) -> None:
         for model_group, main_group in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
         for model, main in zip(model_group, main_group)
     ]
-    if any(_is_dtensor(model) for model, _ in pairs):
+    if any(is_dtensor(model) for model, _ in pairs):
         fall_back(
             "torch FSDP2 (--use-torch-fsdp2): its parameters are DTensor shards in storage FSDP2 all-gathers "
             "into and frees itself, which a shared bf16/fp32 buffer cannot replace"
