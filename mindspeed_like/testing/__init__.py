@@ -13,26 +13,7 @@ never imports it (tests/engine/test_import_cycles.py). Megatron is imported insi
 so importing this package does not import it.
 """
 
-from mindspeed_like.workloads import (
-    SavedBytesMeter,
-    destroy_parallel,
-    gpt_config,
-    init_parallel,
-    make_batches,
-    param_bytes,
-    run_distributed,
-    tiny_gpt,
-    train_steps,
-)
+from mindspeed_like import workloads
+from mindspeed_like.workloads import *  # noqa: F403 (the names tests import from here)
 
-__all__ = [
-    "init_parallel",
-    "destroy_parallel",
-    "tiny_gpt",
-    "gpt_config",
-    "run_distributed",
-    "SavedBytesMeter",
-    "param_bytes",
-    "train_steps",
-    "make_batches",
-]
+__all__ = list(workloads.__all__)
