@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -78,7 +79,7 @@ class Case:
     msl_args: str = MSL_ARGS
     reference: str | None = None  # the case whose losses and grad norms this one must equal
     resume_from: str | None = None  # the case whose checkpoint-2 this one resumes
-    # False where the reference's grad norms are not this layout's by construction (see LORA_TP_INIT)
+    # False where the reference's grad norms are not this layout's by construction (see LORA_INIT)
     grad_norm_compared: bool = True
     # a stop that is ms-swift's own behaviour (see FP16_STOP): the case checks that it stops so
     expected_stop: str | None = None
@@ -92,10 +93,11 @@ FP32 = ("--fp16", "false")
 # megatron-LM turns the NaN check off for fp16 with a dynamic scale), but ms-swift's wrap_model sets
 # DDP's check_for_nan_in_grad=True unconditionally and megatron raises on the NaN. docs/clients.md.
 FP16_STOP = r"found NaN in local grad norm for bucket #0 in backward pass before data-parallel communication"
-# mcore-bridge's LoRA initialises lora_A with kaiming_uniform on the local shard: at TP=2 a row-parallel
-# linear's lora_A has half the fan-in, so values up to sqrt(2) larger than at one rank; lora_B is zero,
-# so iteration 1's loss is the same, but the adapters' gradients, and so the grad norms, differ.
-LORA_TP_INIT = "lora_A initialised per TP shard (mcore-bridge): grad norms not comparable across TP"
+# mcore-bridge's LoRA draws lora_A on each rank where it lives: kaiming_uniform on the local shard (at TP=2
+# a row-parallel linear's lora_A has half the fan-in, so values up to sqrt(2) larger than at one rank),
+# under each PP stage's own seed (PP=2's second stage draws other values). lora_B is zero, so iteration
+# 1's loss is the same, but the adapters' gradients, and so the grad norms, differ. DP=2 draws the same.
+LORA_INIT = "lora_A drawn per TP shard / PP stage (mcore-bridge): grad norms not comparable to one rank's"
 
 
 CASES = (
@@ -117,6 +119,16 @@ CASES = (
     ),
     Case("qwen3-full-bf16-resume", "qwen3", resume_from="qwen3-full-bf16", reference="qwen3-full-bf16"),
     Case("qwen3-lora-bf16", "qwen3", tuner="lora"),
+    Case("qwen3-lora-bf16-dp2", "qwen3", nproc=2, tuner="lora", reference="qwen3-lora-bf16"),
+    Case(
+        "qwen3-lora-bf16-pp2",
+        "qwen3",
+        nproc=2,
+        tuner="lora",
+        extra=("--pipeline_model_parallel_size", "2"),
+        reference="qwen3-lora-bf16",
+        grad_norm_compared=False,
+    ),
     Case(
         "qwen3-lora-bf16-tp2-sp",
         "qwen3",
@@ -145,6 +157,14 @@ CASES = (
         reference="qwen3_moe-full-bf16",
     ),  # fmt: skip
     Case("qwen3_moe-lora-bf16", "qwen3_moe", tuner="lora"),
+    Case(
+        "qwen3_moe-lora-bf16-ep2",
+        "qwen3_moe",
+        nproc=2,
+        tuner="lora",
+        extra=("--expert_model_parallel_size", "2"),
+        reference="qwen3_moe-lora-bf16",
+    ),
 )
 CI_CASES = ("qwen3-full-bf16", "qwen3-full-bf16-tp2-sp")
 EXPORT_FROM = "qwen3-full-bf16"
@@ -239,6 +259,7 @@ def run_case(case: Case, assets: dict[str, str], root: str, done: dict[str, dict
         "--dataloader_num_workers", "0", "--dataset_num_proc", "1", "--check_model", "false",
         "--add_version", "false", "--output_dir", out, *case.extra,
     ]  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)  # ms-swift appends to an existing run's logging.jsonl
     if case.resume_from:
         checkpoint = os.path.join(done[case.resume_from]["output_dir"], "checkpoint-2")
         command += ["--mcore_model", checkpoint, "--finetune", "false"]
@@ -280,6 +301,7 @@ def run_export(assets: dict[str, str], root: str, done: dict[str, dict]) -> dict
     transformers, logits of both on the same batch (in fp32, ms-swift's default test dtype)."""
     source = os.path.join(done[EXPORT_FROM]["output_dir"], f"checkpoint-{ITERS}")
     out = os.path.join(root, "runs", "export-hf")
+    shutil.rmtree(out, ignore_errors=True)
     command = [
         _megatron(), "export", "--model", assets["qwen3"], "--model_type", "qwen3", "--template", "qwen3_nothinking",
         "--mcore_model", source, "--to_hf", "true",
@@ -368,7 +390,7 @@ def check(name: str, result: dict, done: dict[str, dict]) -> dict:
             max_loss_diff=loss_diff,
             max_grad_norm_rdiff=norm_rdiff,
             loss_atol=atol,
-            grad_norm_rtol=rtol if case["grad_norm_compared"] else LORA_TP_INIT,
+            grad_norm_rtol=rtol if case["grad_norm_compared"] else LORA_INIT,
             equal=loss_diff is not None and loss_diff <= atol and (norms_equal or not case["grad_norm_compared"]),
         )
     return verdict
