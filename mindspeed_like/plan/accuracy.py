@@ -10,7 +10,9 @@ activations are exact byte counts (storages); the process peak is the OS's peak 
 One kind of bytes is compared as measured, and the table says where:
 
 - expert parallel: a rank's experts get the rows its router sends, which the plan cannot know; the
-  plan's balanced split is compared with the mean over the ranks (the largest rank beside it).
+  plan's balanced split is compared with the mean over the ranks, and the largest rank with the
+  plan's bound for it (``predict.routed_rows_bound``: dropless routing's worst case), which it must
+  not exceed.
 
 Every byte the plan counts is compared: compare's optimizer meter walks the optimizer's object graph
 (reuse-fp32-param's int16 residual shard under the distributed optimizer included, issue 49 item 4).
@@ -49,6 +51,15 @@ class Case:
     predicted: dict[str, float]
     theory: dict[str, float] | None
     notes: tuple[str, ...]
+    # expert parallelism: the largest rank's measured activations and the plan's bound for it
+    largest_rank: float | None = None
+    largest_rank_bound: float | None = None
+
+    @property
+    def within_bound(self) -> bool | None:
+        if self.largest_rank is None or self.largest_rank_bound is None:
+            return None
+        return self.largest_rank <= self.largest_rank_bound
 
     def error(self, metric: str) -> float:
         return self.predicted[metric] / self.measured[metric] - 1
@@ -91,6 +102,10 @@ def layout_text(options: dict[str, Any]) -> str:
         parts.append("VPP")
     if options.get("use_distributed_optimizer"):
         parts.append("distopt")
+    if options.get("use_torch_fsdp2"):
+        parts.append("FSDP2" + (" no-reshard" if options.get("torch_fsdp2_no_reshard_after_forward") else ""))
+    if options.get("use_megatron_fsdp"):
+        parts.append(f"Megatron-FSDP {options.get('data_parallel_sharding_strategy')}")
     if options.get("transformer_impl") == "local":
         parts.append("local spec")
     return " ".join(parts) or "1 rank"
@@ -143,12 +158,18 @@ def cases_of(path: Path) -> list[Case]:
     for arm in pred.arms():
         per_stage = run.layout.world_size // run.layout.pp
         measured, predicted, notes = {}, {}, []
+        largest = bound = None
         for metric in METRICS:
             values = rows[metric][f"{arm.name}_per_rank"]
             mine = [arm.stages[r // per_stage].metrics()[metric] for r in range(len(values))]
             if metric == "activations_bytes" and run.layout.ep > 1:
                 measured[metric] = statistics.fmean(values)
-                notes.append(f"EP: activations vs the mean over ranks (largest rank {max(values) / 2**20:.1f} MiB)")
+                largest = max(values)
+                bound = max(s.activations_largest_rank_bound or 0 for s in arm.stages)
+                notes.append(
+                    f"EP: activations vs the mean over ranks (largest rank {largest / 2**20:.1f} MiB, the plan's "
+                    f"bound for it {bound / 2**20:.1f} MiB: {'within' if largest <= bound else 'OVER'})"
+                )
             else:
                 measured[metric] = max(values)
             predicted[metric] = max(mine)
@@ -163,7 +184,7 @@ def cases_of(path: Path) -> list[Case]:
         if arm.name == "features":
             level = flags.get("optimization_level")
             label += f", level {level}" if level is not None else ", " + ", ".join(sorted(flags))
-        out.append(Case(path.stem, arm.name, label, measured, predicted, theory_arm, tuple(notes)))
+        out.append(Case(path.stem, arm.name, label, measured, predicted, theory_arm, tuple(notes), largest, bound))
     return out
 
 
@@ -181,6 +202,12 @@ def row_of(case: Case) -> dict[str, Any]:
     for metric in ("model_state_bytes", "activations_bytes"):
         err = case.theory_error(metric)
         row[f"theory_error_{metric.removesuffix('_bytes')}_pct"] = None if err is None else 100 * err
+    row["measured_activations_largest_rank"] = case.largest_rank
+    row["predicted_activations_largest_rank_bound"] = case.largest_rank_bound
+    if case.largest_rank is not None and case.largest_rank_bound is not None:  # docs/plan.md quotes these
+        row["predicted_activations_MiB"] = case.predicted["activations_bytes"] / 2**20
+        row["measured_activations_largest_rank_MiB"] = case.largest_rank / 2**20
+        row["predicted_activations_largest_rank_bound_MiB"] = case.largest_rank_bound / 2**20
     row["notes"] = "; ".join(case.notes)
     return row
 

@@ -486,7 +486,7 @@ def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[S
     k, experts = m.moe_router_topk, m.num_experts
     local = experts // lay.ep
     fm = m.moe_ffn_hidden_size // lay.expert_tp
-    rows_r = t * k  # expected routed rows on this rank (balanced routing)
+    rows_r = int(t * k * run.moe_rows_factor)  # routed rows on this rank (1: balanced routing, the mean rank)
     probs = FP32 if m.moe_router_dtype in ("fp32", "fp64") else p
     gathered = tsp * (lay.tp if lay.sequence_parallel else 1) * lay.ep  # tokens the dispatcher routes
     out = norm(tsp, dims.h, m, paths, dims, "pre_mlp_layernorm")

@@ -73,7 +73,7 @@ def run_from_compare(args: argparse.Namespace, flags: dict[str, Any], device: st
         sequence_parallel=args.sequence_parallel,
         micro_batch_size=args.micro_batch_size,
         num_microbatches=pp if pp > 1 else 1,
-        distributed_optimizer=args.use_distributed_optimizer,
+        **{"distributed_optimizer": args.use_distributed_optimizer, **fsdp_layout(args)},
     )
     precision = Precision(params="fp32" if args.fp32 else "bf16", grad_reduce_in_fp32=True)
     return Run(
@@ -87,3 +87,18 @@ def run_from_compare(args: argparse.Namespace, flags: dict[str, Any], device: st
         source="compare",
         steps=args.steps,
     )
+
+
+def fsdp_layout(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`Layout` fields of compare's sharded data-parallel path (``data_parallel_path``'s
+    names; records made before compare took these options ran under DDP)."""
+    if getattr(args, "use_torch_fsdp2", False):
+        return {"fsdp": "torch_fsdp2", "reshard_after_forward": not args.torch_fsdp2_no_reshard_after_forward}
+    if getattr(args, "use_megatron_fsdp", False):
+        # Megatron-FSDP's optimizer is megatron's distributed one (train_steps sets it, Megatron-LM asserts it)
+        return {
+            "fsdp": "megatron_fsdp",
+            "sharding_strategy": args.data_parallel_sharding_strategy,
+            "distributed_optimizer": True,
+        }
+    return {}

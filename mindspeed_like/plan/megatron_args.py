@@ -163,6 +163,20 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
         choices=("local", "transformer_engine", "inference_optimized"),
     )
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    # megatron's sharded data-parallel wrappers (plan/fsdp.py models both); --ckpt-format because
+    # Megatron-LM ties each path to one
+    g.add_argument("--use-torch-fsdp2", action="store_true")
+    g.add_argument(
+        "--torch-fsdp2-no-reshard-after-forward", action="store_false", dest="torch_fsdp2_reshard_after_forward"
+    )
+    g.add_argument("--use-megatron-fsdp", action="store_true")
+    g.add_argument(
+        "--data-parallel-sharding-strategy",
+        default="no_shard",
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+    )
+    g.add_argument("--ckpt-format", default="torch_dist")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
 
 
 # Megatron-LM options that cannot change what a rank holds in memory: accepted without a note.
@@ -556,7 +570,6 @@ def run_from_namespace(
         sequence_parallel=bool(ns.sequence_parallel),
         micro_batch_size=mbs,
         num_microbatches=ns.global_batch_size // (mbs * dp),
-        distributed_optimizer=bool(ns.use_distributed_optimizer),
         overlap_grad_reduce=bool(get("overlap_grad_reduce")),
         first_stage_layers=get("decoder_first_pipeline_num_layers"),
         last_stage_layers=get("decoder_last_pipeline_num_layers"),
@@ -564,6 +577,7 @@ def run_from_namespace(
         loss_in_split=bool(get("account_for_loss_in_pipeline_split")),
         layer_layout=_layout_text(get("pipeline_model_parallel_layout")),
         microbatch_group=get("microbatch_group_size_per_vp_stage"),
+        **{"distributed_optimizer": bool(ns.use_distributed_optimizer), **_fsdp_fields(ns)},
     )
     precision = Precision(
         params=params,
@@ -599,6 +613,82 @@ def run_from_namespace(
         not_modeled=tuple(not_modeled),
         notes=tuple(notes),
     )
+
+
+def _fsdp_fields(ns: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`Layout` fields of Megatron-LM's --use-torch-fsdp2 / --use-megatron-fsdp."""
+    if getattr(ns, "use_torch_fsdp2", False):
+        return {
+            "fsdp": "torch_fsdp2",
+            "reshard_after_forward": bool(getattr(ns, "torch_fsdp2_reshard_after_forward", True)),
+        }
+    if getattr(ns, "use_megatron_fsdp", False):
+        return {
+            "fsdp": "megatron_fsdp",
+            "sharding_strategy": getattr(ns, "data_parallel_sharding_strategy", "no_shard"),
+            # Megatron-FSDP's optimizer is megatron's distributed one over its buffers
+            "distributed_optimizer": True,
+        }
+    return {}
+
+
+def check_sharded_data_parallel(ns: argparse.Namespace) -> None:
+    """Megatron-LM's validate_args refusals of its two FSDP paths (quoted), which the built-in parser
+    would otherwise pass, and compare's: two paths at once, an option of one path without it, and
+    Megatron-FSDP's no_shard on the megatron-core releases where it does not train
+    (fixes/megatron_fsdp_no_shard.py)."""
+    get = lambda name, default=None: getattr(ns, name, default)  # noqa: E731
+    torch_fsdp2, megatron_fsdp = bool(get("use_torch_fsdp2")), bool(get("use_megatron_fsdp"))
+    strategy = get("data_parallel_sharding_strategy", "no_shard")
+    if torch_fsdp2 and megatron_fsdp:
+        raise ConfigError("plan: --use-torch-fsdp2 and --use-megatron-fsdp are two FSDP paths; choose one")
+    if get("torch_fsdp2_reshard_after_forward", True) is False and not torch_fsdp2:
+        raise ConfigError("plan: --torch-fsdp2-no-reshard-after-forward acts with --use-torch-fsdp2; give both")
+    if strategy != "no_shard" and not megatron_fsdp:
+        raise ConfigError(
+            f"plan: --data-parallel-sharding-strategy {strategy} acts with --use-megatron-fsdp; give both"
+        )
+    if torch_fsdp2:
+        refusals = (
+            (
+                get("pipeline_model_parallel_size", 1) > 1,
+                "'--use-torch-fsdp2 is not supported with pipeline parallelism'",
+            ),
+            (get("expert_model_parallel_size", 1) > 1, "'--use-torch-fsdp2 is not supported with expert parallelism'"),
+            (
+                get("use_distributed_optimizer"),
+                '"--use-torch-fsdp2 is not supported with MCore\'s distributed optimizer"',
+            ),
+            (
+                get("gradient_accumulation_fusion", True),
+                "'--use-torch-fsdp2 is not supported with gradient accumulation fusion' (Megatron-LM's default: add "
+                "--no-gradient-accumulation-fusion)",
+            ),
+            (
+                get("ckpt_format", "torch_dist") not in ("torch_dist", "torch_dcp"),
+                "'--use-torch-fsdp2 requires --ckpt-format torch_dist or torch_dcp'",
+            ),
+            (
+                not get("untie_embeddings_and_output_weights", False),
+                "'--use-torch-fsdp2 requires --untie-embeddings-and-output-weights'",
+            ),
+            (get("fp16"), "'--use-torch-fsdp2 not supported with fp16 yet'"),
+        )
+        for refused, words in refusals:
+            if refused:
+                raise ConfigError(f"plan: Megatron-LM refuses this with --use-torch-fsdp2: {words}")
+    if megatron_fsdp:
+        if get("ckpt_format", "torch_dist") != "fsdp_dtensor":
+            raise ConfigError(
+                "plan: Megatron-LM refuses --use-megatron-fsdp without --ckpt-format fsdp_dtensor ('Megatron FSDP "
+                "only supports fsdp_dtensor checkpoint format'): add it"
+            )
+        if strategy == "no_shard":
+            from mindspeed_like.fixes.megatron_fsdp_no_shard import refusal
+
+            message = refusal()
+            if message is not None:
+                raise ConfigError(f"plan: --data-parallel-sharding-strategy no_shard: {message}")
 
 
 def _dtype_name(value: Any) -> str:
@@ -681,6 +771,7 @@ def check_exclusive(ns: argparse.Namespace, argv: Sequence[str]) -> None:
             f"plan: --optimizer {optimizer} does not run with --use-distributed-optimizer (Megatron-LM asserts "
             "'Muon optimizer does not support distributed optimizer for now'): leave one out"
         )
+    check_sharded_data_parallel(ns)
     experts, ep = getattr(ns, "num_experts", None), getattr(ns, "expert_model_parallel_size", 1)
     if ep > 1 and not experts:
         raise ConfigError(

@@ -58,18 +58,20 @@ class Peak:
     kernels: int = 0  # the experts' GEMM kernels a CPU host keeps (plan/host_kernels.py)
     buffers: int = 0  # held from the first step on beside the model state (buffer_bytes)
     grad_sync: int = 0  # the gradient reduce-scatter's copy after backward (grad_sync_bytes)
+    gathered: int = 0  # FSDP: the unsharded units in flight beside the activations (plan/fsdp.py)
+    gathered_what: str = ""
 
     @property
     def training(self) -> int:
         """What a training step's tensors hold at its peak."""
-        busy = self.activations + self.temporary + self.grad_sync
+        busy = self.activations + self.temporary + self.grad_sync + self.gathered
         return self.buffers + self.model_state + max(busy, self.optimizer_temporary)
 
     @property
     def phase(self) -> str:
         if self.build > self.training:
             return "model build"
-        busy = self.activations + self.temporary + self.grad_sync
+        busy = self.activations + self.temporary + self.grad_sync + self.gathered
         if busy < self.optimizer_temporary:
             return "optimizer step"
         return "forward/backward, then the gradients' reduce-scatter" if self.grad_sync else "forward/backward"
@@ -342,9 +344,12 @@ def estimate(
     arm: str = "megatron",
     stage_index: int = 0,
     reforward: int = 0,
+    gathered: tuple[int, str] = (0, ""),
 ) -> Peak:
     """``reforward``: what megatron's recomputation re-creates at once in backward
-    (:func:`mindspeed_like.plan.recompute.reforward_bytes`), alive during that unit's backward ops."""
+    (:func:`mindspeed_like.plan.recompute.reforward_bytes`), alive during that unit's backward ops.
+    ``gathered``: (bytes, what) of FSDP's unsharded units in flight
+    (:func:`mindspeed_like.plan.fsdp.in_flight_bytes`)."""
     held = sum(sum(r.total for rows in chunk_rows[c].values() for r in rows) * n for c, n in in_flight.items())
     last = any("head" in rows for rows in chunk_rows)
     # an allocator's peak counts live bytes: backward's frees make room; a CPU host's resident set
@@ -371,4 +376,6 @@ def estimate(
         kernels=host_kernels.kernel_bytes(run, stage_index, grouped=expert_gemm_is_grouped(run, paths)),
         buffers=buffer_bytes(run, paths),
         grad_sync=grad_sync_bytes(run, stage_index),
+        gathered=gathered[0],
+        gathered_what=gathered[1],
     )

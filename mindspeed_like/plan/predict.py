@@ -8,9 +8,9 @@ hold; MoE ranks in how many rows the router sends them, taken as balanced), so a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from mindspeed_like.plan import activations, params, peak, schedule, state
+from mindspeed_like.plan import activations, fsdp, params, peak, schedule, state
 from mindspeed_like.plan.activations import Saved
 from mindspeed_like.plan.paths import FEATURES, MEGATRON, Paths
 from mindspeed_like.plan.recompute import apply_recompute, reforward_bytes
@@ -29,6 +29,9 @@ class Stage:
     in_flight: dict[int, int]  # chunk -> microbatches held
     measured_chunk: int  # the chunk of the rank's last forward (compare's activation probe)
     peak: peak.Peak
+    # expert parallelism: one microbatch's activations (as activations_one_microbatch) on the rank whose
+    # experts receive the most rows dropless routing can send them (routed_rows_bound); None without EP
+    activations_largest_rank_bound: int | None = None
 
     def chunk_bytes(self, chunk: int) -> int:
         return sum(r.total for rows in self.chunk_rows[chunk].values() for r in rows)
@@ -94,13 +97,30 @@ def predict_arm(run: Run, name: str, paths: Paths) -> Arm:
             first = s == 0 and c == 0
             last = s == lay.pp - 1 and c == lay.chunks - 1
             groups = activations.chunk(run, paths, layers, first, last)
+            kept = fsdp.saved_gathered_bytes(run, chunk_params[c], paths)
+            if kept:
+                groups["FSDP"] = [
+                    activations.Saved("fsdp", f"{unit}: gathered parameters kept from forward to backward", size)
+                    for unit, size in kept
+                ]
             rows.append(apply_recompute(run, groups, layers))
             reforward = max(reforward, reforward_bytes(groups, rows[-1], layers))
         weights = [sum(r.total for group in chunk.values() for r in group) for chunk in rows]
         group = lay.microbatch_group
         in_flight = schedule.in_flight_chunks(lay.pp, s, lay.chunks, lay.num_microbatches, group, weights)
         measured = schedule.last_forward_chunk(lay.pp, lay.chunks, lay.num_microbatches, group)
-        stage_peak = peak.estimate(run, paths, lines, rows, in_flight, name, s, reforward)
+        gathered = fsdp.in_flight_bytes(run, chunk_params) if lay.fsdp else (0, "")
+        stage_peak = peak.estimate(run, paths, lines, rows, in_flight, name, s, reforward, gathered)
+        bound = None
+        factor = routed_rows_bound(run)
+        if factor is not None:
+            c = measured
+            worst = replace(run, moe_rows_factor=factor)
+            groups = activations.chunk(
+                worst, paths, split[s][c], s == 0 and c == 0, s == lay.pp - 1 and c == lay.chunks - 1
+            )
+            bound = sum(r.total for rows_ in apply_recompute(worst, groups, split[s][c]).values() for r in rows_)
+            bound += sum(r.total for r in rows[c].get("FSDP", []))
         stages.append(
             Stage(
                 index=s,
@@ -111,9 +131,28 @@ def predict_arm(run: Run, name: str, paths: Paths) -> Arm:
                 in_flight=in_flight,
                 measured_chunk=measured,
                 peak=stage_peak,
+                activations_largest_rank_bound=bound,
             )
         )
     return Arm(name, paths, tuple(stages))
+
+
+def routed_rows_bound(run: Run) -> float | None:
+    """The most rows an expert-parallel rank's experts can receive, as a multiple of the balanced
+    share the plan's activations assume (``t x top-k`` rows, the mean over the ranks), under dropless
+    routing (megatron's default: no --moe-expert-capacity-factor, no token dropped). Every token picks
+    top-k distinct experts, so it sends a rank at most min(top-k, the rank's local experts) rows, and
+    the dispatcher brings a rank the tokens of its EP group's ranks (EP x t): at most
+    ``EP x t x min(k, E / EP)`` rows, ``EP x min(k, E / EP) / k`` times the mean. The bound is
+    reached only if the router sends every token of the group to one rank's experts; it is what a
+    user who must never run out sizes for. None without expert parallelism (one rank holds every
+    expert: it receives all t x k rows, the plan's own figure)."""
+    m, lay = run.model, run.layout
+    if not m.is_moe or lay.ep == 1:
+        return None
+    local = m.num_experts // lay.ep
+    k = m.moe_router_topk
+    return lay.ep * min(k, local) / k
 
 
 def predict(run: Run, feature_paths: Paths, enabled: tuple[str, ...] = (), notes: tuple[str, ...] = ()) -> Prediction:

@@ -66,9 +66,12 @@ def describe(run: Run) -> list[str]:
         + (f", expert TP {lay.etp}" if m.is_moe and lay.etp is not None and lay.etp != lay.tp else "")
         + f"; micro-batch {lay.micro_batch_size}, {lay.num_microbatches} microbatch(es) a step per DP rank; "
         + (
-            "distributed optimizer"
-            if lay.distributed_optimizer
-            else f"{'FP32' if run.precision.params == 'fp32' else 'Float16'} optimizer (no optimizer sharding)"
+            _fsdp_text(run)
+            or (
+                "distributed optimizer"
+                if lay.distributed_optimizer
+                else f"{'FP32' if run.precision.params == 'fp32' else 'Float16'} optimizer (no optimizer sharding)"
+            )
         )
     )
     p = run.precision
@@ -84,6 +87,19 @@ def describe(run: Run) -> list[str]:
         )
     impl = "TE spec on the te-backend" if run.transformer_impl == "transformer_engine" else "local spec"
     return [model, layout, precision + f"; {impl}; device {run.device}"]
+
+
+def _fsdp_text(run: Run) -> str:
+    lay = run.layout
+    if lay.fsdp == "torch_fsdp2":
+        return (
+            "torch FSDP2 ("
+            + ("reshard after forward" if lay.reshard_after_forward else "no reshard after forward")
+            + ")"
+        )
+    if lay.fsdp == "megatron_fsdp":
+        return f"Megatron-FSDP ({lay.sharding_strategy})"
+    return ""
 
 
 def read_by(run: Run) -> str:
@@ -149,6 +165,8 @@ def text(pred: Prediction, switches_line: str, verbose: bool = False) -> str:
             f"features {size(s_feat.peak.temporary)} ({s_feat.peak.temporary_what}); peak phase: "
             f"{s_meg.peak.phase} / {s_feat.peak.phase}"
         )
+        if s_meg.peak.gathered_what:
+            lines.append(f"  FSDP: unsharded units in flight: {s_meg.peak.gathered_what}")
         if verbose:
             lines += _rows_detail(s_meg, "megatron") + _rows_detail(s_feat, "features")
     lines.append("")
@@ -184,6 +202,14 @@ def _stage_rows(meg: Stage, feat: Stage) -> list[tuple[str, int | None, int | No
         ("activations, one microbatch", meg.activations_one_microbatch, feat.activations_one_microbatch),
         ("activations in flight", meg.activations_in_flight, feat.activations_in_flight),
     ]
+    if meg.activations_largest_rank_bound is not None:
+        rows.append(
+            (
+                "activations, one microbatch, largest EP rank (bound)",
+                meg.activations_largest_rank_bound,
+                feat.activations_largest_rank_bound,
+            )
+        )
     head_m, head_f = _head(meg), _head(feat)
     if head_m is not None:
         rows.append(("logits / loss (saved, one microbatch)", head_m, head_f))
@@ -193,6 +219,8 @@ def _stage_rows(meg: Stage, feat: Stage) -> list[tuple[str, int | None, int | No
         rows.append(("model build's own peak (CPU host; not added: a phase)", meg.peak.build, feat.peak.build))
     if meg.peak.buffers or feat.peak.buffers:
         rows.append(("buffers (attention scores, cuBLAS workspaces)", meg.peak.buffers, feat.peak.buffers))
+    if meg.peak.gathered or feat.peak.gathered:
+        rows.append(("FSDP: unsharded units in flight (below)", meg.peak.gathered, feat.peak.gathered))
     if meg.peak.kernels or feat.peak.kernels:
         rows.append(("experts' GEMM kernels (CPU host, oneDNN)", meg.peak.kernels, feat.peak.kernels))
     rows.append(("process peak", meg.peak.total, feat.peak.total))
@@ -311,6 +339,9 @@ def _arm_json(stage: Stage) -> dict[str, Any]:
         host_kernel_bytes=stage.peak.kernels,
         buffer_bytes=stage.peak.buffers,
         peak_phase=stage.peak.phase,
+        fsdp_in_flight_bytes=stage.peak.gathered,
+        fsdp_in_flight=stage.peak.gathered_what,
+        activations_largest_rank_bound_bytes=stage.activations_largest_rank_bound,
         activations_per_group_bytes={
             group: sum(r.total for r in rows) for group, rows in stage.chunk_rows[stage.measured_chunk].items()
         },

@@ -115,6 +115,11 @@ class Layout:
     loss_in_split: bool = False
     layer_layout: str | None = None  # --pipeline-model-parallel-layout (plan/layer_layout.py)
     microbatch_group: int | None = None  # --microbatch-group-size-per-virtual-pipeline-stage (PP by default)
+    # megatron's sharded data-parallel wrappers (Megatron-LM's --use-torch-fsdp2 / --use-megatron-fsdp), by
+    # compare's names (``data_parallel_path``): None (DDP), "torch_fsdp2" or "megatron_fsdp"
+    fsdp: str | None = None
+    reshard_after_forward: bool = True  # torch FSDP2 (--torch-fsdp2-no-reshard-after-forward: False)
+    sharding_strategy: str = "no_shard"  # Megatron-FSDP's --data-parallel-sharding-strategy
 
     @property
     def world_size(self) -> int:
@@ -190,6 +195,9 @@ class Run:
     steps: int | None = None  # training steps (compare's --steps, --train-iters); None: a long run
     not_modeled: tuple[str, ...] = ()  # options given that the models do not read (said once)
     notes: tuple[str, ...] = ()  # what the parser could not do as asked, said in the output
+    # the routed rows an expert-parallel rank's experts receive, as a multiple of the balanced share (1:
+    # the mean rank; predict.routed_rows_bound gives the largest rank's bound under dropless routing)
+    moe_rows_factor: float = 1.0
 
     def with_layout(self, **changes: Any) -> Run:
         return replace(self, layout=replace(self.layout, **changes))

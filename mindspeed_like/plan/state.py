@@ -95,6 +95,8 @@ def _padded(params: list[Param], group: int) -> int:
 def model_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
     """Weights, gradients and optimizer state of one rank (``chunks``: its chunks' parameters)."""
     prec, lay = run.precision, run.layout
+    if lay.fsdp is not None:
+        return fsdp_state(run, chunks)
     bufs = buffers(run, chunks)
     numel = sum(b.numel for b in bufs)
     padded = sum(b.padded for b in bufs)
@@ -161,6 +163,70 @@ def model_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]
         lines.append(Line("optimizer", f"{adam} {name} ({dtype})", int(n * per), feature))
     steps = math.ceil(tensors / max(1, min(b.group for b in bufs))) if lay.distributed_optimizer else tensors
     lines.append(Line("optimizer", f"{adam} step counters (one fp32 per parameter tensor)", 4 * steps))
+    return lines
+
+
+def fsdp_state(run: Run, chunks: list[list[Param]]) -> list[Line]:
+    """One rank's model state under megatron's FSDP paths (plan/fsdp.py): torch FSDP2's DTensor
+    shards, Megatron-FSDP's buffers by strategy. Both arms are megatron's here (this library's
+    state features are not modeled on these paths)."""
+    from mindspeed_like.plan import fsdp
+
+    prec, lay = run.precision, run.layout
+    group = fsdp.group_size(run)
+    params = [p for c in chunks for p in c]
+    numel = sum(p.numel for p in params)
+    sharded = sum(fsdp.shard(p.numel, group) for p in params)
+    p = prec.param_bytes
+    lines: list[Line] = []
+    if lay.fsdp == fsdp.TORCH_FSDP2:
+        lines.append(Line("weights", f"parameter shards ({prec.params}, 1/{group} of each)", p * sharded))
+        lines.append(
+            Line("gradients", f"gradient shards ({prec.params}, from backward to the optimizer step)", p * sharded)
+        )
+        n = sharded
+        master = "fp32 master shard"
+    else:
+        # Megatron-FSDP: the module's parameters are DTensors over the fp32 main-weight buffer when a step
+        # starts, so compare's meter (weights first, each storage once) counts the masters as weights
+        strategy = lay.sharding_strategy
+        weights_sharded = strategy == "optim_grads_params"
+        grads_sharded = strategy in ("optim_grads", "optim_grads_params")
+        n = sharded if strategy != "no_shard" else numel
+        part = f"1/{group}" if strategy != "no_shard" else "whole"
+        if strategy == "no_shard":
+            lines.append(Line("weights", f"parameters ({prec.params})", p * numel))
+        else:
+            lines.append(
+                Line(
+                    "weights",
+                    f"model-weight buffer ({prec.params}, {f'1/{group}' if weights_sharded else 'whole'})",
+                    p * (sharded if weights_sharded else numel),
+                )
+            )
+        if prec.params != "fp32":
+            lines.append(
+                Line("weights", f"main-weight buffer (fp32 masters, {part}; the parameters' DTensors view it)", 4 * n)
+            )
+        g = prec.grad_bytes
+        lines.append(
+            Line(
+                "gradients",
+                f"main-grad buffer ({prec.grad_dtype}, {f'1/{group}' if grads_sharded else 'whole'})",
+                g * (sharded if grads_sharded else numel),
+            )
+        )
+        master = ""
+    if prec.params != "fp32" and master:
+        lines.append(Line("optimizer", master, 4 * n))
+    if prec.optimizer == "sgd":
+        if prec.sgd_momentum:
+            lines.append(Line("optimizer", "SGD momentum buffer (fp32)", 4 * n))
+        return lines
+    adam = "Adam" if prec.optimizer == "adam" else f"{prec.optimizer} (not modeled: counted as Adam's)"
+    for name in ("exp_avg", "exp_avg_sq"):
+        lines.append(Line("optimizer", f"{adam} {name} (fp32)", 4 * n))
+    lines.append(Line("optimizer", f"{adam} step counters (one fp32 per parameter tensor)", 4 * len(params)))
     return lines
 
 

@@ -46,6 +46,45 @@ def test_the_lane_covers_the_presets_and_layouts(cases: list[accuracy.Case]) -> 
     layouts = " ".join(case.layout for case in cases)
     for layout in ("TP2 SP", "PP2", "VPP", "CP2", "EP2", "distopt", "local spec", "level 1", "level 2"):
         assert layout in layouts, layout
+    # megatron's FSDP paths (issue 54 item 5): both, FSDP2 without resharding, every strategy that trains
+    for layout in (
+        "DP2 FSDP2,",
+        "DP2 FSDP2 no-reshard",
+        "DP4 FSDP2",
+        "DP2 Megatron-FSDP optim,",
+        "DP2 Megatron-FSDP optim_grads,",
+        "DP2 Megatron-FSDP optim_grads_params",
+        "DP4 Megatron-FSDP optim_grads_params",
+    ):
+        assert layout in layouts, layout
+
+
+def test_the_largest_expert_parallel_rank_is_within_the_plans_bound(cases: list[accuracy.Case]) -> None:
+    """Under expert parallelism the plan's activations are the mean rank's (balanced routing); a user
+    sizes for the largest rank, which must not exceed the plan's bound for it (dropless routing's
+    worst case). compare-plan-moe-ep2-dp2-level2: megatron's mean 109.7 MiB, the largest rank 127.0 MiB,
+    the bound 144.8 MiB."""
+    ep = [case for case in cases if case.largest_rank is not None]
+    assert {case.record for case in ep} >= {"compare-plan-moe-ep2-dp2-level2"}
+    for case in ep:
+        assert case.largest_rank_bound is not None
+        assert case.largest_rank_bound >= case.measured["activations_bytes"] * 1.01, case  # above the mean
+        assert case.within_bound, f"{case.record} {case.arm}: {case.largest_rank} over {case.largest_rank_bound}"
+
+
+def test_fsdp_model_state_falls_as_one_over_dp(cases: list[accuracy.Case]) -> None:
+    """Per-rank model state from DP 2 to DP 4 under both FSDP paths, measured and predicted: every
+    kind halves (within the step counters and Megatron-FSDP's buffer padding)."""
+    by = {(case.record, case.arm): case for case in cases}
+    for path in ("fsdp2", "mfsdp"):
+        two, four = (
+            by[(f"compare-plan-llama-dp2-{path}-level1", "megatron")],
+            by[(f"compare-plan-llama-dp4-{path}-level1", "megatron")],
+        )
+        for side in ("measured", "predicted"):
+            for metric in accuracy.STATE_METRICS:
+                ratio = getattr(four, side)[metric] / getattr(two, side)[metric]
+                assert ratio == pytest.approx(0.5, abs=0.005), (path, side, metric, ratio)
 
 
 def test_every_case_is_within_its_target(cases: list[accuracy.Case]) -> None:

@@ -345,9 +345,8 @@ def test_host_allocator_on_a_cpu_host_is_said_to_be_outside_the_figures(capsys) 
 @pytest.mark.parametrize(
     "extra",
     [
-        # each shards, offloads or re-sizes what the plan counts: a silent plan would be wrong by DP x or more
-        "--use-torch-fsdp2",
-        "--use-megatron-fsdp",
+        # each offloads or re-sizes what the plan counts: a silent plan would be wrong (the FSDP paths are
+        # modeled: tests/plan/test_plan_fsdp.py)
         "--attention-backend unfused",
         "--fp8-format hybrid",
         "--cpu-offloading-num-layers 1",

@@ -1,0 +1,171 @@
+"""Model state and the gathered parameters under megatron's two FSDP paths, per rank.
+
+- **torch FSDP2** (``--use-torch-fsdp2``: megatron's ``TorchFullyShardedDataParallel``): every
+  parameter is a DTensor sharded over the data-parallel ranks (DP x CP); each rank keeps its
+  1/DP slice in the model dtype, its sharded gradient in the model dtype (megatron sets no
+  ``MixedPrecisionPolicy``: FSDP2 reduce-scatters in the parameters' dtype) from backward until the
+  optimizer step, and megatron's ``Float16OptimizerWithFloat16Params`` keeps an fp32 master of its
+  shard and Adam's two fp32 moments of it (4 + 8 bytes a sharded element). The FSDP units are
+  megatron's choice (``sub_modules_to_wrap``): every TransformerLayer, the embedding, the output
+  layer (a ColumnParallelLinear, except on the local spec, where the transformer layers' own linears
+  are ColumnParallelLinears and megatron leaves the class out), and the root for the rest (the final
+  norm). A unit's parameters are all-gathered (unsharded, model dtype) for its forward and again for
+  its backward; with reshard_after_forward (the default) they are freed after each, so one unit is
+  in flight in forward, and in backward this unit's and the prefetched next one's (FSDP2's default
+  backward prefetch) beside this unit's unsharded gradients before their reduce-scatter. Without it
+  (``--torch-fsdp2-no-reshard-after-forward``, ZeRO-2) every unit's gathered parameters stay from
+  its forward to its backward; the ones autograd saves count where compare's activation probe
+  counts them. The root unit is never resharded after forward (FSDP2's rule for the root).
+- **Megatron-FSDP** (``--use-megatron-fsdp``): per parameter group, a model-weight buffer (model
+  dtype), a main-weight buffer (the fp32 masters) and a main-grad buffer (fp32 under
+  ``--accumulate-allreduce-grads-in-fp32``, else the model dtype); ``--data-parallel-sharding-strategy``
+  says which are sharded over DP: ``optim`` the masters (and so Adam's fp32 moments), ``optim_grads``
+  also the gradients, ``optim_grads_params`` also the model-dtype weights (then the TransformerLayers
+  are FSDP units whose buckets are all-gathered for their forward and backward). ``no_shard`` keeps
+  everything whole (refused on megatron-core 0.14-0.18: fixes/megatron_fsdp_no_shard.py). As a step
+  starts the module's parameters are DTensors over the main-weight buffer, so compare's meter (which
+  counts a storage in the first kind that holds it, weights first) counts the masters as weights:
+  weights = model-weight buffer + fp32 master shard (optim_grads_params: 2/DP + 4/DP bytes a
+  parameter at bf16), optimizer = the two fp32 moments of the shard and the step counters. Measured
+  at DP 2 and 4 (compare's records): every kind within 0.7%. Each group's buffer is padded to a
+  multiple of DP x its rows' width (``build_data_parallel_buffer_index``), which the plan leaves out
+  (0.1-0.7% on compare's tiny models, less on larger ones). The TransformerLayers' gathered buckets
+  stayed alive from their forward to their backward in compare's runs (released lazily from the
+  second step on), so compare's activation probe counts them: the plan counts them there too.
+
+Not modeled: HSDP (FSDP2's ``sharding_size`` of fsdp2-config, Megatron-FSDP's
+``--num-distributed-optimizer-instances``), FP8 parameter gathering, CPU offloading, and
+this library's state features (reuse-fp32-param, the precision-aware optimizer's dtypes) on these
+paths: both arms are counted as megatron's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mindspeed_like.plan.params import Param
+from mindspeed_like.plan.paths import Paths
+from mindspeed_like.plan.spec import BYTES, Run
+
+TORCH_FSDP2 = "torch_fsdp2"
+MEGATRON_FSDP = "megatron_fsdp"
+PATHS = (TORCH_FSDP2, MEGATRON_FSDP)
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit: the parameters gathered together."""
+
+    name: str
+    params: tuple[Param, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+def group_size(run: Run) -> int:
+    """The ranks a parameter is sharded over: megatron's data-parallel group with context parallelism."""
+    return run.layout.dp * run.layout.cp
+
+
+def units(run: Run, params: list[Param]) -> list[Unit]:
+    """The FSDP units of one model chunk, in forward order (the root's last)."""
+    lay = run.layout
+    found: dict[str, list[Param]] = {}
+    for p in params:
+        found.setdefault(_unit_of(run, p), []).append(p)
+    if lay.fsdp == MEGATRON_FSDP:
+        # Megatron-FSDP makes TransformerLayers units (optim_grads_params only); the rest is bucketed
+        found = {name: ps for name, ps in found.items() if name.startswith("layer ")} | {
+            "not in a unit": [p for name, ps in found.items() if not name.startswith("layer ") for p in ps]
+        }
+    return [Unit(name, tuple(ps)) for name, ps in found.items() if ps]
+
+
+def _unit_of(run: Run, p: Param) -> str:
+    name = p.name
+    if name.startswith("decoder.layers."):
+        return f"layer {name.split('.')[2]}"
+    if name.startswith("embedding."):
+        return "embedding"
+    if name.startswith("output_layer.") and run.transformer_impl != "local":
+        return "output layer"
+    return "root"
+
+
+def shard(numel: int, group: int) -> int:
+    """One rank's elements of a parameter sharded over ``group`` ranks (the shard is padded to equal
+    size on every rank; FSDP2 pads the first dimension, Megatron-FSDP the group's buffer)."""
+    return math.ceil(numel / group)
+
+
+def gathered_unit_bytes(run: Run, chunks: list[list[Param]]) -> tuple[int, str]:
+    """The largest FSDP unit's gathered (unsharded) parameters, in the model dtype, and its name."""
+    biggest = max((u for params in chunks for u in units(run, params) if u.name != "not in a unit"), key=_size)
+    return BYTES[run.precision.params] * biggest.numel, biggest.name
+
+
+def _size(unit: Unit) -> int:
+    return unit.numel
+
+
+def in_flight_bytes(run: Run, chunks: list[list[Param]]) -> tuple[int, str]:
+    """What sharded data parallelism adds beside the activations at a step's busiest moment, on top
+    of the model state: torch FSDP2's backward holds this unit's and the prefetched unit's gathered
+    parameters and this unit's unsharded gradients (model dtype: three times the largest unit).
+    Megatron-FSDP under optim_grads_params: the parameters outside its units (embedding, output
+    layer, final norm), gathered whole for the step, and the prefetched unit's bucket (the units'
+    buckets kept from forward to backward are in the activations, :func:`saved_gathered_bytes`).
+    Under the other strategies the weights are whole all run (counted as weights): nothing."""
+    lay = run.layout
+    if lay.fsdp == TORCH_FSDP2:
+        unit, name = gathered_unit_bytes(run, chunks)
+        return 3 * unit, (
+            f"FSDP2 backward: the gathered parameters of the largest unit ({name}) and of the prefetched one, "
+            "and its unsharded gradients"
+        )
+    if lay.fsdp == MEGATRON_FSDP and lay.sharding_strategy == "optim_grads_params":
+        unit, name = gathered_unit_bytes(run, chunks)
+        rest = BYTES[run.precision.params] * sum(
+            u.numel for params in chunks for u in units(run, params) if u.name == "not in a unit"
+        )
+        return unit + rest, (
+            f"Megatron-FSDP: the parameters outside its units, gathered whole, and the prefetched bucket of the "
+            f"largest unit ({name})"
+        )
+    return 0, ""
+
+
+def saved_gathered_bytes(run: Run, params: list[Param], paths: Paths | None = None) -> list[tuple[str, int]]:
+    """(unit, bytes) of the gathered parameters alive from a unit's forward to its backward that
+    autograd saves (compare's activation probe counts a saved storage alive when the forward ends):
+
+    - torch FSDP2 without reshard_after_forward: every unit's but the embedding's (its table is not
+      saved: its backward reads the token ids), the root's (final norm) included; a norm's weight
+      only where megatron's own RMSNorm/LayerNorm runs (fused-rmsnorm's kernel saves no weight).
+      With reshard_after_forward every unit, the root included, is freed after its forward: none
+      (compare's records: exact to the byte both ways).
+    - Megatron-FSDP optim_grads_params: every TransformerLayer's bucket, whole, as measured on the
+      largest rank (megatron-core 0.16 releases them lazily from the second step on; one rank of two
+      held one layer's, the other both)."""
+    lay = run.layout
+    p = BYTES[run.precision.params]
+    if lay.fsdp == MEGATRON_FSDP and lay.sharding_strategy == "optim_grads_params":
+        return [(u.name, p * u.numel) for u in units(run, params) if u.name.startswith("layer ")]
+    if lay.fsdp != TORCH_FSDP2 or lay.reshard_after_forward:
+        return []
+    fused_norm = paths is not None and paths.fused_rmsnorm
+    out = []
+    for unit in units(run, params):
+        if unit.name == "embedding":
+            continue
+        kept = sum(q.numel for q in unit.params if not (fused_norm and _is_norm(q)))
+        out.append((unit.name, p * kept))
+    return out
+
+
+def _is_norm(param: Param) -> bool:
+    return "layernorm" in param.name or "layer_norm" in param.name or "norm." in param.name

@@ -1,0 +1,198 @@
+"""`plan` under megatron's two FSDP paths (plan/fsdp.py), from Megatron-LM's flags and from compare's:
+each rank's sharded state by path and strategy, the unsharded units in flight as their own line,
+Megatron-LM's (and compare's) refusals, and the largest expert-parallel rank's bound under dropless
+routing. The measured side is the accuracy lane's (compare's FSDP records, tests/plan/test_plan_accuracy.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mindspeed_like.plan import cli
+from mindspeed_like.plan.predict import routed_rows_bound
+from mindspeed_like.plan.spec import Layout, Model, Run
+
+# untied embeddings: FSDP2 requires them (Megatron-LM asserts it)
+MODEL = (
+    "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 "
+    "--vocab-size 1000 --bf16 --swiglu --normalization RMSNorm --position-embedding-type rope "
+    "--untie-embeddings-and-output-weights --disable-bias-linear --micro-batch-size 1 --parser builtin "
+    "--target-device cuda"
+).split()
+MEGATRON_FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+FSDP2 = ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
+
+
+def _plan(extra: list[str], world: int, capsys) -> dict:
+    if "--use-torch-fsdp2" in extra:
+        extra = [*extra, "--no-gradient-accumulation-fusion"]  # Megatron-LM refuses FSDP2 with it (its default)
+    argv = [*MODEL, *extra, "--world-size", str(world), "--global-batch-size", str(world), "--json"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def _state(extra: list[str], world: int, capsys) -> dict[str, int]:
+    arm = _plan(extra, world, capsys)["per_rank"][0]["megatron"]
+    return {k: arm[f"{k}_bytes"] for k in ("weights", "gradients", "optimizer")}
+
+
+def test_torch_fsdp2_shards_weights_gradients_and_optimizer_as_one_over_dp(capsys) -> None:
+    """FSDP2: bf16 shard, bf16 sharded gradients, fp32 master + two fp32 moments of the shard; every
+    kind halves from DP 2 to DP 4 (up to the step counters, one fp32 a tensor, not sharded)."""
+    ddp = _state([], 1, capsys)
+    params = ddp["weights"] // 2
+    two, four = _state(["--use-torch-fsdp2"], 2, capsys), _state(["--use-torch-fsdp2"], 4, capsys)
+    assert two["weights"] == two["gradients"] == params  # 2 bytes / 2 ranks
+    assert 0 < two["optimizer"] - 6 * params <= 4 * 64
+    assert four["weights"] == two["weights"] // 2 and four["gradients"] == two["gradients"] // 2
+    steps = two["optimizer"] - 6 * params
+    assert four["optimizer"] - steps == (two["optimizer"] - steps) // 2
+
+
+@pytest.mark.parametrize(
+    ("strategy", "sharded"),
+    [
+        ("optim", {"optimizer"}),
+        ("optim_grads", {"optimizer", "gradients"}),
+        ("optim_grads_params", {"optimizer", "gradients", "weights"}),
+    ],
+)
+def test_megatron_fsdp_shards_what_its_strategy_names(strategy: str, sharded: set[str], capsys) -> None:
+    """The fp32 masters are sharded by every strategy and count as weights (the parameters' DTensors
+    view them as a step starts, where compare's meter counts weights first); the model-dtype weight
+    buffer is sharded by optim_grads_params only, so only there does every kind fall as 1/DP."""
+    params = _state([], 1, capsys)["weights"] // 2
+    extra = [*MEGATRON_FSDP, "--data-parallel-sharding-strategy", strategy]
+    two, four = _state(extra, 2, capsys), _state(extra, 4, capsys)
+    steps = 4 * 64  # Adam's step counters: one fp32 a parameter tensor, on every rank
+    assert abs(four["optimizer"] - two["optimizer"] / 2) <= steps
+    grads_whole = "gradients" not in sharded
+    assert two["gradients"] == 4 * params // (1 if grads_whole else 2)
+    assert four["gradients"] == (two["gradients"] if grads_whole else two["gradients"] // 2)
+    if "weights" in sharded:
+        assert two["weights"] == 3 * params and four["weights"] == two["weights"] // 2  # bf16 + fp32 shards
+    else:
+        assert two["weights"] == 2 * params + 2 * params and four["weights"] == 2 * params + params
+
+
+def test_the_unsharded_units_in_flight_are_a_line_of_their_own(capsys) -> None:
+    argv = [*MODEL, *FSDP2, "--world-size", "2", "--global-batch-size", "2"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "FSDP: unsharded units in flight (below)" in out
+    assert "FSDP: unsharded units in flight: FSDP2 backward: the gathered parameters of the largest unit" in out
+    assert "torch FSDP2 (reshard after forward)" in out
+
+
+def test_without_reshard_after_forward_every_unit_is_held_from_forward_to_backward(capsys) -> None:
+    """ZeRO-2: each unit's gathered parameters stay from its forward to its backward; the ones autograd
+    saves count in one microbatch's activations (as compare's probe measures them), by unit."""
+    resharded = _plan(["--use-torch-fsdp2"], 2, capsys)["per_rank"][0]["megatron"]
+    held = _plan(["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"], 2, capsys)
+    arm = held["per_rank"][0]["megatron"]
+    kept = arm["activations_per_group_bytes"]["FSDP"]
+    # every unit but the embedding's: all parameters less the embedding table, in bf16
+    ddp = _state([], 1, capsys)
+    assert kept == ddp["weights"] - 2 * 1024 * 256  # the vocabulary padded to 1024 rows
+    assert arm["activations_bytes"] == resharded["activations_bytes"] + kept
+    assert "FSDP" not in resharded["activations_per_group_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("--use-torch-fsdp2 --use-megatron-fsdp", "two FSDP paths; choose one"),
+        ("--torch-fsdp2-no-reshard-after-forward", "acts with --use-torch-fsdp2; give both"),
+        ("--data-parallel-sharding-strategy optim", "acts with --use-megatron-fsdp; give both"),
+        ("--use-torch-fsdp2 --use-distributed-optimizer", "not supported with MCore's distributed optimizer"),
+        (
+            "--use-torch-fsdp2 --pipeline-model-parallel-size 2",
+            "'--use-torch-fsdp2 is not supported with pipeline parallelism'",
+        ),
+        ("--use-torch-fsdp2 --no-gradient-accumulation-fusion --fp16", "not supported with fp16"),
+        ("--use-torch-fsdp2", "not supported with gradient accumulation fusion' (Megatron-LM's default: add"),
+        ("--use-megatron-fsdp --data-parallel-sharding-strategy optim", "--ckpt-format fsdp_dtensor"),
+    ],
+)
+def test_megatron_lms_refusals_of_the_fsdp_paths(extra: str, message: str, capsys) -> None:
+    argv = [*MODEL, *extra.split(), "--world-size", "4", "--global-batch-size", "4"]
+    if "--fp16" in extra:
+        argv.remove("--bf16")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert any(part in err for part in message.split("|")), err
+
+
+def test_fsdp2_refuses_tied_embeddings(capsys) -> None:
+    argv = [*MODEL, *FSDP2, "--world-size", "2", "--global-batch-size", "2"]
+    argv.remove("--untie-embeddings-and-output-weights")
+    assert cli.main(argv) == 2
+    assert "'--use-torch-fsdp2 requires --untie-embeddings-and-output-weights'" in capsys.readouterr().err
+
+
+def test_no_shard_is_refused_where_megatron_core_does_not_train_it(capsys) -> None:
+    from mindspeed_like.fixes.megatron_fsdp_no_shard import refusal
+
+    argv = [*MODEL, *MEGATRON_FSDP, "--world-size", "2", "--global-batch-size", "2"]
+    if refusal() is None:
+        pytest.skip("the installed megatron-core trains no_shard")
+    assert cli.main(argv) == 2
+    assert "--data-parallel-sharding-strategy no_shard" in capsys.readouterr().err
+
+
+def test_compares_options_predict_the_same_fsdp_state(capsys) -> None:
+    """compare's --use-torch-fsdp2 reads into the same layout as Megatron-LM's flag."""
+    argv = "--preset llama --num-layers 2 --hidden-size 256 --seq-length 256 --micro-batch-size 2".split()
+    assert cli.main([*argv, "--data-parallel-size", "2", "--use-torch-fsdp2", "--json"]) == 0
+    fsdp2 = json.loads(capsys.readouterr().out)["per_rank"][0]["megatron"]
+    assert cli.main([*argv, "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)["per_rank"][0]["megatron"]
+    assert fsdp2["weights_bytes"] == whole["weights_bytes"] // 2
+    assert cli.main([*argv, "--torch-fsdp2-no-reshard-after-forward"]) == 2
+    assert "acts with --use-torch-fsdp2" in capsys.readouterr().err
+
+
+def _moe_run(experts: int, topk: int, ep: int) -> Run:
+    model = Model(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        vocab_size=128,
+        seq_length=32,
+        kv_channels=16,
+        num_query_groups=4,
+        num_experts=experts,
+        moe_ffn_hidden_size=64,
+        moe_router_topk=topk,
+        moe_layer_pattern=(1,),
+    )
+    return Run(model=model, layout=Layout(ep=ep, dp=ep))
+
+
+@pytest.mark.parametrize(
+    ("experts", "topk", "ep", "bound"),
+    [
+        (8, 2, 1, None),  # one rank holds every expert: it receives every row, the plan's own figure
+        (8, 2, 2, 2.0),  # 4 local experts take both of a token's picks: all EP x t tokens, twice
+        (8, 2, 8, 4.0),  # one local expert: a token sends it one row at most (8 x 1 / 2)
+        (64, 8, 8, 8.0),  # 8 local experts >= top-8: EP x
+        (16, 6, 4, 4 * 4 / 6),  # 4 local experts < top-6: a token sends it 4 rows at most
+    ],
+)
+def test_the_largest_ranks_routed_rows_are_bounded_by_dropless_routings_worst_case(
+    experts: int, topk: int, ep: int, bound: float | None
+) -> None:
+    assert routed_rows_bound(_moe_run(experts, topk, ep)) == bound
+
+
+def test_the_plan_gives_the_mean_and_the_largest_ranks_bound_under_expert_parallelism(capsys) -> None:
+    argv = "--preset moe --num-layers 2 --seq-length 512 --micro-batch-size 2 --data-parallel-size 2".split()
+    assert cli.main([*argv, "--expert-model-parallel-size", "2", "--json"]) == 0
+    arm = json.loads(capsys.readouterr().out)["per_rank"][0]["megatron"]
+    assert arm["activations_largest_rank_bound_bytes"] > arm["activations_bytes"]
+    assert cli.main([*argv, "--json"]) == 0
+    assert (
+        json.loads(capsys.readouterr().out)["per_rank"][0]["megatron"]["activations_largest_rank_bound_bytes"] is None
+    )
