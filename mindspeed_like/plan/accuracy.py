@@ -184,6 +184,8 @@ def cases_of(path: Path) -> list[Case]:
         if arm.name == "features":
             level = flags.get("optimization_level")
             label += f", level {level}" if level is not None else ", " + ", ".join(sorted(flags))
+            if level is not None and flags.get("fsdp2_config_path"):
+                label += ", fsdp2-config HSDP" if run.layout.fsdp else ", fsdp2-config"
         out.append(Case(path.stem, arm.name, label, measured, predicted, theory_arm, tuple(notes), largest, bound))
     return out
 

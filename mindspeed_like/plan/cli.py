@@ -185,8 +185,17 @@ def plan(rest: list[str], own: argparse.Namespace) -> Answer:
     notes = []
     if run.layout.ep > 1:
         notes.append(
-            "expert parallel: each rank's routed rows are taken as balanced (the router decides them at run time; "
-            "a rank can hold more)"
+            "expert parallel: the activations are the mean rank's, its routed rows taken as balanced (the router "
+            "decides them at run time); a rank can hold more, up to the 'largest EP rank (bound)' line (dropless "
+            "routing's worst case): size for that"
+        )
+    from mindspeed_like.plan.paths import fsdp2_keys_not_modeled
+
+    unmodeled = fsdp2_keys_not_modeled(switches.config) if "fsdp2-config" in switches.enabled else ()
+    if unmodeled:
+        notes.append(
+            "fsdp2-config: the plan models its sharding_size (HSDP); not its " + ", ".join(unmodeled) + " (the "
+            "features arm is counted with megatron's FSDP2 units, dtypes and resharding)"
         )
     if run.device == "cpu":
         notes.append(CPU_HEAP_NOTE)

@@ -33,10 +33,12 @@
   stayed alive from their forward to their backward in compare's runs (released lazily from the
   second step on), so compare's activation probe counts them: the plan counts them there too.
 
-Not modeled: HSDP (FSDP2's ``sharding_size`` of fsdp2-config, Megatron-FSDP's
-``--num-distributed-optimizer-instances``), FP8 parameter gathering, CPU offloading, and
-this library's state features (reuse-fp32-param, the precision-aware optimizer's dtypes) on these
-paths: both arms are counted as megatron's.
+HSDP of torch FSDP2 (this library's fsdp2-config, ``sharding_size``): the features arm's shards are
+over the shard group instead (``paths.fsdp2_shard_size``, state.py). Not modeled: Megatron-FSDP's
+HSDP (``--num-distributed-optimizer-instances``, its outer sharding), fsdp2-config's other keys
+(dtypes, units, resharding, prefetch, offload: said in the output), FP8 parameter gathering, CPU
+offloading, and this library's state features (reuse-fp32-param, the precision-aware optimizer's
+dtypes) on these paths: both arms are counted as megatron's.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ class Paths:
     reuse_fp32_param: bool = False
     precision_aware_portable: bool = False
     host_allocator: bool = False  # glibc keeps every freed block (a CPU host only)
+    # fsdp2-config's sharding_size under --use-torch-fsdp2 (HSDP): the ranks a parameter is sharded over,
+    # where smaller than the data-parallel group (replicated across the groups); None: the whole group
+    fsdp_shard_size: int | None = None
 
     @property
     def any(self) -> bool:
@@ -70,4 +73,30 @@ def feature_paths(run: Run, enabled: Collection[str], config: Mapping[str, Any])
         precision_aware_portable="precision-aware-optimizer" in on and run.precision.precision_aware_optimizer,
         # it stands aside where the tensors are not in host memory (docs/features/host-allocator.md)
         host_allocator="host-allocator" in on and run.device == "cpu",
+        fsdp_shard_size=fsdp2_shard_size(run, on, config),
     )
+
+
+def fsdp2_shard_size(run: Run, enabled: Collection[str], config: Mapping[str, Any]) -> int | None:
+    """fsdp2-config's HSDP shard group (``sharding_size`` of the YAML) where it is smaller than the
+    data-parallel group (x CP) of a --use-torch-fsdp2 run; None otherwise (plain FSDP2, or no file)."""
+    path = config.get("fsdp2_config_path")
+    if "fsdp2-config" not in enabled or not path or run.layout.fsdp != "torch_fsdp2":
+        return None
+    from mindspeed_like.features.fsdp2_config.options import load
+
+    group = run.layout.dp * run.layout.cp
+    options = load(path)
+    options.check_group_size(group, "the data-parallel size x context-parallel size")
+    shard = options.shard_size(group)
+    return shard if shard < group else None
+
+
+def fsdp2_keys_not_modeled(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys of an fsdp2-config file the plan does not model (it models ``sharding_size``)."""
+    path = config.get("fsdp2_config_path")
+    if not path:
+        return ()
+    from mindspeed_like.features.fsdp2_config.options import load
+
+    return tuple(sorted(options for options in load(path).given if options != "sharding_size"))

@@ -96,7 +96,7 @@ def model_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]
     """Weights, gradients and optimizer state of one rank (``chunks``: its chunks' parameters)."""
     prec, lay = run.precision, run.layout
     if lay.fsdp is not None:
-        return fsdp_state(run, chunks)
+        return fsdp_state(run, chunks, paths)
     bufs = buffers(run, chunks)
     numel = sum(b.numel for b in bufs)
     padded = sum(b.padded for b in bufs)
@@ -166,23 +166,34 @@ def model_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]
     return lines
 
 
-def fsdp_state(run: Run, chunks: list[list[Param]]) -> list[Line]:
+def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
     """One rank's model state under megatron's FSDP paths (plan/fsdp.py): torch FSDP2's DTensor
-    shards, Megatron-FSDP's buffers by strategy. Both arms are megatron's here (this library's
-    state features are not modeled on these paths)."""
+    shards (over fsdp2-config's HSDP shard group where it sets one), Megatron-FSDP's buffers by
+    strategy. This library's state features (reuse-fp32-param, the precision-aware optimizer) are
+    not modeled on these paths: megatron's figures in both arms."""
     from mindspeed_like.plan import fsdp
 
     prec, lay = run.precision, run.layout
-    group = fsdp.group_size(run)
+    hsdp = lay.fsdp == fsdp.TORCH_FSDP2 and paths.fsdp_shard_size is not None
+    group = paths.fsdp_shard_size if hsdp and paths.fsdp_shard_size else fsdp.group_size(run)
+    feature = "fsdp2-config" if hsdp else None
+    replicated = f", replicated over {fsdp.group_size(run) // group} groups (HSDP)" if hsdp else ""
     params = [p for c in chunks for p in c]
     numel = sum(p.numel for p in params)
     sharded = sum(fsdp.shard(p.numel, group) for p in params)
     p = prec.param_bytes
     lines: list[Line] = []
     if lay.fsdp == fsdp.TORCH_FSDP2:
-        lines.append(Line("weights", f"parameter shards ({prec.params}, 1/{group} of each)", p * sharded))
         lines.append(
-            Line("gradients", f"gradient shards ({prec.params}, from backward to the optimizer step)", p * sharded)
+            Line("weights", f"parameter shards ({prec.params}, 1/{group} of each{replicated})", p * sharded, feature)
+        )
+        lines.append(
+            Line(
+                "gradients",
+                f"gradient shards ({prec.params}, from backward to the optimizer step)",
+                p * sharded,
+                feature,
+            )
         )
         n = sharded
         master = "fp32 master shard"
@@ -218,14 +229,14 @@ def fsdp_state(run: Run, chunks: list[list[Param]]) -> list[Line]:
         )
         master = ""
     if prec.params != "fp32" and master:
-        lines.append(Line("optimizer", master, 4 * n))
+        lines.append(Line("optimizer", master, 4 * n, feature))
     if prec.optimizer == "sgd":
         if prec.sgd_momentum:
-            lines.append(Line("optimizer", "SGD momentum buffer (fp32)", 4 * n))
+            lines.append(Line("optimizer", "SGD momentum buffer (fp32)", 4 * n, feature))
         return lines
     adam = "Adam" if prec.optimizer == "adam" else f"{prec.optimizer} (not modeled: counted as Adam's)"
     for name in ("exp_avg", "exp_avg_sq"):
-        lines.append(Line("optimizer", f"{adam} {name} (fp32)", 4 * n))
+        lines.append(Line("optimizer", f"{adam} {name} (fp32)", 4 * n, feature))
     lines.append(Line("optimizer", f"{adam} step counters (one fp32 per parameter tensor)", 4 * len(params)))
     return lines
 

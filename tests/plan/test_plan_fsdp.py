@@ -196,3 +196,22 @@ def test_the_plan_gives_the_mean_and_the_largest_ranks_bound_under_expert_parall
     assert (
         json.loads(capsys.readouterr().out)["per_rank"][0]["megatron"]["activations_largest_rank_bound_bytes"] is None
     )
+
+
+def test_fsdp2_configs_hsdp_shards_over_its_sharding_size(tmp_path, capsys) -> None:
+    """fsdp2-config's sharding_size (the features arm's HSDP): each parameter sharded over that many
+    ranks and replicated across the groups, so the features arm holds DP / sharding_size times
+    megatron's plain FSDP2 shards; its other keys are said to be outside the plan."""
+    config = tmp_path / "hsdp.yaml"
+    config.write_text("sharding_size: 2\n")
+    argv = "--preset llama --num-layers 2 --hidden-size 256 --seq-length 256 --micro-batch-size 2".split()
+    argv += ["--data-parallel-size", "4", "--use-torch-fsdp2", "--optimization-level", "1"]
+    assert cli.main([*argv, "--fsdp2-config-path", str(config), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["per_rank"][0]
+    for kind in ("weights", "gradients"):
+        assert out["features"][f"{kind}_bytes"] == 2 * out["megatron"][f"{kind}_bytes"], kind
+    steps = 4 * 64
+    assert abs(out["features"]["optimizer_bytes"] - 2 * out["megatron"]["optimizer_bytes"]) <= steps
+    config.write_text("sharding_size: 2\nparam_dtype: fp32\n")
+    assert cli.main([*argv, "--fsdp2-config-path", str(config)]) == 0
+    assert "fsdp2-config: the plan models its sharding_size (HSDP); not its param_dtype" in capsys.readouterr().out
