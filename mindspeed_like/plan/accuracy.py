@@ -185,7 +185,9 @@ def cases_of(path: Path) -> list[Case]:
             level = flags.get("optimization_level")
             label += f", level {level}" if level is not None else ", " + ", ".join(sorted(flags))
             if level is not None and flags.get("fsdp2_config_path"):
-                label += ", fsdp2-config HSDP" if run.layout.fsdp else ", fsdp2-config"
+                from mindspeed_like.features.fsdp2_config.options import load
+
+                label += f", fsdp2-config {' '.join(sorted(load(flags['fsdp2_config_path']).given))}"
         out.append(Case(path.stem, arm.name, label, measured, predicted, theory_arm, tuple(notes), largest, bound))
     return out
 

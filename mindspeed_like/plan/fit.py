@@ -95,6 +95,8 @@ def _layouts(run: Run, world: int | None) -> list[Layout]:
         pps = [p for p in range(1, m.num_layers + 1) if m.num_layers % p == 0 and p <= 16]
         cps = [c for c in (1, 2, 4, 8) if m.seq_length % (2 * c) == 0 or c == 1]
         eps = [e for e in (1, 2, 4, 8, 16, 32, 64) if m.is_moe and m.num_experts % e == 0] or [1]
+        if lay.fsdp == "torch_fsdp2":
+            pps, eps = [1], [1]  # Megatron-LM refuses FSDP2 with pipeline or expert parallelism
         shapes = list(itertools.product(tps, pps, cps, eps))
     out = []
     for (tp, pp, cp, ep), mbs in itertools.product(shapes, mbs_options):
@@ -118,7 +120,9 @@ def _layouts(run: Run, world: int | None) -> list[Layout]:
                 micro_batch_size=mbs,
                 num_microbatches=micro,
                 sequence_parallel=tp > 1,
-                distributed_optimizer=lay.distributed_optimizer or dp > 1,
+                # the FSDP paths shard by themselves (FSDP2 refuses the distributed optimizer; Megatron-FSDP's is
+                # its own, given by --use-megatron-fsdp)
+                distributed_optimizer=lay.distributed_optimizer if lay.fsdp else lay.distributed_optimizer or dp > 1,
                 vpp=lay.vpp if pp == lay.pp else None,
             )
         )
@@ -260,7 +264,7 @@ def command_line(run: Run, c: Candidate) -> str:
         tokens += [option, value]
     if lay.sequence_parallel:
         tokens.append("--sequence-parallel")
-    if lay.distributed_optimizer:
+    if lay.distributed_optimizer and lay.fsdp is None:
         tokens.append("--use-distributed-optimizer")
     rc = c.recompute
     if rc.granularity == "full":

@@ -34,7 +34,7 @@
   second step on), so compare's activation probe counts them: the plan counts them there too.
 
 HSDP of torch FSDP2 (this library's fsdp2-config, ``sharding_size``): the features arm's shards are
-over the shard group instead (``paths.fsdp2_shard_size``, state.py). Not modeled: Megatron-FSDP's
+over the shard group instead (``paths.fsdp2_fields``, state.py). Not modeled: Megatron-FSDP's
 HSDP (``--num-distributed-optimizer-instances``, its outer sharding), fsdp2-config's other keys
 (dtypes, units, resharding, prefetch, offload: said in the output), FP8 parameter gathering, CPU
 offloading, and this library's state features (reuse-fp32-param, the precision-aware optimizer's
@@ -114,7 +114,7 @@ def _size(unit: Unit) -> int:
     return unit.numel
 
 
-def in_flight_bytes(run: Run, chunks: list[list[Param]]) -> tuple[int, str]:
+def in_flight_bytes(run: Run, chunks: list[list[Param]], paths: Paths | None = None) -> tuple[int, str]:
     """What sharded data parallelism adds beside the activations at a step's busiest moment, on top
     of the model state: torch FSDP2's backward holds this unit's and the prefetched unit's gathered
     parameters and this unit's unsharded gradients (model dtype: three times the largest unit).
@@ -125,9 +125,14 @@ def in_flight_bytes(run: Run, chunks: list[list[Param]]) -> tuple[int, str]:
     lay = run.layout
     if lay.fsdp == TORCH_FSDP2:
         unit, name = gathered_unit_bytes(run, chunks)
-        return 3 * unit, (
-            f"FSDP2 backward: the gathered parameters of the largest unit ({name}) and of the prefetched one, "
-            "and its unsharded gradients"
+        forward, backward = paths.fsdp_prefetch if paths is not None else (0, 0)
+        # fsdp2-config's explicit prefetch: forward holds the unit and the next `forward` ones; backward the
+        # unit, the `backward` earlier ones (FSDP2's own default: one) and the unit's unsharded gradients
+        units_held = max(1 + forward, 2 + max(1, backward))
+        ahead = f"{max(1, backward)} prefetched" if units_held == 2 + max(1, backward) else f"{forward} prefetched"
+        return units_held * unit, (
+            f"FSDP2: the gathered parameters of the largest unit ({name}) and of {ahead} unit(s)"
+            + (", and its unsharded gradients (backward)" if units_held == 2 + max(1, backward) else " (forward)")
         )
     if lay.fsdp == MEGATRON_FSDP and lay.sharding_strategy == "optim_grads_params":
         unit, name = gathered_unit_bytes(run, chunks)
@@ -157,7 +162,10 @@ def saved_gathered_bytes(run: Run, params: list[Param], paths: Paths | None = No
     p = BYTES[run.precision.params]
     if lay.fsdp == MEGATRON_FSDP and lay.sharding_strategy == "optim_grads_params":
         return [(u.name, p * u.numel) for u in units(run, params) if u.name.startswith("layer ")]
-    if lay.fsdp != TORCH_FSDP2 or lay.reshard_after_forward:
+    reshard = lay.reshard_after_forward
+    if paths is not None and paths.fsdp_reshard_after_forward is not None:
+        reshard = paths.fsdp_reshard_after_forward  # fsdp2-config's own key (the features arm)
+    if lay.fsdp != TORCH_FSDP2 or reshard:
         return []
     fused_norm = paths is not None and paths.fused_rmsnorm
     out = []

@@ -38,6 +38,10 @@ class Paths:
     # fsdp2-config's sharding_size under --use-torch-fsdp2 (HSDP): the ranks a parameter is sharded over,
     # where smaller than the data-parallel group (replicated across the groups); None: the whole group
     fsdp_shard_size: int | None = None
+    # fsdp2-config's reshard_after_forward (a bool; None: the run's --torch-fsdp2-no-reshard-after-forward) and
+    # its explicit prefetch (num_to_forward_prefetch, num_to_backward_prefetch; 0: FSDP2's own)
+    fsdp_reshard_after_forward: bool | None = None
+    fsdp_prefetch: tuple[int, int] = (0, 0)
 
     @property
     def any(self) -> bool:
@@ -73,30 +77,45 @@ def feature_paths(run: Run, enabled: Collection[str], config: Mapping[str, Any])
         precision_aware_portable="precision-aware-optimizer" in on and run.precision.precision_aware_optimizer,
         # it stands aside where the tensors are not in host memory (docs/features/host-allocator.md)
         host_allocator="host-allocator" in on and run.device == "cpu",
-        fsdp_shard_size=fsdp2_shard_size(run, on, config),
+        **fsdp2_fields(run, on, config),
     )
 
 
-def fsdp2_shard_size(run: Run, enabled: Collection[str], config: Mapping[str, Any]) -> int | None:
-    """fsdp2-config's HSDP shard group (``sharding_size`` of the YAML) where it is smaller than the
-    data-parallel group (x CP) of a --use-torch-fsdp2 run; None otherwise (plain FSDP2, or no file)."""
+FSDP2_KEYS_MODELED = ("sharding_size", "reshard_after_forward", "num_to_forward_prefetch", "num_to_backward_prefetch")
+"""The fsdp2-config keys the plan reads (a reshard_after_forward that is an int, resharding to a smaller
+group, is not: said as unmodeled)."""
+
+
+def fsdp2_fields(run: Run, enabled: Collection[str], config: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`Paths` fields of fsdp2-config's YAML on a --use-torch-fsdp2 run: its HSDP shard group
+    (``sharding_size``, where smaller than the data-parallel group x CP), ``reshard_after_forward`` (a
+    bool) and its explicit prefetch counts; none without the file or on another path."""
     path = config.get("fsdp2_config_path")
     if "fsdp2-config" not in enabled or not path or run.layout.fsdp != "torch_fsdp2":
-        return None
+        return {}
     from mindspeed_like.features.fsdp2_config.options import load
 
     group = run.layout.dp * run.layout.cp
     options = load(path)
     options.check_group_size(group, "the data-parallel size x context-parallel size")
     shard = options.shard_size(group)
-    return shard if shard < group else None
+    reshard = options.reshard_after_forward
+    return {
+        "fsdp_shard_size": shard if shard < group else None,
+        "fsdp_reshard_after_forward": reshard if isinstance(reshard, bool) else None,
+        "fsdp_prefetch": (options.num_to_forward_prefetch, options.num_to_backward_prefetch),
+    }
 
 
 def fsdp2_keys_not_modeled(config: Mapping[str, Any]) -> tuple[str, ...]:
-    """The keys of an fsdp2-config file the plan does not model (it models ``sharding_size``)."""
+    """The keys of an fsdp2-config file the plan does not model (:data:`FSDP2_KEYS_MODELED`)."""
     path = config.get("fsdp2_config_path")
     if not path:
         return ()
     from mindspeed_like.features.fsdp2_config.options import load
 
-    return tuple(sorted(options for options in load(path).given if options != "sharding_size"))
+    options = load(path)
+    modeled = set(FSDP2_KEYS_MODELED)
+    if not isinstance(options.reshard_after_forward, bool) and options.reshard_after_forward is not None:
+        modeled.discard("reshard_after_forward")
+    return tuple(sorted(key for key in options.given if key not in modeled))

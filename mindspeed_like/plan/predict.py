@@ -109,7 +109,7 @@ def predict_arm(run: Run, name: str, paths: Paths) -> Arm:
         group = lay.microbatch_group
         in_flight = schedule.in_flight_chunks(lay.pp, s, lay.chunks, lay.num_microbatches, group, weights)
         measured = schedule.last_forward_chunk(lay.pp, lay.chunks, lay.num_microbatches, group)
-        gathered = fsdp.in_flight_bytes(run, chunk_params) if lay.fsdp else (0, "")
+        gathered = fsdp.in_flight_bytes(run, chunk_params, paths) if lay.fsdp else (0, "")
         stage_peak = peak.estimate(run, paths, lines, rows, in_flight, name, s, reforward, gathered)
         bound = None
         factor = routed_rows_bound(run)

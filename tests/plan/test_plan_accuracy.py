@@ -55,7 +55,8 @@ def test_the_lane_covers_the_presets_and_layouts(cases: list[accuracy.Case]) -> 
         "DP2 Megatron-FSDP optim_grads,",
         "DP2 Megatron-FSDP optim_grads_params",
         "DP4 Megatron-FSDP optim_grads_params",
-        "DP4 FSDP2, level 1, fsdp2-config HSDP",
+        "DP4 FSDP2, level 1, fsdp2-config sharding_size",  # HSDP
+        "DP2 FSDP2, level 1, fsdp2-config reshard_after_forward",
     ):
         assert layout in layouts, layout
 

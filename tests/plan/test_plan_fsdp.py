@@ -81,7 +81,10 @@ def test_the_unsharded_units_in_flight_are_a_line_of_their_own(capsys) -> None:
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "FSDP: unsharded units in flight (below)" in out
-    assert "FSDP: unsharded units in flight: FSDP2 backward: the gathered parameters of the largest unit" in out
+    assert (
+        "FSDP: unsharded units in flight: FSDP2: the gathered parameters of the largest unit (layer 0) and of 1 "
+        "prefetched unit(s), and its unsharded gradients (backward)"
+    ) in out
     assert "torch FSDP2 (reshard after forward)" in out
 
 
@@ -215,3 +218,31 @@ def test_fsdp2_configs_hsdp_shards_over_its_sharding_size(tmp_path, capsys) -> N
     config.write_text("sharding_size: 2\nparam_dtype: fp32\n")
     assert cli.main([*argv, "--fsdp2-config-path", str(config)]) == 0
     assert "fsdp2-config: the plan models its sharding_size (HSDP); not its param_dtype" in capsys.readouterr().out
+
+
+def test_fit_keeps_to_what_megatron_runs_under_fsdp2(capsys) -> None:
+    """--fit under --use-torch-fsdp2 tries no pipeline split and adds no distributed optimizer (Megatron-LM
+    refuses both with FSDP2); its command line is one Megatron-LM takes."""
+    argv = [*MODEL, *FSDP2, "--world-size", "8", "--global-batch-size", "8", "--fit", "--device-memory", "1GiB"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(text for text in out.splitlines() if text.startswith("recommended:"))
+    assert "--use-torch-fsdp2" in line and "--use-distributed-optimizer" not in line
+    assert "--pipeline-model-parallel-size 1" in line
+    assert "  PP 1 (" not in out  # no other pipeline split was tried
+
+
+def test_fsdp2_configs_resharding_and_prefetch_are_the_features_arms(tmp_path, capsys) -> None:
+    """fsdp2-config's reshard_after_forward: false keeps every unit's gathered parameters from forward
+    to backward in the features arm (as --torch-fsdp2-no-reshard-after-forward does for both arms), and
+    its explicit prefetch counts set how many units are gathered at once."""
+    config = tmp_path / "fsdp2.yaml"
+    argv = "--preset llama --num-layers 2 --hidden-size 256 --seq-length 256 --micro-batch-size 2".split()
+    argv += ["--data-parallel-size", "2", "--use-torch-fsdp2", "--optimization-level", "1", "--json"]
+    config.write_text("reshard_after_forward: false\nnum_to_backward_prefetch: 2\n")
+    assert cli.main([*argv, "--fsdp2-config-path", str(config)]) == 0
+    out = json.loads(capsys.readouterr().out)["per_rank"][0]
+    assert "FSDP" in out["features"]["activations_per_group_bytes"]
+    assert "FSDP" not in out["megatron"]["activations_per_group_bytes"]
+    # backward: the unit, two prefetched and the unit's gradients, against FSDP2's own one prefetched
+    assert out["features"]["fsdp_in_flight_bytes"] * 3 == out["megatron"]["fsdp_in_flight_bytes"] * 4
