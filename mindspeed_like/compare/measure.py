@@ -119,21 +119,28 @@ def state_bytes(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer) -
     """Weights, gradients and optimizer state in bytes; each storage counted once, in the first
     of those kinds that holds it. ``model``: a model or the chunks of a virtual pipeline (one
     optimizer over all of them). Sharded data parallelism counts this rank's shards: DTensor
-    parameters by their local shard, Megatron-FSDP's buffers by their kind."""
+    parameters by their local shard, Megatron-FSDP's buffers by their kind, which wins over where
+    a tensor is found (during a step Megatron-FSDP's module parameters are views of its fp32 master
+    shard: optimizer state, not weights)."""
     models = [model] if isinstance(model, torch.nn.Module) else list(model)
     params = [p for m in models for p in m.parameters()]
     buffers = _data_parallel_buffers(models)
-    weights = _storages([*params, *buffers["weights"]])
+    role = {pointer: kind for kind, tensors in buffers.items() for pointer in _storages(tensors)}
+
+    def of_kind(kind: str, found: dict[int, int]) -> dict[int, int]:
+        return {k: v for k, v in found.items() if role.get(k, kind) == kind}
+
+    weights = of_kind("weights", _storages([*params, *buffers["weights"]]))
     grads = _storages(
         [
             *(t for p in params for t in (getattr(p, "main_grad", None), p.grad, getattr(p, "decoupled_grad", None))),
             *buffers["gradients"],
         ]
     )
-    grads = {k: v for k, v in grads.items() if k not in weights}
+    grads = {k: v for k, v in of_kind("gradients", grads).items() if k not in weights}
     state = {
         k: v
-        for k, v in _storages([*_optimizer_tensors(optimizer), *buffers["optimizer"]]).items()
+        for k, v in _storages([*_optimizer_tensors(optimizer), *buffers["optimizer"], *params]).items()
         if k not in weights and k not in grads
     }
     return {"weights": sum(weights.values()), "gradients": sum(grads.values()), "optimizer": sum(state.values())}

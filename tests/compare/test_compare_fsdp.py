@@ -136,3 +136,26 @@ def test_megatron_fsdp_trains_both_arms_and_shards_the_optimizer(tmp_path):
     assert result["parallel"]["data_parallel"]["data_parallel_sharding_strategy"] == "optim_grads_params"
     assert result["loss"]["max_abs_diff"] < 1e-4
     assert all(v > 0 for v in result["megatron"]["memory_per_rank"].values())
+
+
+def test_megatron_fsdp_buffers_count_by_kind_even_where_a_parameter_views_them():
+    """During a step Megatron-FSDP's module parameters are views of its fp32 master shard: they
+    count once, as optimizer state; the bf16 shard as weights, the main-gradient shard as gradients."""
+    from types import SimpleNamespace
+
+    from mindspeed_like.compare.measure import state_bytes
+
+    def buffer(numel: int, dtype: torch.dtype) -> SimpleNamespace:
+        return SimpleNamespace(data=torch.zeros(numel, dtype=dtype))
+
+    group = SimpleNamespace(
+        model_weight_buffer=buffer(10, torch.bfloat16),
+        main_weight_buffer=buffer(10, torch.float32),
+        main_grad_buffer=buffer(10, torch.float32),
+    )
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(group.main_weight_buffer.data[:10].view(2, 5))  # a master view
+    model.param_and_grad_buffer = SimpleNamespace(parameter_groups=[group])
+    moments = torch.optim.Adam(model.parameters())
+    moments.state[model.weight] = {"exp_avg": torch.zeros(10), "exp_avg_sq": torch.zeros(10)}
+    assert state_bytes(model, moments) == {"weights": 20, "gradients": 40, "optimizer": 40 + 80}
