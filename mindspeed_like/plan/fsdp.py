@@ -68,9 +68,13 @@ class Unit:
         return sum(p.numel for p in self.params)
 
 
-def group_size(run: Run) -> int:
-    """The ranks a parameter is sharded over: megatron's data-parallel group with context parallelism."""
-    return run.layout.dp * run.layout.cp
+def group_size(run: Run, expert: bool = False) -> int:
+    """The ranks a parameter is sharded over: megatron's data-parallel group with context parallelism,
+    or for an expert's parameter its expert data-parallel group (TP x CP x DP / (expert TP x EP))."""
+    lay = run.layout
+    if expert:
+        return max(1, lay.tp * lay.cp * lay.dp // (lay.expert_tp * lay.ep))
+    return lay.dp * lay.cp
 
 
 def units(run: Run, params: list[Param]) -> list[Unit]:

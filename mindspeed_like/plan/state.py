@@ -180,7 +180,10 @@ def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
     replicated = f", replicated over {fsdp.group_size(run) // group} groups (HSDP)" if hsdp else ""
     params = [p for c in chunks for p in c]
     numel = sum(p.numel for p in params)
-    sharded = sum(fsdp.shard(p.numel, group) for p in params)
+    # Megatron-FSDP shards an expert's parameters over its expert data-parallel group (FSDP2 refuses EP)
+    sharded = sum(
+        fsdp.shard(q.numel, fsdp.group_size(run, q.expert) if q.expert and not hsdp else group) for q in params
+    )
     p = prec.param_bytes
     lines: list[Line] = []
     if lay.fsdp == fsdp.TORCH_FSDP2:
