@@ -120,7 +120,9 @@ def test_te_public_sizes_as_te_sets_them(without_megatron_fix):
         assert (module.out_features, module.in_features) == tuple(weight.shape)
         assert module.tp_size == 1 and module.use_bias == (module.bias is not None)
         seen.add(type(module).__name__)
-    assert {"TELinear", "TELayerNormColumnParallelLinear", "TERowParallelLinear"} <= seen
+    assert {"TELayerNormColumnParallelLinear", "TERowParallelLinear"} <= seen, seen
+    # MLA's down projections: TELinear (duplicated) from megatron-core 0.14, TEColumnParallelLinear in 0.13
+    assert seen & {"TELinear", "TEColumnParallelLinear"}, seen
 
 
 def peft_sizes(module: torch.nn.Module) -> tuple[int, int]:
