@@ -22,21 +22,21 @@
   says which are sharded over DP: ``optim`` the masters (and so Adam's fp32 moments), ``optim_grads``
   also the gradients, ``optim_grads_params`` also the model-dtype weights (then the TransformerLayers
   are FSDP units whose buckets are all-gathered for their forward and backward). ``no_shard`` keeps
-  everything whole (refused on megatron-core 0.14-0.18: fixes/megatron_fsdp_no_shard.py). As a step
-  starts the module's parameters are DTensors over the main-weight buffer, so compare's meter (which
-  counts a storage in the first kind that holds it, weights first) counts the masters as weights:
-  weights = model-weight buffer + fp32 master shard (optim_grads_params: 2/DP + 4/DP bytes a
-  parameter at bf16), optimizer = the two fp32 moments of the shard and the step counters. Measured
-  at DP 2 and 4 (compare's records): every kind within 0.7%. Each group's buffer is padded to a
+  everything whole (refused on megatron-core 0.14-0.18: fixes/megatron_fsdp_no_shard.py). compare's
+  meter counts each buffer by its kind: weights = the model-weight buffer, optimizer = the fp32
+  main-weight buffer (the masters, which the module's parameters view during a step) and Adam's two
+  fp32 moments and step counters (optim_grads_params at bf16: 2/DP + 4/DP + 12/DP bytes a parameter).
+  Measured at DP 2 and 4 (compare's records): every kind within 0.7%. Each group's buffer is padded to a
   multiple of DP x its rows' width (``build_data_parallel_buffer_index``), which the plan leaves out
   (0.1-0.7% on compare's tiny models, less on larger ones). The TransformerLayers' gathered buckets
   stayed alive from their forward to their backward in compare's runs (released lazily from the
   second step on), so compare's activation probe counts them: the plan counts them there too.
 
-HSDP of torch FSDP2 (this library's fsdp2-config, ``sharding_size``): the features arm's shards are
-over the shard group instead (``paths.fsdp2_fields``, state.py). Not modeled: Megatron-FSDP's
-HSDP (``--num-distributed-optimizer-instances``, its outer sharding), fsdp2-config's other keys
-(dtypes, units, resharding, prefetch, offload: said in the output), FP8 parameter gathering, CPU
+fsdp2-config (this library's, the features arm): ``sharding_size`` (HSDP) shards over the shard group
+instead (``paths.fsdp2_fields``, state.py), a bool ``reshard_after_forward`` acts as the flag does, and
+``num_to_forward_prefetch`` / ``num_to_backward_prefetch`` set the units in flight. Not modeled:
+Megatron-FSDP's HSDP (``--num-distributed-optimizer-instances``, its outer sharding), fsdp2-config's
+other keys (dtypes, units, an int reshard_after_forward, offload: said in the output), FP8 parameter gathering, CPU
 offloading, and this library's state features (reuse-fp32-param, the precision-aware optimizer's
 dtypes) on these paths: both arms are counted as megatron's.
 """

@@ -201,8 +201,8 @@ def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
         n = sharded
         master = "fp32 master shard"
     else:
-        # Megatron-FSDP: the module's parameters are DTensors over the fp32 main-weight buffer when a step
-        # starts, so compare's meter (weights first, each storage once) counts the masters as weights
+        # Megatron-FSDP: weights are the model-weight buffer; the fp32 main-weight buffer (the masters, which
+        # the module's parameters view during a step) is optimizer state, as compare's meter counts it
         strategy = lay.sharding_strategy
         weights_sharded = strategy == "optim_grads_params"
         grads_sharded = strategy in ("optim_grads", "optim_grads_params")
@@ -218,10 +218,6 @@ def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
                     p * (sharded if weights_sharded else numel),
                 )
             )
-        if prec.params != "fp32":
-            lines.append(
-                Line("weights", f"main-weight buffer (fp32 masters, {part}; the parameters' DTensors view it)", 4 * n)
-            )
         g = prec.grad_bytes
         lines.append(
             Line(
@@ -230,7 +226,7 @@ def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
                 g * (sharded if grads_sharded else numel),
             )
         )
-        master = ""
+        master = f"main-weight buffer (fp32 masters, {part})"
     if prec.params != "fp32" and master:
         lines.append(Line("optimizer", master, 4 * n, feature))
     if prec.optimizer == "sgd":

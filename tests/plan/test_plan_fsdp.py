@@ -59,21 +59,23 @@ def test_torch_fsdp2_shards_weights_gradients_and_optimizer_as_one_over_dp(capsy
     ],
 )
 def test_megatron_fsdp_shards_what_its_strategy_names(strategy: str, sharded: set[str], capsys) -> None:
-    """The fp32 masters are sharded by every strategy and count as weights (the parameters' DTensors
-    view them as a step starts, where compare's meter counts weights first); the model-dtype weight
-    buffer is sharded by optim_grads_params only, so only there does every kind fall as 1/DP."""
+    """The fp32 masters and Adam's moments are sharded by every strategy (optimizer state, as compare's
+    meter counts the main-weight buffer); the fp32 main-grad buffer by optim_grads and
+    optim_grads_params; the bf16 model-weight buffer by optim_grads_params only, so only there does
+    every kind fall as 1/DP."""
     params = _state([], 1, capsys)["weights"] // 2
     extra = [*MEGATRON_FSDP, "--data-parallel-sharding-strategy", strategy]
     two, four = _state(extra, 2, capsys), _state(extra, 4, capsys)
     steps = 4 * 64  # Adam's step counters: one fp32 a parameter tensor, on every rank
+    assert 0 < two["optimizer"] - 12 * params // 2 <= steps
     assert abs(four["optimizer"] - two["optimizer"] / 2) <= steps
     grads_whole = "gradients" not in sharded
     assert two["gradients"] == 4 * params // (1 if grads_whole else 2)
     assert four["gradients"] == (two["gradients"] if grads_whole else two["gradients"] // 2)
     if "weights" in sharded:
-        assert two["weights"] == 3 * params and four["weights"] == two["weights"] // 2  # bf16 + fp32 shards
+        assert two["weights"] == params and four["weights"] == params // 2  # the bf16 shard
     else:
-        assert two["weights"] == 2 * params + 2 * params and four["weights"] == 2 * params + params
+        assert two["weights"] == four["weights"] == 2 * params  # the bf16 buffer, whole
 
 
 def test_the_unsharded_units_in_flight_are_a_line_of_their_own(capsys) -> None:
@@ -258,7 +260,8 @@ def test_megatron_fsdp_shards_an_experts_parameters_over_its_expert_data_paralle
     argv += "--data-parallel-size 2 --expert-model-parallel-size 2 --use-megatron-fsdp".split()
     argv += ["--data-parallel-sharding-strategy", "optim_grads_params", "--json"]
     assert cli.main(argv) == 0
-    grads = json.loads(capsys.readouterr().out)["per_rank"][0]["megatron"]["gradients_bytes"]
+    out = json.loads(capsys.readouterr().out)["per_rank"][0]["megatron"]
+    grads = out["gradients_bytes"]
     run = cli.predict_argv(argv[:-1]).run
     params = [p for chunk in stage(run, 0) for p in chunk]
     dense = sum(-(-p.numel // 2) for p in params if not p.expert)
