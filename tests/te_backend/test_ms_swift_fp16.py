@@ -46,6 +46,7 @@ for scale in (1.0, 2.0**32):
             ffn_hidden_size=128, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
             normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True, params_dtype=dtype,
             fp16=dtype == torch.float16, hidden_dropout=0.0, attention_dropout=0.0,
+            qk_layernorm=True,  # the spec's q/k norms (Qwen3's); megatron-core 0.19 refuses a spec the config lacks
         )
         torch.manual_seed(0)
         spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
