@@ -201,12 +201,16 @@ def fused_apply_rotary_pos_emb(
     TE 2.3."""
     if transpose_output_memory:
         warnings.warn("transpose_output_memory is not supported by TE's fused RoPE and will be ignored.", stacklevel=2)
+    _refuse_interleaved(interleaved)
+    return apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", fused=True)
+
+
+def _refuse_interleaved(interleaved: bool) -> None:
     if interleaved:
         raise ValueError(
             "Only TE >= 2.3.0 supports interleaved fused RoPE (the te-backend implements TE 2.1's API; "
             "leave apply_rope_fusion off for rotary_interleaved, or use --use-fused-rotary-pos-emb)"
         )
-    return apply_rotary_pos_emb(t, freqs, tensor_format="sbhd", fused=True)
 
 
 def fused_apply_rotary_pos_emb_thd(
@@ -215,9 +219,12 @@ def fused_apply_rotary_pos_emb_thd(
     freqs: torch.Tensor,
     cp_size: int = 1,
     cp_rank: int = 0,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """megatron's ``fused_apply_rotary_pos_emb_thd``: packed ``thd`` through TE's fused RoPE, with
-    context parallelism (TE >= 1.12 takes ``cp_size`` / ``cp_rank``)."""
+    context parallelism (TE >= 1.12 takes ``cp_size`` / ``cp_rank``); megatron-core 0.19 also passes
+    ``interleaved``, refused as for ``sbhd``."""
+    _refuse_interleaved(interleaved)
     return apply_rotary_pos_emb(
         t, freqs, tensor_format="thd", fused=True, cu_seqlens=cu_seqlens, cp_size=cp_size, cp_rank=cp_rank
     )
