@@ -140,7 +140,7 @@ def state_bytes(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer) -
     grads = {k: v for k, v in of_kind("gradients", grads).items() if k not in weights}
     state = {
         k: v
-        for k, v in _storages([*_optimizer_tensors(optimizer), *buffers["optimizer"], *params]).items()
+        for k, v in _storages([*_optimizer_tensors(optimizer), *buffers["optimizer"]]).items()
         if k not in weights and k not in grads
     }
     return {"weights": sum(weights.values()), "gradients": sum(grads.values()), "optimizer": sum(state.values())}
