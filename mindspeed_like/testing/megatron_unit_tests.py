@@ -86,6 +86,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="more flags for the import line's MINDSPEED_LIKE_ARGS, e.g. '--no-use-flash-attn' to find which "
         "feature changes a test's result (ranks launched for a test get the same)",
     )
+    group.addoption(
+        "--megatron-launch-size",
+        type=int,
+        default=None,
+        help="run every selected test straight under this many ranks, without the world-size-1 pass first "
+        "(the tests an earlier record set aside for more ranks: `run.py --rank-skips-of RECORD`)",
+    )
     group.addoption("--megatron-child", default=None, help=argparse_suppress())
 
 
@@ -133,6 +140,12 @@ class _State:
         self.stall_s = options.megatron_stall_s
         self.host_cuda = not options.megatron_no_host_cuda
         self.extra_args = options.megatron_extra_args
+        self.launch_size = options.megatron_launch_size
+        if self.launch_size is not None and self.launch_size not in self.sizes:
+            raise pytest.UsageError(
+                f"megatron-unit: --megatron-launch-size {self.launch_size} is not one of the allowed sizes "
+                f"--megatron-ranks {options.megatron_ranks}; add it there"
+            )
         self.outcomes = Outcomes()
         self.deferred: dict[int, list[str]] = {}
         self.items: dict[str, pytest.Item] = {}
@@ -280,6 +293,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     from _pytest.runner import runtestprotocol
 
     _progress(item, state)
+    if state.launch_size is not None:  # known to want ranks: no world-size-1 pass first
+        state.deferred.setdefault(state.launch_size, []).append(item.nodeid)
+        return True
     with _time_limit(TEST_TIMEOUT_S):
         reports = runtestprotocol(item, nextitem=nextitem, log=False)
     _release_test_instance(item)

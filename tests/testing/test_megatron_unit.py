@@ -113,11 +113,15 @@ def test_extra_import_line_flags_reach_the_ranks(tmp_path: Path) -> None:
     assert plugin.import_line_args(0) == "--device cpu --transfer-to-host --optimization-level 0"
     options = argparse.Namespace(
         megatron_ranks="2,4", megatron_child=None, megatron_record=None, megatron_stall_s=300.0,
-        megatron_no_host_cuda=False, megatron_extra_args="--no-use-flash-attn",
+        megatron_no_host_cuda=False, megatron_extra_args="--no-use-flash-attn", megatron_launch_size=None,
     )  # fmt: skip
     state = plugin._State(None, 1, options)
     args = plugin.rank_pytest_args(str(tmp_path), state)
     assert "--megatron-extra-args=--no-use-flash-attn" in args and "--megatron-level=1" in args
+    # a launch size the sizes do not allow is refused at the start, naming the option to add it to
+    options.megatron_launch_size = 8
+    with pytest.raises(pytest.UsageError, match="--megatron-launch-size 8 is not one of the allowed sizes"):
+        plugin._State(None, 1, options)
 
 
 @pytest.mark.parametrize(
@@ -300,6 +304,50 @@ def test_pieces_merge_into_one_level_record(tmp_path: Path) -> None:
     assert record["extra"]["collected"] == 2 and record["extra"]["passed"] == 2
     assert record["extra"]["wall_s_per_world_size"] == {"2": 2.0}
     assert len(record["options"]["pieces"]) == 2 and record["options"]["level"] == 1
+
+
+def test_rank_skips_of_a_record_are_chunked_per_directory(tmp_path: Path) -> None:
+    """`run.py --rank-skips-of`: only the tests the record set aside for more ranks, by directory."""
+    from mindspeed_like.testing.megatron_unit.run import rank_skips
+
+    outcomes = Outcomes()
+    skip = "megatron-unit needs-more-ranks: written for 8 ranks; the harness launches [2, 4]"
+    for i in range(5):
+        outcomes.settle(f"tests/unit_tests/models/test_a.py::t{i}", "skipped", 1, "needs-more-ranks", skip)
+    outcomes.settle("tests/unit_tests/fusions/test_b.py::t", "skipped", 1, "needs-more-ranks", skip)
+    outcomes.settle("tests/unit_tests/fusions/test_b.py::u", "skipped", 1, "megatron-skip", "flaky")
+    outcomes.settle("tests/unit_tests/fusions/test_b.py::v", "passed", 1, None)
+    record = write(outcomes, tmp_path / "r.json", level=0, options={"ranks": [2, 4]}, command=["pytest"])
+    assert rank_skips(record, None, chunk=2) == [
+        ("fusions-1", ["tests/unit_tests/fusions/test_b.py::t"]),
+        ("models-1", ["tests/unit_tests/models/test_a.py::t0", "tests/unit_tests/models/test_a.py::t1"]),
+        ("models-2", ["tests/unit_tests/models/test_a.py::t2", "tests/unit_tests/models/test_a.py::t3"]),
+        ("models-3", ["tests/unit_tests/models/test_a.py::t4"]),
+    ]
+    assert [name for name, _ in rank_skips(record, ["fusions"], chunk=40)] == ["fusions-1"]
+
+
+def test_a_later_piece_settles_a_test_over_a_merged_record(tmp_path: Path) -> None:
+    """The 8-rank pieces merged over a level's record: their outcomes win, the record's pieces and
+    sizes carry over flat, and the wall time adds up."""
+    from mindspeed_like.testing.megatron_unit.record import merge
+
+    test = "tests/unit_tests/models/test_a.py::t"
+    base = Outcomes()
+    base.settle(test, "skipped", 1, "needs-more-ranks", "written for 8 ranks")
+    base.settle("tests/unit_tests/models/test_a.py::u", "passed", 2, None)
+    first = write(base, tmp_path / "p0.json", level=0, options={"ranks": [2, 4]}, command=["pytest", "first"])
+    level = merge(tmp_path / "level.json", [first], level=0)
+    eight = Outcomes()
+    eight.settle(test, "passed", 8, None)
+    eight.size_wall_s[8] = 5.0
+    part = write(eight, tmp_path / "p8.json", level=0, options={"ranks": [2, 4, 8]}, command=["pytest", "eight"])
+    record = json.loads(merge(tmp_path / "level.json", [level, part], level=0).read_text())
+    assert record["extra"]["passed"] == 2 and record["extra"]["skipped"] == 0
+    assert record["extra"]["world_sizes"] == {"2": 1, "8": 1}
+    assert record["options"]["ranks"] == [2, 4, 8]
+    assert [p["command"][-1] for p in record["options"]["pieces"]] == ["first", "eight"]
+    assert record["extra"]["wall_s_per_world_size"]["8"] == 5.0
 
 
 @pytest.mark.parametrize(

@@ -110,13 +110,15 @@ def merge(
     out: Path, parts: list[Path], *, level: int, command: list[str] | None = None, reclassify: bool = False
 ) -> Path:
     """One level's record from the records of its pieces (directories run one pytest at a time, so
-    the host is never loaded by one long session): tests and classes as the pieces recorded them,
-    the wall time the sum of the pieces', each piece's command kept in ``options.pieces``."""
+    the host is never loaded by one long session): tests and classes as the pieces recorded them (a
+    later part's outcome of a test wins), the wall time the sum of the pieces', each piece's command
+    kept in ``options.pieces``, the launch sizes the union of the parts'."""
     import json
 
     outcomes = Outcomes()
     wall = 0.0
-    pieces = []
+    pieces: list[dict[str, Any]] = []
+    ranks: set[int] = set()
     for part in parts:
         data = json.loads(Path(part).read_text())
         for row in data["rows"]:
@@ -131,9 +133,15 @@ def merge(
         wall += data["extra"]["wall_s"]
         for size, seconds in data["extra"].get("wall_s_per_world_size", {}).items():
             outcomes.size_wall_s[int(size)] = outcomes.size_wall_s.get(int(size), 0.0) + seconds
-        pieces.append({"command": data["command"], "started_at": data["started_at"], "wall_s": data["extra"]["wall_s"]})
+        ranks.update(data["options"].get("ranks", []))
+        # a merged record as a part (a level's record with more pieces over it): its own pieces, flat
+        pieces.extend(
+            data["options"].get("pieces")
+            or [{"command": data["command"], "started_at": data["started_at"], "wall_s": data["extra"]["wall_s"]}]
+        )
     options = dict(json.loads(Path(parts[0]).read_text())["options"]) if parts else {}
     options.pop("level", None)
+    options["ranks"] = sorted(ranks)
     options["pieces"] = pieces
     options["failures_reclassified_from_kept_reason"] = reclassify
     path = write(

@@ -8,11 +8,18 @@ results/megatron-unit-<level>.json (``record.merge``). Two names are sets rather
 
     python -m mindspeed_like.testing.megatron_unit.run --level 0 --record results/megatron-unit-0.json \
         [--ranks 2,4] [--dirs fusions tensor_parallel ...] [-- extra pytest arguments]
+
+With ``--rank-skips-of RECORD --ranks 2,4,8`` it runs only the tests RECORD set aside for more ranks
+than RECORD's run allowed, straight under the largest size (no world-size-1 pass: they are known to
+want ranks), in chunks of ``--chunk`` tests, and merges them over RECORD: the same outcomes as one
+run allowing 8 from the start, without the ~1.5 hours of tests already settled. ``--resume`` keeps a
+chunk whose record exists (a stopped run goes on where it stopped).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +28,8 @@ from pathlib import Path
 
 from mindspeed_like.testing.megatron_unit import checkout
 from mindspeed_like.testing.megatron_unit.record import merge
+
+RANK_SKIP_CLASS = "needs-more-ranks"
 
 DIRS = [
     "fusions",
@@ -44,24 +53,68 @@ def piece_args(unit: Path, piece: str, pieces: list[str]) -> list[str]:
     return [str(unit / piece)]
 
 
+def rank_skips(record: Path, dirs: list[str] | None, chunk: int) -> list[tuple[str, list[str]]]:
+    """The tests ``record`` set aside for more ranks, as (piece name, node ids) chunks per directory
+    (only ``dirs`` when given; the record's directory names, e.g. ``transformer/moe``)."""
+    rows = [r for r in json.loads(record.read_text())["rows"] if r.get("table") == "tests"]
+    by_dir: dict[str, list[str]] = {}
+    for row in rows:
+        if row["class"] == RANK_SKIP_CLASS and (not dirs or row["dir"] in dirs):
+            by_dir.setdefault(row["dir"], []).append(row["test"])
+    pieces = []
+    for directory, nodeids in sorted(by_dir.items()):
+        for start in range(0, len(nodeids), chunk):
+            pieces.append((f"{directory}-{start // chunk + 1}", nodeids[start : start + chunk]))
+    return pieces
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mindspeed_like.testing.megatron_unit.run")
     parser.add_argument("--level", type=int, default=0)
     parser.add_argument("--ranks", default="2,4")
-    parser.add_argument("--dirs", nargs="+", default=DIRS)
+    parser.add_argument("--dirs", nargs="+", default=None, help=f"default: {' '.join(DIRS)}")
     parser.add_argument("--record", type=Path, required=True)
     parser.add_argument("--pieces-dir", type=Path, default=Path("build/megatron-unit"))
+    parser.add_argument(
+        "--rank-skips-of",
+        type=Path,
+        default=None,
+        help="run only the tests this record set aside for more ranks, under the largest --ranks size, "
+        "and merge them over it (--dirs then filters the record's directories)",
+    )
+    parser.add_argument("--chunk", type=int, default=40, help="tests per piece with --rank-skips-of")
+    parser.add_argument("--resume", action="store_true", help="keep a piece whose record exists")
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args(argv)
+    if args.rank_skips_of is not None:
+        if not args.rank_skips_of.exists():
+            parser.error(f"--rank-skips-of {args.rank_skips_of}: no such record (run the level without it first)")
+        recorded = json.loads(args.rank_skips_of.read_text()).get("options", {}).get("level")
+        if recorded != args.level:
+            parser.error(f"--rank-skips-of {args.rank_skips_of} is a level-{recorded} record; --level is {args.level}")
     try:
         found = checkout.check(checkout.find_root([]))
     except checkout.CheckoutError as error:
         print(f"megatron-unit: {error}", file=sys.stderr)
         return 2
     args.pieces_dir.mkdir(parents=True, exist_ok=True)
-    parts, failed = [], False
-    for piece in args.dirs:
+    sizes = sorted(int(s) for s in args.ranks.split(",") if s.strip())
+    if args.rank_skips_of is not None:
+        planned = [
+            (f"ws{sizes[-1]}-{name}", [f"--megatron-launch-size={sizes[-1]}", *(str(found.root / n) for n in ids)])
+            for name, ids in rank_skips(args.rank_skips_of, args.dirs, args.chunk)
+        ]
+        parts, failed = [args.rank_skips_of], False
+    else:
+        dirs = args.dirs or DIRS
+        planned = [(piece, piece_args(found.unit_tests, piece, dirs)) for piece in dirs]
+        parts, failed = [], False
+    for piece, paths in planned:
         part = args.pieces_dir / f"L{args.level}-{piece.replace('/', '-').replace('.py', '')}.json"
+        if args.resume and part.exists():
+            print(f"== megatron-unit L{args.level} {piece}: kept ({part})", flush=True)
+            parts.append(part)
+            continue
         # its own basetemp: megatron's tmp_path_dist_ckpt (the basetemp's grandparent / "tmp_dist_ckpt")
         # is then this piece's, not shared with a run of another level beside it
         piece_tmp = (args.pieces_dir / "tmp" / part.stem).resolve()
@@ -73,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             "-p", "no:cacheprovider", "-o", "addopts=", "-q", "-W", "ignore", "-rN", f"--rootdir={found.root}",
             f"--megatron-level={args.level}", f"--megatron-ranks={args.ranks}", f"--megatron-record={part}",
             f"--basetemp={piece_tmp / 'basetemp'}",
-            *args.pytest_args, *piece_args(found.unit_tests, piece, args.dirs),
+            *args.pytest_args, *paths,
         ]  # fmt: skip
         started = time.monotonic()
         print(f"== megatron-unit L{args.level} {piece}", flush=True)
