@@ -68,7 +68,7 @@ def host_defaults(args) -> list[str]:
     if not _installed("apex"):
         change("no_persist_layer_norm", True, "persistent LayerNorm needs apex")
     parallel = getattr(args, "tensor_model_parallel_size", 1) > 1 or getattr(args, "context_parallel_size", 1) > 1
-    if parallel and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+    if parallel and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ and not _max_connections_one_only_warned(args):
         # Megatron asserts this for TP/CP on GPUs (kernel ordering across streams). A host runs
         # in program order, which is what the setting asks for; set it so the check passes.
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
@@ -76,6 +76,20 @@ def host_defaults(args) -> list[str]:
     if changes and getattr(args, "rank", 0) == 0:
         logger.warning("mindspeed_like cpu-training-loop adjusted Megatron-LM arguments:\n  %s", "\n  ".join(changes))
     return changes
+
+
+def _max_connections_one_only_warned(args) -> bool:
+    """Where Megatron-LM's ``validate_args`` does not ask ``CUDA_DEVICE_MAX_CONNECTIONS=1`` for TP/CP.
+
+    With ``--use-torch-fsdp2`` or ``--use-megatron-fsdp`` it only warns about TP/CP there and
+    asserts the opposite (``!= "1"``: "FSDP always requires CUDA_DEVICE_MAX_CONNECTIONS value large
+    than one"), so setting it stopped every FSDP run with TP or CP on a host; with
+    ``--overlap-moe-expert-parallel-comm`` it only warns as well.
+    """
+    return any(
+        getattr(args, name, False)
+        for name in ("use_torch_fsdp2", "use_megatron_fsdp", "overlap_moe_expert_parallel_comm")
+    )
 
 
 def te_layers_available() -> bool:
