@@ -40,6 +40,7 @@ DIRS = [
     "transformer",
     "transformer/moe",
     "dist_checkpointing",
+    "distributed",
 ]
 CI_DIRS = ["fusions", "tensor_parallel", "models/test_gpt_model.py"]
 
