@@ -44,6 +44,11 @@ and nothing in the step reads tensor data on the host (no sync on an accelerator
 fp32 workspace is one piece's grads, masters and decoded moments (TE's unfused path materializes
 fp32 copies of every non-fp32 state).
 
+DTensor parameters (Megatron-FSDP hands the optimizer DTensor shards of its buffers): the step
+works on each one's local shard (the bytes this rank holds and updates, as TE's FusedAdam does),
+and its states are DTensors of the same global shape and placements over the local segments, so a
+sharded checkpoint (megatron's ``fsdp_dtensor``) saves and loads every rank's part of them.
+
 A skipped step (megatron found inf/nan in the grads) never calls :meth:`step`; nothing here
 changes state outside :meth:`step`, :meth:`set_scaled_state` and :meth:`load_state_dict`.
 """
@@ -181,6 +186,7 @@ class _Bucket:
     align: int = BLOCK  # segment alignment: BLOCK when a state is block scaled, else 1 (no padding)
     stores: dict[str, _Store] = field(default_factory=dict)
     remainders: torch.Tensor | None = None
+    shapes: list[torch.Size] = field(default_factory=list)  # each param's local shape (a DTensor's shard)
     plans: dict[int, list[tuple[int, int, list[tuple[int, int, int]]]]] = field(default_factory=dict)
 
     def chunks(self, chunk: int) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
@@ -193,19 +199,46 @@ class _Bucket:
             for lo in range(0, self.size, chunk):
                 hi = min(self.size, lo + chunk)
                 pieces = []
-                for i, p in enumerate(self.params):
-                    a, b = max(lo, self.offsets[i]) - self.offsets[i], min(hi, self.offsets[i] + p.numel())
+                for i in range(len(self.params)):
+                    a, b = max(lo, self.offsets[i]) - self.offsets[i], min(hi, self.offsets[i] + self.numel(i))
                     if b - self.offsets[i] > a:
                         pieces.append((i, a, b - self.offsets[i]))
                 plan.append((lo, hi, pieces))
         return plan
 
+    def numel(self, i: int) -> int:
+        return self.shapes[i].numel()
+
     def segment(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return flat[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
+        return flat[self.offsets[i] : self.offsets[i] + self.numel(i)].view(self.shapes[i])
 
     def segments(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [self.segment(flat, i) for i in range(len(self.params))]
+
+
+def _is_dtensor(t: object) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its own storage: what the step reads and writes), any other tensor itself."""
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a state of ``param``'s local shard) as ``param`` is: a DTensor with its global shape
+    and placements when ``param`` is one (a sharded checkpoint then keys every rank's part), else itself."""
+    if not _is_dtensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def _workspace(bucket: _Bucket, tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -299,18 +332,19 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
             )
             align = BLOCK if scaled & set(_RANGE) else 1
             offsets, size = [], 0
-            for p in params:
+            locals_ = [_local(p.detach()) for p in params]
+            for local in locals_:
                 offsets.append(size)
-                size += _pad(p.numel(), align)
-            device = params[0].device
-            bucket = _Bucket(params, offsets, size, master, align)
+                size += _pad(local.numel(), align)
+            device = locals_[0].device
+            bucket = _Bucket(params, offsets, size, master, align, shapes=[local.shape for local in locals_])
             bucket.stores["exp_avg"] = _new_store(self.exp_avg_dtype, size, device)
             bucket.stores["exp_avg_sq"] = _new_store(self.exp_avg_sq_dtype, size, device, sqrt_domain=True)
             if bucket.master == "remainder":
                 bucket.remainders = torch.zeros(size, dtype=torch.int16, device=device)
             elif bucket.master == "buffer":
                 store = _new_store(self.master_weight_dtype, size, device)
-                store.encode(_workspace(bucket, [p.detach() for p in params], device))
+                store.encode(_workspace(bucket, locals_, device))
                 bucket.stores["master_param"] = store
             for i, p in enumerate(params):
                 self._buckets[id(p)] = bucket
@@ -321,9 +355,9 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         bucket, i = self._buckets[id(p)], self._index[id(p)]
         state = self.state[p]
         for name, store in bucket.stores.items():
-            state[name] = bucket.segment(store.data, i)
+            state[name] = _like(p, bucket.segment(store.data, i))
         if bucket.master == "remainder":
-            state["master_param"] = bucket.segment(bucket.remainders, i)
+            state["master_param"] = _like(p, bucket.segment(bucket.remainders, i))
         elif bucket.master == "param" and self.master_weights:
             state["master_param"] = p.detach()
 
@@ -345,7 +379,7 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
     def _scaled_view(self, p: torch.Tensor, name: str) -> tuple[_Store, slice]:
         bucket, i = self._buckets[id(p)], self._index[id(p)]
         start = bucket.offsets[i]
-        return bucket.stores[name], slice(start, start + _pad(p.numel(), bucket.align))
+        return bucket.stores[name], slice(start, start + _pad(bucket.numel(i), bucket.align))
 
     def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
         """fp32 value of a state. A remainder master is returned as the exact fp32 master (TE returns
@@ -365,13 +399,16 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         sub = _Store(
             store.dtype, store.data[seg], store.scales[seg.start // BLOCK : seg.stop // BLOCK], store.sqrt_domain
         )
-        return sub.decode()[: param.numel()].view(param.shape)
+        local = _local(param.detach())
+        return _like(param, sub.decode()[: local.numel()].view(local.shape))
 
     def set_scaled_state(self, param: torch.Tensor, state_name: str, unscaled_state: torch.Tensor) -> None:
         """Store an fp32 value (int16 for a remainder master) into a state, encoding as its dtype."""
         self._ensure(param)
         bucket = self._buckets[id(param)]
-        view = self.state[param][state_name]
+        view = _local(self.state[param][state_name])
+        unscaled_state = _local(unscaled_state)
+        data = _local(param.detach())  # the param's own (local) storage
         if state_name == "master_param" and bucket.master == "remainder":
             if unscaled_state.dtype == torch.int16:  # TE's form: the remainder of the current bf16 param
                 view.copy_(unscaled_state.view(view.shape))
@@ -381,13 +418,13 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
                     f"master_param takes the fp32 master or TE's int16 remainder, got {unscaled_state.dtype}"
                 )
             # an fp32 master (megatron's checkpoints): weight = master rounded ties away, remainder = low half
-            bits = unscaled_state.reshape(param.shape).contiguous().view(torch.int32)
-            low = bits.view(torch.int16).view(-1, 2)[:, 0].view(param.shape)
+            bits = unscaled_state.reshape(data.shape).contiguous().view(torch.int32)
+            low = bits.view(torch.int16).view(-1, 2)[:, 0].view(data.shape)
             view.copy_(low)
-            param.data.copy_((bits - low).view(torch.float32))
+            data.copy_((bits - low).view(torch.float32))
             return
         if state_name == "master_param" and bucket.master == "param":
-            param.data.copy_(unscaled_state.view(param.shape))
+            data.copy_(unscaled_state.view(data.shape))
             return
         if unscaled_state.dtype != torch.float32:
             raise TypeError(f"set_scaled_state takes the fp32 value of {state_name!r}, got {unscaled_state.dtype}")
@@ -397,7 +434,7 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
             return
         _, seg = self._scaled_view(param, state_name)
         x = torch.zeros(seg.stop - seg.start, dtype=torch.float32, device=view.device)
-        x[: param.numel()].copy_(unscaled_state.reshape(-1))
+        x[: data.numel()].copy_(unscaled_state.reshape(-1))
         sub = _Store(
             store.dtype, store.data[seg], store.scales[seg.start // BLOCK : seg.stop // BLOCK], store.sqrt_domain
         )
@@ -408,8 +445,9 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         self._ensure(param)
         kind = self._buckets[id(param)].master
         if kind == "remainder":
-            bits = param.detach().float().view(torch.int32) + self.state[param]["master_param"].to(torch.int32)
-            return bits.view(torch.float32)
+            remainder = _local(self.state[param]["master_param"]).to(torch.int32)
+            bits = _local(param.detach()).float().view(torch.int32) + remainder
+            return _like(param, bits.view(torch.float32))
         if kind == "param":
             return param.detach().float()
         return self.get_unscaled_state(param, "master_param")
@@ -486,11 +524,12 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         frozen = [i for i, g in enumerate(grads) if g is None]
         if len(frozen) == len(grads):
             return
-        device = bucket.params[0].device
+        datas = [_local(p.detach()) for p in bucket.params]
+        device = datas[0].device
         saved = self._snapshot(bucket, frozen)
-        flat_grads = [None if x is None else x.detach().reshape(-1) for x in grads]
+        flat_grads = [None if x is None else _local(x.detach()).reshape(-1) for x in grads]
         # megatron's params are contiguous views; any other is stepped in a contiguous copy
-        flat_params = [p.detach().reshape(-1) if p.is_contiguous() else p.detach().flatten() for p in bucket.params]
+        flat_params = [d.reshape(-1) if d.is_contiguous() else d.flatten() for d in datas]
         chunk = step_chunk(bucket.params[0])
         workspace = torch.empty(2, min(chunk, bucket.size), dtype=torch.float32, device=device)
         for lo, hi, pieces in bucket.chunks(chunk):
@@ -519,9 +558,9 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
             m_store.encode(m)
             v_store.encode(v)
             self._store_master(bucket, lo, hi, pieces, flat_params, w)
-        for p, flat in zip(bucket.params, flat_params):
-            if not p.is_contiguous():
-                p.detach().copy_(flat.view(p.shape))
+        for data, flat in zip(datas, flat_params):
+            if not data.is_contiguous():
+                data.copy_(flat.view(data.shape))
         self._restore(bucket, saved)
 
     @staticmethod
@@ -559,9 +598,8 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         so such a param's weight and state stay bit for bit (their segments are whole blocks)."""
         saved = []
         for i in frozen:
-            p = bucket.params[i]
-            seg = slice(bucket.offsets[i], bucket.offsets[i] + _pad(p.numel(), bucket.align))
-            views = [p.detach()]
+            seg = slice(bucket.offsets[i], bucket.offsets[i] + _pad(bucket.numel(i), bucket.align))
+            views = [_local(bucket.params[i].detach())]
             for store in bucket.stores.values():
                 views.append(store.data[seg])
                 if store.scales is not None:

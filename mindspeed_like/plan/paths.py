@@ -34,6 +34,8 @@ class Paths:
     grouped_gemm: bool = False
     reuse_fp32_param: bool = False
     precision_aware_portable: bool = False
+    # Megatron-FSDP (bf16, a sharding strategy): masters as int16 remainders, bf16 grads and moments
+    megatron_fsdp_lean_state: bool = False
     host_allocator: bool = False  # glibc keeps every freed block (a CPU host only)
     # fsdp2-config's sharding_size under --use-torch-fsdp2 (HSDP): the ranks a parameter is sharded over,
     # where smaller than the data-parallel group (replicated across the groups); None: the whole group
@@ -75,6 +77,10 @@ def feature_paths(run: Run, enabled: Collection[str], config: Mapping[str, Any])
         # reuse-fp32-param acts on bf16 mixed precision only (megatron's Float16 / Distributed optimizer)
         reuse_fp32_param="reuse-fp32-param" in on and bf16,
         precision_aware_portable="precision-aware-optimizer" in on and run.precision.precision_aware_optimizer,
+        megatron_fsdp_lean_state="megatron-fsdp-lean-state" in on
+        and bf16
+        and layout.fsdp == "megatron_fsdp"
+        and layout.sharding_strategy != "no_shard",
         # it stands aside where the tensors are not in host memory (docs/features/host-allocator.md)
         host_allocator="host-allocator" in on and run.device == "cpu",
         **fsdp2_fields(run, on, config),

@@ -169,8 +169,9 @@ def model_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]
 def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
     """One rank's model state under megatron's FSDP paths (plan/fsdp.py): torch FSDP2's DTensor
     shards (over fsdp2-config's HSDP shard group where it sets one), Megatron-FSDP's buffers by
-    strategy. This library's state features (reuse-fp32-param, the precision-aware optimizer) are
-    not modeled on these paths: megatron's figures in both arms."""
+    strategy; under Megatron-FSDP with megatron-fsdp-lean-state (bf16) its remainder masters and bf16
+    gradients and moments. reuse-fp32-param and the precision-aware optimizer's own dtypes are not
+    modeled on these paths."""
     from mindspeed_like.plan import fsdp
 
     prec, lay = run.precision, run.layout
@@ -227,6 +228,8 @@ def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
             )
         )
         master = f"main-weight buffer (fp32 masters, {part})"
+    if paths.megatron_fsdp_lean_state and lay.fsdp == fsdp.MEGATRON_FSDP:
+        return lines[:1] + _lean_state(n, grads_sharded, sharded, numel, group)
     if prec.params != "fp32" and master:
         lines.append(Line("optimizer", master, 4 * n, feature))
     if prec.optimizer == "sgd":
@@ -238,6 +241,20 @@ def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
         lines.append(Line("optimizer", f"{adam} {name} (fp32)", 4 * n, feature))
     lines.append(Line("optimizer", f"{adam} step counters (one fp32 per parameter tensor)", 4 * len(params)))
     return lines
+
+
+def _lean_state(n: int, grads_sharded: bool, sharded: int, numel: int, group: int) -> list[Line]:
+    """megatron-fsdp-lean-state's buffers and optimizer state (features/megatron_fsdp_lean_state): no
+    main-weight buffer, a bf16 main-grad buffer, and the precision-aware Adam over the bf16 weight shard
+    (an int16 remainder per element, bf16 moments, one step count per group, no tensor)."""
+    feature = "megatron-fsdp-lean-state"
+    part = f"1/{group}" if grads_sharded else "whole"
+    return [
+        Line("gradients", f"main-grad buffer (bf16, {part})", 2 * (sharded if grads_sharded else numel), feature),
+        Line("optimizer", "int16 master remainders (master = bf16 weight shard + remainder)", 2 * n, feature),
+        Line("optimizer", "Adam exp_avg (bf16)", 2 * n, feature),
+        Line("optimizer", "Adam exp_avg_sq (bf16)", 2 * n, feature),
+    ]
 
 
 def totals(lines: list[Line]) -> dict[str, int]:

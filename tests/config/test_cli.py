@@ -71,7 +71,10 @@ def test_features_shows_levels_their_members_and_the_level_in_effect():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "level 1 = results bitwise or within fp32 rounding" in out
-    members_2 = "fused-linear-cross-entropy, moe-zero-memory, recompute-activation-function, reuse-fp32-param"
+    members_2 = (
+        "fused-linear-cross-entropy, megatron-fsdp-lean-state, moe-zero-memory, recompute-activation-function, "
+        "reuse-fp32-param"
+    )
     assert f"2: + the features that trade numerics or time for memory: {members_2}" in out
     assert "optimization level 1 in effect; set explicitly (overriding it): reuse_fp32_param" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}

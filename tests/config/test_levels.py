@@ -22,7 +22,7 @@ LEVEL_1 = {
     "tp-overlap",
     "upcast-cpu-gemm",
 }
-LEVEL_2 = LEVEL_1 | {"moe-zero-memory", "recompute-activation-function", "reuse-fp32-param"}
+LEVEL_2 = LEVEL_1 | {"megatron-fsdp-lean-state", "moe-zero-memory", "recompute-activation-function", "reuse-fp32-param"}
 LEVELED = LEVEL_2
 ALWAYS = {"cpu-adapter", "cpu-training-loop", "megatron-lm-arguments"}
 

@@ -267,3 +267,29 @@ def test_megatron_fsdp_shards_an_experts_parameters_over_its_expert_data_paralle
     dense = sum(-(-p.numel // 2) for p in params if not p.expert)
     experts = sum(p.numel for p in params if p.expert)
     assert experts and grads == 4 * (dense + experts)
+
+
+def test_megatron_fsdp_lean_state_is_the_features_arms_layout_at_level_2(capsys) -> None:
+    """megatron-fsdp-lean-state (level 2, bf16, Megatron-FSDP): the features arm keeps the bf16 weight
+    shard, a bf16 main-grad shard, and int16 remainders + bf16 moments (no fp32 main-weight buffer, no
+    step tensors): 10/DP bytes a parameter where megatron's arm holds 18/DP; level 1 leaves it as megatron's."""
+    argv = "--preset llama --num-layers 2 --hidden-size 256 --seq-length 256 --micro-batch-size 2".split()
+    argv += [
+        "--data-parallel-size",
+        "2",
+        "--use-megatron-fsdp",
+        "--data-parallel-sharding-strategy",
+        "optim_grads_params",
+    ]
+    assert cli.main([*argv, "--optimization-level", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["per_rank"][0]
+    megatron, lean = out["megatron"], out["features"]
+    shard = megatron["weights_bytes"]  # bf16 shard: one byte a parameter at DP 2
+    assert lean["weights_bytes"] == shard
+    assert megatron["gradients_bytes"] == 2 * shard and lean["gradients_bytes"] == shard
+    assert lean["optimizer_bytes"] == 3 * shard
+    assert 6 * shard < megatron["optimizer_bytes"] <= 6 * shard + 4 * 64
+    assert cli.main([*argv, "--optimization-level", "1"]) == 0
+    text = capsys.readouterr().out
+    assert cli.main([*argv, "--optimization-level", "2"]) == 0
+    assert "megatron-fsdp-lean-state" in capsys.readouterr().out and "megatron-fsdp-lean-state" not in text

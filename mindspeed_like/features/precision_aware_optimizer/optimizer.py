@@ -112,7 +112,8 @@ class ConfigPostInit:
 class BuildOptimizer:
     """Wrapper of ``_get_megatron_optimizer_based_on_param_groups``: our Adam for precision-aware configs.
 
-    reuse_fp32_param: that feature is on; it cannot be combined (:func:`conflict`): handed to
+    reuse_fp32_param: that feature is on; it cannot be combined (:func:`conflict`, except over
+    Megatron-FSDP chunks, where reuse-fp32-param steps aside by itself): handed to
     ``resolve_conflict`` (the runtime's: a level's reuse-fp32-param steps aside, switched off
     before this optimizer is built; asked for by name, the error), or raised without one."""
 
@@ -120,10 +121,11 @@ class BuildOptimizer:
     resolve_conflict: Callable[[LevelConflict], object] | None = None
 
     def __call__(self, wrapped, instance, args, kwargs):
-        config = Call(wrapped, args, kwargs)["config"]
+        call = Call(wrapped, args, kwargs)
+        config = call["config"]
         if not getattr(config, "use_precision_aware_optimizer", False) or te_fused_adam_available():
             return wrapped(*args, **kwargs)
-        if self.reuse_fp32_param:
+        if self.reuse_fp32_param and not _megatron_fsdp(call.get("model_chunks")):
             if self.resolve_conflict is None:
                 raise conflict()
             self.resolve_conflict(conflict())
@@ -144,6 +146,13 @@ class BuildOptimizer:
         finally:
             for m, name, value in saved:
                 setattr(m, name, value)
+
+
+def _megatron_fsdp(model_chunks) -> bool:
+    """Whether the optimizer is built over Megatron-FSDP chunks, where reuse-fp32-param steps aside by
+    itself (its masters are Megatron-FSDP's buffers): no conflict to resolve there."""
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    return any(getattr(getattr(c, "ddp_config", None), "use_megatron_fsdp", False) for c in chunks)
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,7 @@ def unsupported_reason(opt) -> str | None:
 
     ddp = opt.ddp_config
     if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
-        return "megatron FSDP"
+        return "megatron FSDP (its masters are Megatron-FSDP's buffers; megatron-fsdp-lean-state shrinks them)"
     if getattr(opt.config, "use_precision_aware_optimizer", False):
         return "precision-aware optimizer"
     if getattr(ddp, "num_distributed_optimizer_instances", 1) != 1:

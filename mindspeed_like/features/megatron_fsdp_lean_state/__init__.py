@@ -1,0 +1,75 @@
+"""megatron-fsdp-lean-state (``--megatron-fsdp-lean-state``, optimization level 2): the savings of
+reuse-fp32-param and the precision-aware optimizer inside Megatron-FSDP's sharded buffers (bf16).
+
+Megatron-FSDP (``optim_grads_params``) keeps per rank a bf16 weight shard, an fp32 master shard (its
+main-weight buffer), an fp32 gradient shard and fp32 Adam moments: (2 + 4 + 4 + 8) / DP bytes a
+parameter. With this feature, under bf16 only:
+
+- no main-weight buffer (megatron's ``preserve_fp32_weights=False``): the optimizer steps the bf16
+  weight shard itself and keeps each fp32 master as that shard plus an int16 remainder (megatron's
+  precision-aware optimizer with ``store_param_remainders``; bit for bit the fp32 master, as
+  reuse-fp32-param's layout): 2 + 2 instead of 2 + 4;
+- bf16 gradient buffers (``grad_reduce_in_fp32=False``, megatron's ``--main-grads-dtype bf16``): 2;
+- bf16 Adam moments (``--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16``): 2 + 2.
+
+(2 + 2 + 2 + 4) / DP = 10 / DP bytes a parameter: 5.0 at DP 2 where megatron holds 9.0. Every
+piece is megatron's own option; megatron-core 0.16.1 leaves one link of it unwired (below), and the
+Adam is ours where TE's FusedAdam is absent (precision-aware-optimizer). Targets: ``state.py``.
+"""
+
+from __future__ import annotations
+
+from mindspeed_like.engine import Kind, Patch
+from mindspeed_like.features.megatron_fsdp_lean_state import state as s
+from mindspeed_like.toolkit.declaration import Context, Feature, Flag
+
+NAME = "megatron-fsdp-lean-state"
+
+
+def patches(ctx: Context) -> list[Patch]:
+    return [
+        Patch(
+            s.FSDP_INIT,
+            Kind.WRAP,
+            s.LeanBuffers(ctx.fallback(NAME, instead="keeping Megatron-FSDP's own buffers")),
+            why="no fp32 main-weight buffer, bf16 gradient buffers (bf16 runs under Megatron-FSDP)",
+            after=("cpu-adapter",),  # the host twin builds the wrapper from the config handed on here
+            before=("fix-megatron-fsdp-no-shard",),  # its refusal comes first
+        ),
+        Patch(
+            s.GET_OPTIMIZER,
+            Kind.WRAP,
+            s.LeanOptimizer(),
+            why="the precision-aware optimizer (remainder masters, bf16 moments) over the lean buffers",
+            before=("precision-check",),  # the run's precision is checked first
+        ),
+        Patch(
+            s.GRADS_FOR_NORM,
+            Kind.WRAP,
+            s.grads_for_norm,
+            why="the grad norm of a lean optimizer reads its decoupled gradients (megatron reads .grad, None)",
+        ),
+    ]
+
+
+FEATURE = Feature(
+    name=NAME,
+    summary="under Megatron-FSDP (bf16): masters as bf16 shard + int16 remainder, bf16 grads and moments: "
+    "10/DP B/param instead of 18/DP",
+    patches=patches,
+    flags=(
+        Flag(
+            "megatron_fsdp_lean_state",
+            bool,
+            False,
+            "under --use-megatron-fsdp with bf16: no fp32 main-weight buffer (each master is the bf16 weight "
+            "shard plus an int16 remainder in the precision-aware optimizer), bf16 gradient buffers and bf16 "
+            "Adam moments: (2+2+2+4)/DP bytes a parameter instead of (2+4+4+8)/DP",
+        ),
+    ),
+    switch_on={"megatron_fsdp_lean_state": True},
+    optimization_level=2,
+    precisions=("bf16",),
+)
+
+__all__ = ["FEATURE"]

@@ -1,0 +1,154 @@
+"""The wrappers of megatron-fsdp-lean-state, and why each target is the right one (megatron-core 0.16.1).
+
+* ``mcore_fsdp_adapter.FullyShardedDataParallel.__init__``: where Megatron-FSDP's buffers are sized
+  from the ``DistributedDataParallelConfig``. For a bf16 model (``config.bf16``) with a sharding
+  strategy other than ``no_shard`` the wrapper is built from a copy of that config with
+  ``preserve_fp32_weights=False`` (no main-weight buffer: ``ParamAndGradBuffer`` then registers the
+  bf16 weight shard as the optimizer's parameter) and ``grad_reduce_in_fp32=False`` (the gradient
+  buffer in the parameters' dtype). A copy, not the caller's object: megatron compares every chunk's
+  config with the optimizer's, and each chunk built here gets an equal one. The wrapper is marked, so
+  the optimizer built over it is the one that keeps the masters.
+* ``optimizer.get_megatron_optimizer``: over marked chunks the ``OptimizerConfig`` is megatron's
+  precision-aware optimizer (``use_precision_aware_optimizer=True``, ``main_grads_dtype`` and both
+  moments bf16 unless the caller asked for its own state dtypes, ``store_param_remainders``): the
+  Adam then keeps each fp32 master as the bf16 shard plus an int16 remainder. Any other optimizer
+  would step bf16 weights without masters: refused here, where the choice is made. Two links
+  megatron-core 0.16.1 leaves out of that path (its Megatron-FSDP and precision-aware code never
+  met) are made here:
+
+  - ``ParamAndGradBuffer.update_main_grads`` hands the optimizer ``.decoupled_grad`` only when the
+    buffer's ``use_precision_aware_optimizer`` attribute is set, and nothing in megatron-core sets it:
+    without it the gradients land on ``.grad`` and a precision-aware Adam, which reads
+    ``.decoupled_grad``, never updates a weight;
+  - ``MegatronOptimizer.get_main_grads_for_grad_norm`` reads a Megatron-FSDP parameter's ``.grad``
+    before it looks at ``.decoupled_grad``: the grad norm is 0 and clipping never acts. This
+    optimizer's ``get_main_grads_for_grad_norm`` (wrapped: only optimizers built here) reads the
+    decoupled gradients' local shards instead, with megatron's own filters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from mindspeed_like.toolkit.binding import Call
+from mindspeed_like.toolkit.errors import ConfigError
+from mindspeed_like.toolkit.fallback import Fallback
+
+FSDP_INIT = "megatron.core.distributed.fsdp.mcore_fsdp_adapter.FullyShardedDataParallel.__init__"
+GET_OPTIMIZER = "megatron.core.optimizer.get_megatron_optimizer"
+GRADS_FOR_NORM = "megatron.core.optimizer.optimizer.MegatronOptimizer.get_main_grads_for_grad_norm"
+MARK = "_mindspeed_lean_state"
+"""Set on a FullyShardedDataParallel built with the lean buffers (its optimizer must keep the masters)."""
+
+LEAN_DDP = {"preserve_fp32_weights": False, "grad_reduce_in_fp32": False}
+LEAN_OPTIMIZER = {
+    "use_precision_aware_optimizer": True,
+    "main_grads_dtype": torch.bfloat16,
+    "exp_avg_dtype": torch.bfloat16,
+    "exp_avg_sq_dtype": torch.bfloat16,
+    "store_param_remainders": True,
+}
+
+
+def unsupported_reason(config, ddp_config) -> str | None:
+    """Why this wrapper keeps Megatron-FSDP's own buffers (None: the lean ones apply)."""
+    if not getattr(ddp_config, "use_megatron_fsdp", False):
+        return None  # not Megatron-FSDP: nothing to say
+    if not getattr(config, "bf16", False):
+        return "not a bf16 model (the masters are the bf16 weights plus a remainder)"
+    if getattr(ddp_config, "data_parallel_sharding_strategy", "no_shard") == "no_shard":
+        return "data_parallel_sharding_strategy no_shard (no sharded buffers)"
+    if getattr(config, "fp8", None) or getattr(ddp_config, "fp8_param_gather", False):
+        return "fp8 parameters (their masters are the main-weight buffer)"
+    return None
+
+
+@dataclass(frozen=True)
+class LeanBuffers:
+    """Wrapper of ``FullyShardedDataParallel.__init__``: lean buffers for a bf16 model."""
+
+    fall_back: Fallback
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        call = Call(wrapped, args, kwargs)
+        config, ddp_config = call["config"], call["ddp_config"]
+        if not getattr(ddp_config, "use_megatron_fsdp", False):
+            return wrapped(*args, **kwargs)
+        reason = unsupported_reason(config, ddp_config)
+        if reason is not None:
+            self.fall_back(reason)
+            return wrapped(*args, **kwargs)
+        result = call(ddp_config=dataclasses.replace(ddp_config, **LEAN_DDP))
+        setattr(instance, MARK, True)
+        return result
+
+
+def _chunks(model_chunks) -> list:
+    return list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+
+
+def lean_config(config):
+    """``config`` as megatron's precision-aware optimizer with remainder masters; the caller's own
+    state dtypes are kept when it asked for the precision-aware optimizer itself."""
+    if getattr(config, "optimizer", "adam") != "adam":
+        raise ConfigError(
+            f"megatron-fsdp-lean-state keeps the fp32 masters in the precision-aware Adam; optimizer "
+            f"{config.optimizer!r} would step the bf16 weight shards without them. Use --optimizer adam, or "
+            "switch the feature off (--no-megatron-fsdp-lean-state)."
+        )
+    changes = dict(LEAN_OPTIMIZER)
+    if getattr(config, "use_precision_aware_optimizer", False):
+        changes = {"store_param_remainders": True}
+    if getattr(config, "main_params_dtype", torch.float32) != torch.float32:
+        raise ConfigError("megatron-fsdp-lean-state keeps fp32 masters (as remainders): --main-params-dtype fp32")
+    return dataclasses.replace(config, **changes)
+
+
+_LEAN_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class LeanOptimizer:
+    """Wrapper of ``get_megatron_optimizer``: the precision-aware optimizer over lean chunks."""
+
+    def __call__(self, wrapped, instance, args, kwargs):
+        call = Call(wrapped, args, kwargs)
+        chunks = _chunks(call["model_chunks"])
+        marked = [getattr(c, MARK, False) for c in chunks]
+        if not any(marked):
+            return wrapped(*args, **kwargs)
+        if not all(marked):
+            raise ConfigError("megatron-fsdp-lean-state: some model chunks were built without it; build all alike")
+        config = lean_config(call["config"])
+        for chunk in chunks:
+            chunk.param_and_grad_buffer.use_precision_aware_optimizer = True  # megatron-core never sets it
+        optimizer = call(config=config)
+        for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+            _LEAN_OPTIMIZERS.add(inner)
+        return optimizer
+
+
+def grads_for_norm(wrapped, instance, args, kwargs) -> list[torch.Tensor]:
+    """Wrapper of ``MegatronOptimizer.get_main_grads_for_grad_norm``: for an optimizer built over lean
+    chunks, megatron's filters over the decoupled gradients' local shards (a Megatron-FSDP parameter's
+    ``.grad`` is None under the precision-aware optimizer); any other optimizer, megatron's own."""
+    if instance not in _LEAN_OPTIMIZERS:
+        return wrapped(*args, **kwargs)
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.module import param_is_not_shared
+
+    grads = []
+    for param in instance.get_parameters():
+        grad = getattr(param, "decoupled_grad", None)
+        if grad is None:
+            continue
+        grad = getattr(grad, "_local_tensor", grad)
+        if param_is_not_shared(param) and tensor_parallel.param_is_not_tensor_parallel_duplicate(
+            param, getattr(instance, "tp_group", None)
+        ):
+            grads.append(grad)
+    return grads
