@@ -141,6 +141,10 @@ def test_ranks_needed_reads_megatrons_messages() -> None:
         reasons.ranks_needed("AssertionError: world size (1) is not divisible by total_model_size (total_model_size=4)")
         == 4
     )  # Megatron-LM's validate_args
+    assert (
+        reasons.ranks_needed("RuntimeError: Mesh should not be bigger than default world size 1, but found 8 ranks!")
+        == 8
+    )  # torch's init_device_mesh, as megatron_fsdp's tests call it
     assert reasons.ranks_needed("AssertionError: nope") is None
 
 

@@ -34,6 +34,8 @@ _NEEDS_RANKS = [
     re.compile(r"[Tt]est requires world_size=(\d+), but got"),
     # Megatron-LM's validate_args (megatron/training/arguments.py), which tests building from args reach
     re.compile(r"world size \((\d+)\) is not divisible by total_model_size \(total_model_size=(\d+)\)"),
+    # torch's init_device_mesh for a mesh larger than the world (megatron_fsdp's tests build 8-rank meshes)
+    re.compile(r"Mesh should not be bigger than default world size \d+, but found (\d+) ranks"),
 ]
 _WORLD_SIZE_SKIP = re.compile(r"world[_ ]size|GPUs|gpus|number of ranks|rank count", re.I)
 
