@@ -37,8 +37,10 @@ instead (``paths.fsdp2_fields``, state.py), a bool ``reshard_after_forward`` act
 ``num_to_forward_prefetch`` / ``num_to_backward_prefetch`` set the units in flight. Not modeled:
 Megatron-FSDP's HSDP (``--num-distributed-optimizer-instances``, its outer sharding), fsdp2-config's
 other keys (dtypes, units, an int reshard_after_forward, offload: said in the output), FP8 parameter gathering, CPU
-offloading, and this library's state features (reuse-fp32-param, the precision-aware optimizer's
-dtypes) on these paths: both arms are counted as megatron's.
+offloading, and this library's other state features (reuse-fp32-param under torch FSDP2, the
+precision-aware optimizer's dtypes asked for by name) on these paths: counted as megatron's. Level 2's
+megatron-fsdp-lean-state under Megatron-FSDP is modeled (state.py: no main-weight buffer, bf16 gradients,
+int16 remainders and bf16 moments).
 """
 
 from __future__ import annotations
