@@ -17,9 +17,13 @@ from __future__ import annotations
 import os
 import types
 
+import fsdp_layout_workers as workers
 import pytest
 
 from mindspeed_like.adapters.cpu_training.arguments import host_defaults
+from mindspeed_like.fixes import megatron_fsdp_hsdp_grad_reduce as hsdp_fix
+from mindspeed_like.testing import run_distributed
+from mindspeed_like.toolkit.errors import ConfigError
 
 
 def _args(**overrides) -> types.SimpleNamespace:
@@ -42,3 +46,115 @@ def test_max_connections_set_only_where_megatron_lm_asserts_it(monkeypatch, flag
     else:
         assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
         assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in line for line in changes)
+
+
+DROPOUT = dict(attention_dropout=0.1, hidden_dropout=0.1)  # Megatron-LM's default, drawn from megatron's RNGs
+DDP = dict(name="ddp", data_parallel="ddp")
+FSDP2 = dict(name="fsdp2", data_parallel="torch_fsdp2")
+DISTOPT = dict(name="distopt", data_parallel="ddp", use_distributed_optimizer=True)
+MFSDP = dict(
+    name="mfsdp", data_parallel="megatron_fsdp", ddp_options=dict(data_parallel_sharding_strategy="optim_grads_params")
+)
+
+
+def _train(layout: dict, cases: list[dict], model: dict | None = None, without: tuple[str, ...] = ()) -> dict:
+    return run_distributed(workers.train_layout, 4, layout, cases, {**DROPOUT, **(model or {})}, without, timeout=900)[
+        0
+    ]
+
+
+def test_torch_fsdp2_with_tensor_parallelism_trains_as_ddp():
+    """DP=2 x TP=2, the TE spec (te-backend), dropout on: FSDP2 shards each TP shard over the
+    data-parallel group; the same numbers as DDP with TP=2 (Megatron-LM's pretrain_gpt.py: every
+    printed digit equal, docs/features/fsdp.md)."""
+    losses = _train(dict(tp=2), [DDP, FSDP2])
+    assert losses["fsdp2"] == pytest.approx(losses["ddp"], rel=1e-6, abs=0)
+    assert losses["ddp"][-1] != losses["ddp"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout, model, rel",
+    [
+        (dict(tp=2), dict(transformer_impl="local"), 1e-6),
+        (dict(tp=2), dict(bf16=True), 2e-3),
+        (dict(cp=2), {}, 1e-6),
+    ],
+    ids=["tp2-local-spec", "tp2-bf16", "cp2"],
+)
+def test_torch_fsdp2_layouts_train_as_ddp(layout, model, rel):
+    losses = _train(layout, [DDP, FSDP2], model)
+    assert losses["fsdp2"] == pytest.approx(losses["ddp"], rel=rel, abs=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout, model",
+    [(dict(cp=2), {}), (dict(ep=2), dict(num_moe_experts=4)), (dict(tp=2), dict(attention_dropout=0.0))],
+    ids=["cp2", "moe-ep2", "tp2-no-attention-dropout"],
+)
+def test_megatron_fsdp_layouts_train_as_the_distributed_optimizer(layout, model):
+    losses = _train(layout, [DISTOPT, MFSDP], model)
+    assert losses["mfsdp"] == pytest.approx(losses["distopt"], rel=1e-6, abs=0)
+
+
+@pytest.mark.slow
+def test_megatron_fsdp_with_tp_draws_tp_rank_0s_dropout_masks():
+    """Megatron-FSDP's wrapper broadcasts TP rank 0's RNG states, megatron's model-parallel tracker's
+    included, to every TP rank (``FullyShardedDataParallel.sync_rng_states_across_tp_group``, on every
+    device): dropout inside tensor-parallel regions (attention's) then draws the same masks on every
+    TP rank, where DDP draws each rank's own. megatron's choice, not a host effect: the first forward
+    already differs, and without that broadcast the run equals the distributed optimizer's."""
+    losses = _train(dict(tp=2), [DISTOPT, MFSDP, dict(MFSDP, name="mfsdp-own-rng", keep_tp_rng=True)])
+    assert losses["mfsdp"][0] != losses["distopt"][0]
+    assert losses["mfsdp-own-rng"] == pytest.approx(losses["distopt"], rel=1e-6, abs=0)
+
+
+HSDP_CASES = [
+    DISTOPT,
+    MFSDP,
+    dict(
+        name="optim_grads",
+        data_parallel="megatron_fsdp",
+        ddp_options=dict(data_parallel_sharding_strategy="optim_grads"),
+    ),
+    dict(
+        name="outer-optim",
+        data_parallel="megatron_fsdp",
+        ddp_options=dict(data_parallel_sharding_strategy="optim_grads_params", outer_dp_sharding_strategy="optim"),
+    ),
+]
+
+
+@pytest.mark.slow
+def test_megatron_fsdp_hybrid_sharding_trains_as_the_distributed_optimizer():
+    """HSDP over 4 ranks (``num_distributed_optimizer_instances=2``: sharded in pairs, replicated across
+    them) against the distributed optimizer with the same instances, with the fix; without it each
+    pair trains on its own gradients from the second step on (fix-megatron-fsdp-hsdp-grad-reduce)."""
+    losses = _train(dict(instances=2), HSDP_CASES)
+    for name in ("mfsdp", "optim_grads", "outer-optim"):
+        assert losses[name] == pytest.approx(losses["distopt"], rel=1e-6, abs=0), name
+    broken = _train(dict(instances=2), [DISTOPT, MFSDP], without=(hsdp_fix.NAME,))
+    assert broken["distopt"] == losses["distopt"]
+    assert broken["mfsdp"][0] == losses["distopt"][0]  # the first forward is the same model
+    assert broken["mfsdp"][1] != pytest.approx(losses["distopt"][1], rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "strategy, overlap, refused",
+    [("optim", False, True), ("optim", True, False), ("optim_grads_params", False, False)],
+)
+def test_hybrid_sharding_without_its_outer_reduction_is_refused_at_argument_validation(strategy, overlap, refused):
+    args = types.SimpleNamespace(
+        use_megatron_fsdp=True,
+        num_distributed_optimizer_instances=2,
+        data_parallel_sharding_strategy=strategy,
+        overlap_grad_reduce=overlap,
+    )
+    if refused:
+        with pytest.raises(ConfigError, match="--num-distributed-optimizer-instances 2 .* --overlap-grad-reduce"):
+            with hsdp_fix.refuse_on_the_command_line(args):
+                pass
+    else:
+        with hsdp_fix.refuse_on_the_command_line(args):
+            pass

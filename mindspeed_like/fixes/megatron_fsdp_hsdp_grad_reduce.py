@@ -1,0 +1,91 @@
+"""Fix: Megatron-FSDP's hybrid sharding (HSDP) never reduces gradients across the outer data-parallel group.
+
+With ``--use-megatron-fsdp --num-distributed-optimizer-instances N`` (HSDP: sharded within a group of
+DP/N ranks, replicated across the N groups), the gradient all-reduce across the outer group runs only
+in ``MegatronFSDP``'s backward hooks, and only when ``is_last_microbatch`` (or ``model_auto_sync``) is
+true. ``is_last_microbatch`` is set by ``MegatronFSDP.no_sync()`` alone (False inside, True on exit)
+and read with ``getattr(self, "is_last_microbatch", False)``: until a ``no_sync()`` block has ended
+once, every step is treated as a middle microbatch. Megatron-LM hands ``no_sync`` to its schedules
+only with ``--overlap-grad-reduce`` (training.py: ``config.no_sync_func``), and megatron-core API
+loops that call ``finish_grad_sync`` / ``finalize_model_grads`` themselves never do. There each of the
+N replicas steps with the gradient of its own DP/N ranks' data, silently, on every device (the
+logic is Python, nothing of the device): measured on 4 gloo ranks, ``optim_grads_params`` with 2
+instances, Megatron-LM's pretrain_gpt.py logs grad norm 0.798 at iteration 1 against the
+distributed optimizer's 1.212 with the same instances, and lm loss 5.538796 / 5.490762 at
+iterations 2-3 against 5.517218 / 5.445676.
+
+megatron's own DDP starts every bucket group with ``is_last_microbatch = True`` (outside ``no_sync``
+each backward is the last microbatch), which is what ``no_sync()`` restores on exit here too. The fix
+sets that starting state after ``MegatronFSDP`` is built, where megatron left it unset and the
+outer reduction happens in the hooks: HSDP with ``overlap_grad_reduce`` (which Megatron-FSDP forces
+for ``optim_grads`` and ``optim_grads_params``). Then the run equals the distributed optimizer's with
+the same instances bit for bit (``tests/fsdp/test_fsdp_parallel_layouts.py``). Without overlap
+(``optim`` without ``--overlap-grad-reduce``) gradients are reduced by ``start_grad_sync`` after
+the backward, within the inner group only, and setting the flag would reduce them twice: left
+alone, and refused where Megatron-LM's arguments ask for it (``refuse_on_the_command_line``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from mindspeed_like.engine import Kind, Patch
+from mindspeed_like.toolkit.declaration import Feature, always_on
+from mindspeed_like.toolkit.errors import ConfigError
+
+NAME = "fix-megatron-fsdp-hsdp-grad-reduce"
+VERSIONS = ">=0.14"
+TARGET = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp.MegatronFSDP.__init__"
+NO_OVERLAP = (
+    "--num-distributed-optimizer-instances {instances} with --use-megatron-fsdp "
+    "--data-parallel-sharding-strategy {strategy}: without --overlap-grad-reduce Megatron-FSDP reduces "
+    "gradients within each of the {instances} sharding groups only, never across them (its outer "
+    "data-parallel all-reduce runs in the overlapped path alone), so the replicas train apart. Add "
+    "--overlap-grad-reduce, or use --data-parallel-sharding-strategy optim_grads / optim_grads_params."
+)
+
+
+def start_as_last_microbatch(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    hybrid = getattr(getattr(instance, "dist_index", None), "use_hybrid_fsdp", False)
+    if hybrid and instance.ddp_config.overlap_grad_reduce and not hasattr(instance, "is_last_microbatch"):
+        instance.is_last_microbatch = True
+    return result
+
+
+@contextlib.contextmanager
+def refuse_on_the_command_line(args) -> Iterator[None]:
+    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    strategy = getattr(args, "data_parallel_sharding_strategy", None)
+    if (
+        getattr(args, "use_megatron_fsdp", False)
+        and instances > 1
+        and strategy in ("no_shard", "optim")
+        and not getattr(args, "overlap_grad_reduce", False)
+    ):
+        raise ConfigError(NO_OVERLAP.format(instances=instances, strategy=strategy))
+    yield
+
+
+PATCHES = [
+    Patch(
+        TARGET,
+        Kind.WRAP,
+        start_as_last_microbatch,
+        versions=VERSIONS,
+        after=("cpu-adapter",),
+        why="HSDP's outer data-parallel gradient all-reduce waits for is_last_microbatch, unset outside no_sync",
+    )
+]
+
+FEATURE = Feature(
+    name=NAME,
+    summary="--use-megatron-fsdp with --num-distributed-optimizer-instances > 1 reduces gradients across the "
+    "outer data-parallel group without --overlap-grad-reduce too (megatron skipped it: the replicas trained apart)",
+    patches=PATCHES,
+    enabled=always_on,
+    validate_args_hook=refuse_on_the_command_line,
+    backend="any",
+    kind="fix",
+)

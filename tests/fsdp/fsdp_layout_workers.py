@@ -1,0 +1,86 @@
+"""Runs for tests/fsdp/test_fsdp_parallel_layouts.py in spawned gloo processes (must be importable).
+
+One spawn sets up one parallel layout (TP, CP, EP, distributed-optimizer instances) and trains
+megatron's tiny GPT under each case's data-parallel wrapper on it, so FSDP and the run without it
+see the same process groups, seeds and batches."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+STEPS = 3
+
+
+def train_layout(
+    layout: dict, cases: list[dict], model: dict | None = None, without: tuple[str, ...] = ()
+) -> dict[str, list[float]]:
+    """``layout``: ``tp``, ``ep``, ``cp``, ``instances`` (``num_distributed_optimizer_instances``);
+    ``cases``: dicts of ``name``, ``data_parallel`` ('ddp' / 'torch_fsdp2' / 'megatron_fsdp'),
+    ``ddp_options``, ``use_distributed_optimizer`` and ``keep_tp_rng`` (Megatron-FSDP's broadcast of TP
+    rank 0's RNG states taken out, to show what it changes); ``model``: TransformerConfig / GPTModel
+    overrides of the tiny GPT (dropout, MoE sizes, ``bf16``, ``transformer_impl``); ``without``:
+    features removed first (a fix's test). Returns each case's losses (averaged over the data- and
+    context-parallel ranks)."""
+    from megatron.core import tensor_parallel
+
+    import mindspeed_like
+    from mindspeed_like import runtime
+    from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt
+    from mindspeed_like.testing.training import train_steps
+
+    mindspeed_like.configure(device="cpu")
+    for name in without:
+        runtime.ENGINE.remove(name)
+    cp = layout.get("cp", 1)
+    init_parallel(
+        tp=layout.get("tp", 1),
+        ep=layout.get("ep", 1),
+        seed=1234,
+        context_parallel_size=cp,
+        num_distributed_optimizer_instances=layout.get("instances", 1),
+    )
+    overrides = dict(model or {})
+    impl = overrides.pop("transformer_impl", "transformer_engine")
+    losses: dict[str, list[float]] = {}
+    try:
+        for case in cases:
+            torch.manual_seed(1234)
+            tensor_parallel.model_parallel_cuda_manual_seed(1234)
+            gpt = tiny_gpt(transformer_impl=impl, context_parallel_size=cp, **overrides)
+            gpt.config.transformer_impl = impl  # what Megatron-LM's config carries (FSDP2's unit choice)
+            options = dict(case.get("ddp_options") or {})
+            if layout.get("instances", 1) > 1 and case["data_parallel"] != "torch_fsdp2":
+                options["num_distributed_optimizer_instances"] = layout["instances"]
+            with _tp_rng_kept(case.get("keep_tp_rng", False)):
+                losses[case["name"]] = train_steps(
+                    gpt,
+                    STEPS,
+                    lr=1e-2,
+                    data_parallel=case["data_parallel"],
+                    ddp_options=options,
+                    use_distributed_optimizer=case.get("use_distributed_optimizer", False),
+                    finalize_grads=True,
+                )
+    finally:
+        destroy_parallel()
+    return losses
+
+
+@contextlib.contextmanager
+def _tp_rng_kept(keep: bool) -> Iterator[None]:
+    """Megatron-FSDP's wrapper without its ``sync_rng_states_across_tp_group`` (each TP rank keeps its
+    own RNG states, as under DDP), while ``keep``."""
+    if not keep:
+        yield
+        return
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    original = FullyShardedDataParallel.sync_rng_states_across_tp_group
+    FullyShardedDataParallel.sync_rng_states_across_tp_group = lambda self: None
+    try:
+        yield
+    finally:
+        FullyShardedDataParallel.sync_rng_states_across_tp_group = original
