@@ -303,6 +303,7 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         self.set_grad_none = set_grad_none
         self._buckets: dict[int, _Bucket] = {}  # id(param) -> its bucket
         self._index: dict[int, int] = {}  # id(param) -> its index in the bucket
+        self._step_tensors: dict[int, torch.Tensor] = {}  # group index -> its step as a state tensor (DTensor params)
 
     # ------------------------------------------------------------ layout
 
@@ -358,8 +359,23 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
             state[name] = _like(p, bucket.segment(store.data, i))
         if bucket.master == "remainder":
             state["master_param"] = _like(p, bucket.segment(bucket.remainders, i))
+        if _is_dtensor(p):
+            state["step"] = self._step_tensor(p)
         elif bucket.master == "param" and self.master_weights:
             state["master_param"] = p.detach()
+
+    def _step_tensor(self, p: torch.Tensor) -> torch.Tensor:
+        """The step count of ``p``'s group as one fp32 tensor every param of the group shares in its
+        state (DTensor params only). Megatron-FSDP's ``fsdp_dtensor`` checkpoint saves the raw state,
+        keyed by parameter, and restores the groups' hyperparameters as they are when the load is
+        built: a count kept only in the group (as TE's) would be lost there, as torch's per-param
+        ``step`` tensor is not; :meth:`load_state_dict` reads it back into the group."""
+        index = next(i for i, g in enumerate(self.param_groups) if any(q is p for q in g["params"]))
+        tensor = self._step_tensors.get(index)
+        if tensor is None:
+            step = float(self.param_groups[index].get("step", 0))
+            tensor = self._step_tensors[index] = torch.tensor(step, dtype=torch.float32)
+        return tensor
 
     def _ensure(self, p: torch.Tensor) -> None:
         if id(p) not in self._buckets:
@@ -480,6 +496,8 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
                 elif value is not None and name in self.state[p]:
                     keep = name == "master_param" and value.dtype == torch.int16  # TE's remainder form
                     self.set_scaled_state(p, name, value if keep else value.float())
+        for index, tensor in self._step_tensors.items():
+            tensor.fill_(float(self.param_groups[index].get("step", 0)))
 
     def _all_params(self) -> list[torch.Tensor]:
         return list(chain.from_iterable(g["params"] for g in self.param_groups))
@@ -507,10 +525,12 @@ class PrecisionAwareAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             if not group["params"]:
                 continue
             group["step"] = int(group.get("step", 0)) + 1
+            if index in self._step_tensors:
+                self._step_tensors[index].fill_(group["step"])
             buckets: dict[int, _Bucket] = {}
             for p in group["params"]:
                 self._ensure(p)

@@ -80,11 +80,20 @@ def feature_paths(run: Run, enabled: Collection[str], config: Mapping[str, Any])
         megatron_fsdp_lean_state="megatron-fsdp-lean-state" in on
         and bf16
         and layout.fsdp == "megatron_fsdp"
-        and layout.sharding_strategy != "no_shard",
+        and layout.sharding_strategy != "no_shard"
+        and _lean_state_acts(),
         # it stands aside where the tensors are not in host memory (docs/features/host-allocator.md)
         host_allocator="host-allocator" in on and run.device == "cpu",
         **fsdp2_fields(run, on, config),
     )
+
+
+def _lean_state_acts() -> bool:
+    """megatron-fsdp-lean-state's patches apply to the installed megatron-core (0.16; elsewhere Megatron-FSDP
+    keeps its own buffers)."""
+    from mindspeed_like.features.megatron_fsdp_lean_state import acts_with_installed_megatron
+
+    return acts_with_installed_megatron()
 
 
 FSDP2_KEYS_MODELED = ("sharding_size", "reshard_after_forward", "num_to_forward_prefetch", "num_to_backward_prefetch")

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from mindspeed_like.features.megatron_fsdp_lean_state import acts_with_installed_megatron
 from mindspeed_like.plan import cli
 from mindspeed_like.plan.predict import routed_rows_bound
 from mindspeed_like.plan.spec import Layout, Model, Run
@@ -269,6 +270,9 @@ def test_megatron_fsdp_shards_an_experts_parameters_over_its_expert_data_paralle
     assert experts and grads == 4 * (dense + experts)
 
 
+@pytest.mark.skipif(
+    not acts_with_installed_megatron(), reason="megatron-fsdp-lean-state acts on megatron-core 0.16 only"
+)
 def test_megatron_fsdp_lean_state_is_the_features_arms_layout_at_level_2(capsys) -> None:
     """megatron-fsdp-lean-state (level 2, bf16, Megatron-FSDP): the features arm keeps the bf16 weight
     shard, a bf16 main-grad shard, and int16 remainders + bf16 moments (no fp32 main-weight buffer, no

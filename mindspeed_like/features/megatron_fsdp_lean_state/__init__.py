@@ -24,6 +24,21 @@ from mindspeed_like.features.megatron_fsdp_lean_state import state as s
 from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 
 NAME = "megatron-fsdp-lean-state"
+VERSIONS = ">=0.16,<0.17"
+"""The releases whose Megatron-FSDP buffers and optimizer path were read and measured (0.16.1): 0.13 has no
+Megatron-FSDP, 0.19 reworked its buffers (no ``preserve_fp32_weights``), 0.14, 0.15, 0.17 and 0.18 were not
+read. Elsewhere the patches are not applied and Megatron-FSDP keeps its own buffers."""
+
+
+def acts_with_installed_megatron() -> bool:
+    """Whether the installed megatron-core is one of :data:`VERSIONS` (for tools that predict a run without
+    applying the patches: ``mindspeed-like plan``)."""
+    from packaging.specifiers import SpecifierSet
+
+    from mindspeed_like.megatron_version import megatron_core_version
+
+    installed = megatron_core_version()
+    return installed is not None and installed in SpecifierSet(VERSIONS)
 
 
 def patches(ctx: Context) -> list[Patch]:
@@ -33,6 +48,7 @@ def patches(ctx: Context) -> list[Patch]:
             Kind.WRAP,
             s.LeanBuffers(ctx.fallback(NAME, instead="keeping Megatron-FSDP's own buffers")),
             why="no fp32 main-weight buffer, bf16 gradient buffers (bf16 runs under Megatron-FSDP)",
+            versions=VERSIONS,
             after=("cpu-adapter",),  # the host twin builds the wrapper from the config handed on here
             before=("fix-megatron-fsdp-no-shard",),  # its refusal comes first
         ),
@@ -41,12 +57,14 @@ def patches(ctx: Context) -> list[Patch]:
             Kind.WRAP,
             s.LeanOptimizer(),
             why="the precision-aware optimizer (remainder masters, bf16 moments) over the lean buffers",
+            versions=VERSIONS,
             before=("precision-check",),  # the run's precision is checked first
         ),
         Patch(
             s.GRADS_FOR_NORM,
             Kind.WRAP,
             s.grads_for_norm,
+            versions=VERSIONS,
             why="the grad norm of a lean optimizer reads its decoupled gradients (megatron reads .grad, None)",
         ),
     ]
@@ -72,4 +90,4 @@ FEATURE = Feature(
     precisions=("bf16",),
 )
 
-__all__ = ["FEATURE"]
+__all__ = ["FEATURE", "VERSIONS", "acts_with_installed_megatron"]
