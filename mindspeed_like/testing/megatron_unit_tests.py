@@ -407,7 +407,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     A test whose collective broke the rank's gloo connections (a peer failed mid-collective: "Connection
     closed by peer", "Timed out waiting ... for recv", "pair closure") leaves the default group dead for
     every later test of the launch (each then fails in its teardown's barrier). The rank reports the
-    test, then exits; the launcher relaunches the rest of the group on fresh ranks."""
+    test, then exits; the launcher relaunches the rest of the group on fresh ranks. So does a rank whose
+    threads outgrew ``MEGATRON_UNIT_MAX_THREADS`` (``ranks.too_many_threads``)."""
     state = _state(_CONFIG[-1]) if _CONFIG else None
     if state is not None and state.child_out is not None:
         data = _CONFIG[-1].hook.pytest_report_to_serializable(config=_CONFIG[-1], report=report)
@@ -415,7 +416,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         state.child_out.flush()
         if report.failed and ranks.broke_the_process_group(str(report.longrepr)):
             state.process_group_broken = True
-        if report.when == "teardown" and state.process_group_broken:
+        if report.when == "teardown" and (state.process_group_broken or ranks.too_many_threads()):
             state.child_out.close()
             os._exit(ranks.BROKEN_GROUP_EXIT)
 

@@ -381,6 +381,26 @@ class _Exited:
         return self.code
 
 
+def test_a_rank_with_too_many_threads_is_recycled() -> None:
+    """A rank ends after a test once its threads outgrow the limit (the launcher relaunches the rest)."""
+    import threading
+
+    from mindspeed_like.testing.megatron_unit import ranks as launcher
+
+    now = len(os.listdir("/proc/self/task"))
+    assert not launcher.too_many_threads(now + 5)
+    stop = threading.Event()
+    extra = [threading.Thread(target=stop.wait) for _ in range(10)]
+    for thread in extra:
+        thread.start()
+    try:
+        assert launcher.too_many_threads(now + 5)
+    finally:
+        stop.set()
+        for thread in extra:
+            thread.join()
+
+
 def test_after_a_broken_group_only_the_breaking_test_is_charged() -> None:
     """Rank 1 exits after test a broke its group; rank 0 had started b: b is relaunched, not failed."""
     procs = [_Exited(None), _Exited(ranks.BROKEN_GROUP_EXIT)]

@@ -32,7 +32,24 @@ DIVERGED_S = float(os.environ.get("MEGATRON_UNIT_DIVERGED_S", "60"))
 have diverged (the failing rank left a collective the others wait in), the test is charged with that
 rank's failure and the rest of the group relaunched, instead of waiting out the stall limit."""
 BROKEN_GROUP_EXIT = 3
-"""A rank's exit status after a test broke its gloo connections (the launcher relaunches the rest)."""
+"""A rank's exit status after a test broke its gloo connections, or after its threads outgrew
+MAX_THREADS (the launcher relaunches the rest on fresh ranks)."""
+MAX_THREADS = int(os.environ.get("MEGATRON_UNIT_MAX_THREADS", "400"))
+"""Threads a rank may hold between tests. megatron_fsdp's fully_shard tests left ~15 threads a test in
+each of 8 ranks that no process-group cleanup frees (922 threads a rank after 59 tests; the host's
+load average reached 200 and another launch beside it timed out on every test); past this the rank
+ends after its current test and the rest of its group runs on fresh ranks."""
+
+
+def too_many_threads(limit: int | None = None) -> bool:
+    """Whether this process holds more than ``limit`` (default MAX_THREADS) threads (Linux /proc)."""
+    try:
+        count = len(os.listdir("/proc/self/task"))
+    except OSError:  # not Linux: never recycled
+        return False
+    return count > (MAX_THREADS if limit is None else limit)
+
+
 _BROKEN_GROUP = re.compile(
     r"gloo/transport/tcp/|Connection closed by peer|caused pair closure|Timed out waiting \d+ms for (recv|send)"
 )
