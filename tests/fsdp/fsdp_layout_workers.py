@@ -19,7 +19,8 @@ def train_layout(
 ) -> dict[str, list[float]]:
     """``layout``: ``tp``, ``ep``, ``cp``, ``instances`` (``num_distributed_optimizer_instances``);
     ``cases``: dicts of ``name``, ``data_parallel`` ('ddp' / 'torch_fsdp2' / 'megatron_fsdp'),
-    ``ddp_options``, ``use_distributed_optimizer`` and ``keep_tp_rng`` (Megatron-FSDP's broadcast of TP
+    ``ddp_options``, ``use_distributed_optimizer``, ``optimizer`` (``OptimizerConfig`` fields, e.g.
+    ``clip_grad``) and ``keep_tp_rng`` (Megatron-FSDP's broadcast of TP
     rank 0's RNG states taken out, to show what it changes); ``model``: TransformerConfig / GPTModel
     overrides of the tiny GPT (dropout, MoE sizes, ``bf16``, ``transformer_impl``); ``without``:
     features removed first (a fix's test). Returns each case's losses (averaged over the data- and
@@ -59,6 +60,7 @@ def train_layout(
                     gpt,
                     STEPS,
                     lr=1e-2,
+                    optimizer=case.get("optimizer", "adam"),
                     data_parallel=case["data_parallel"],
                     ddp_options=options,
                     use_distributed_optimizer=case.get("use_distributed_optimizer", False),

@@ -21,6 +21,7 @@ import fsdp_layout_workers as workers
 import pytest
 
 from mindspeed_like.adapters.cpu_training.arguments import host_defaults
+from mindspeed_like.fixes import megatron_fsdp_hsdp_grad_norm as hsdp_norm_fix
 from mindspeed_like.fixes import megatron_fsdp_hsdp_grad_reduce as hsdp_fix
 from mindspeed_like.testing import run_distributed
 from mindspeed_like.toolkit.errors import ConfigError
@@ -138,6 +139,20 @@ def test_megatron_fsdp_hybrid_sharding_trains_as_the_distributed_optimizer():
     assert broken["distopt"] == losses["distopt"]
     assert broken["mfsdp"][0] == losses["distopt"][0]  # the first forward is the same model
     assert broken["mfsdp"][1] != pytest.approx(losses["distopt"][1], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_megatron_fsdp_outer_sharding_clips_by_the_whole_gradient_norm():
+    """``outer_dp_sharding_strategy='optim'`` shards the gradients across the instances too; with a clip
+    that acts (``clip_grad`` 0.05) the run equals the distributed optimizer's only when the norm counts
+    every instance's shard (fix-megatron-fsdp-hsdp-grad-norm): without it the third step differs."""
+    clip = dict(optimizer="adam", clip_grad=0.05)
+    cases = [dict(DISTOPT, optimizer=clip), dict(HSDP_CASES[-1], optimizer=clip)]
+    fixed = _train(dict(instances=2), cases)
+    assert fixed["outer-optim"] == pytest.approx(fixed["distopt"], rel=1e-6, abs=0)
+    broken = _train(dict(instances=2), cases, without=(hsdp_norm_fix.NAME,))
+    assert broken["distopt"] == fixed["distopt"]
+    assert broken["outer-optim"][2] != pytest.approx(fixed["distopt"][2], rel=1e-6)
 
 
 @pytest.mark.parametrize(
