@@ -3,7 +3,8 @@
 Switched on when the device resolves to cpu (``--device cpu``, or ``auto`` without an NPU or a
 GPU). Its patches live in one module per area of megatron: ``rng``, ``norm``, ``devices``,
 ``optimizer``, ``moe``, ``schedules`` (pipeline parallelism), ``checkpointing``
-(``dist_checkpointing``), ``context_parallel`` (the rotary embedding per CP rank),
+(``dist_checkpointing``), ``ckpt_worker`` (the persistent async-save worker),
+``context_parallel`` (the rotary embedding per CP rank),
 ``triton_kernels`` (megatron's Triton-only kernels, in torch operations) and ``hybrid_optimizer``
 (``--optimizer-cpu-offload``'s optimizer on one device); each
 module's docstring says why each target is the right one.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from mindspeed_like.adapters.cpu import (
     checkpointing,
+    ckpt_worker,
     context_parallel,
     devices,
     fsdp,
@@ -45,6 +47,7 @@ FEATURE = Feature(
         *moe.PATCHES,
         *schedules.PATCHES,
         *checkpointing.PATCHES,
+        *ckpt_worker.PATCHES,
         *context_parallel.PATCHES,
         *yarn.PATCHES,
         *mtp.PATCHES,

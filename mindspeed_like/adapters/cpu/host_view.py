@@ -335,7 +335,12 @@ def _refuse_global_writes(func: Callable) -> None:
 _twins: weakref.WeakKeyDictionary[Callable, Callable] = weakref.WeakKeyDictionary()
 
 
-def host_function(func: Callable, torch_view: HostTorch = HOST_TORCH, missing_globals: dict | None = None) -> Callable:
+def host_function(
+    func: Callable,
+    torch_view: HostTorch = HOST_TORCH,
+    missing_globals: dict | None = None,
+    overrides: dict | None = None,
+) -> Callable:
     """A twin of ``func`` running its own bytecode with the host view of torch (see module doc).
 
     A decorator's wrapper (``@contextlib.contextmanager``, ``@torch.amp.custom_bwd``, any
@@ -345,15 +350,17 @@ def host_function(func: Callable, torch_view: HostTorch = HOST_TORCH, missing_gl
     new cache of the same ``maxsize``/``typed`` around the twin, so caching behaves as megatron's.
     ``missing_globals`` supplies names the module does not define, e.g. one that megatron
     binds only when an optional package imports (used only while the module lacks them).
+    ``overrides`` are further module globals the twin reads as the objects given, whatever the
+    module holds (e.g. a class seen with one attribute changed), beside ``torch``.
     """
     if isinstance(func, functools._lru_cache_wrapper):
-        cached = host_function(func.__wrapped__, torch_view, missing_globals)
+        cached = host_function(func.__wrapped__, torch_view, missing_globals, overrides)
         return functools.lru_cache(**func.cache_parameters())(cached)
     decorated = _decorated_function(func)
     if decorated is not None:
-        return _redecorate(func, decorated, host_function(decorated, torch_view, missing_globals))
+        return _redecorate(func, decorated, host_function(decorated, torch_view, missing_globals, overrides))
     _refuse_global_writes(func)
-    overlay = _Overlay(func.__globals__, {"torch": torch_view}, dict(missing_globals or {}))
+    overlay = _Overlay(func.__globals__, {"torch": torch_view, **(overrides or {})}, dict(missing_globals or {}))
     twin = types.FunctionType(
         _host_code(func.__code__),
         overlay,

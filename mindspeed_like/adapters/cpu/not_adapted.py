@@ -326,13 +326,6 @@ NOT_ADAPTED: tuple[NotAdapted, ...] = (
     NotAdapted(f"{CORE}.energy_monitor", "--log-energy: NVML's counters; without pynvml megatron prints 0.0 J"),
     NotAdapted(f"{CORE}.fault_injector", "fault injection needs nvidia-resiliency-ext", versions=">=0.18"),
     NotAdapted(
-        f"{CORE}.dist_checkpointing.strategies.async_utils:PersistentAsyncCaller.async_loop",
-        "the persistent async-save worker (--use-persistent-ckpt-worker) sets a CUDA device in its new process",
-        ("use_persistent_ckpt_worker",),  # seen by the flag sweep: with --async-save the run never ends
-        only_with=("async_save",),
-        versions=">=0.16",
-    ),
-    NotAdapted(
         f"{CORE}.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.prepare_write_data",
         "'cuda' is compared with a tensor's device type (a host's tensors are 'cpu')",
         versions=">=0.17",
