@@ -23,7 +23,7 @@ import pytest
 from mindspeed_like.adapters.cpu_training.arguments import host_defaults
 from mindspeed_like.fixes import megatron_fsdp_hsdp_grad_norm as hsdp_norm_fix
 from mindspeed_like.fixes import megatron_fsdp_hsdp_grad_reduce as hsdp_fix
-from mindspeed_like.testing import run_distributed
+from mindspeed_like.testing import megatron_lm, run_distributed
 from mindspeed_like.toolkit.errors import ConfigError
 
 
@@ -173,3 +173,41 @@ def test_hybrid_sharding_without_its_outer_reduction_is_refused_at_argument_vali
     else:
         with hsdp_fix.refuse_on_the_command_line(args):
             pass
+
+
+MEGATRON_LM_LAYOUTS = {
+    "fsdp2-tp2": (
+        ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--ckpt-format", "torch_dist"],
+        ["--untie-embeddings-and-output-weights"],
+        ["--tensor-model-parallel-size", "2"],
+    ),
+    "megatron-fsdp-hsdp": (
+        [
+            "--use-megatron-fsdp",
+            "--data-parallel-sharding-strategy",
+            "optim_grads_params",
+            "--ckpt-format",
+            "fsdp_dtensor",
+        ],
+        [],
+        ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2", "--micro-batch-size", "1"],
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
+@pytest.mark.parametrize("layout", sorted(MEGATRON_LM_LAYOUTS))
+def test_megatron_lm_layout_under_fsdp_prints_the_digits_of_the_same_layout_without(layout):
+    """Megatron-LM's pretrain_gpt.py at 4 ranks, dropout on, 3 iterations: lm loss and grad norm as
+    printed, FSDP against the same layout without it (before issue 54 the first stopped at argument
+    validation on a host, the second trained each replica apart)."""
+    fsdp, baseline, common = MEGATRON_LM_LAYOUTS[layout]
+    runs = [
+        megatron_lm.printed(
+            megatron_lm.torchrun(4, megatron_lm.launcher(), [*megatron_lm.DROPOUT, "--train-iters", "3", *common, *f])
+        )
+        for f in (fsdp, baseline)
+    ]
+    assert sorted(runs[0]) == [1, 2, 3]
+    assert runs[0] == runs[1]
