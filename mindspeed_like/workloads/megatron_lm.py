@@ -59,11 +59,13 @@ def torchrun_output(
     env_extra: dict | None = None,
     expect_failure: bool = False,
     base: Sequence[str] = tuple(TINY),
+    timeout: float = 900,
 ) -> str:
     """Train the TINY model with ``extra`` flags in ``nproc`` processes; returns everything the
     processes printed (stdout, then stderr). Fails with the output's tail, unless ``expect_failure``
     (then it fails if the run succeeded: a refusal under test). ``base``: the arguments ``extra``
-    overrides (TINY_SCHEDULE where ``extra`` gives the whole model)."""
+    overrides (TINY_SCHEDULE where ``extra`` gives the whole model). ``timeout``: seconds before the
+    launch is killed (``subprocess.TimeoutExpired``): a run that can hang fails sooner."""
     env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_LIKE_ARGS"}
     bin_dir = os.path.dirname(sys.executable)  # megatron compiles helpers with the python3 on PATH
     env.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), OMP_NUM_THREADS=str(max(1, 2 // nproc)))
@@ -74,7 +76,7 @@ def torchrun_output(
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
         *script_args, *base, *extra,
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, check=False)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     output = result.stdout + result.stderr
     if result.returncode != 0 and "cannot import name 'override' from 'typing'" in output:
         raise AssertionError(
@@ -85,10 +87,12 @@ def torchrun_output(
     return output
 
 
-def torchrun(nproc: int, script_args: list[str], extra: list[str], env_extra: dict | None = None) -> list[str]:
+def torchrun(
+    nproc: int, script_args: list[str], extra: list[str], env_extra: dict | None = None, timeout: float = 900
+) -> list[str]:
     """Train the TINY model with ``extra`` flags in ``nproc`` processes; returns the
     "features on" line of rank 0, then every iteration line. Fails with the output's tail."""
-    return lines_of(torchrun_output(nproc, script_args, extra, env_extra))
+    return lines_of(torchrun_output(nproc, script_args, extra, env_extra, timeout=timeout))
 
 
 def lines_of(output: str) -> list[str]:

@@ -44,8 +44,9 @@ what the worker runs, then calls ``PersistentAsyncCaller.async_loop``. Flags giv
 ``mindspeed_like.configure()`` in the trainer are not seen by the worker; on a host the
 cpu-adapter is on in both.
 
-Not covered: a worker that dies after staging and before writing leaves megatron's own
-finalization to report the missing write results (``CheckpointException`` on every rank).
+Not covered: :class:`WorkerDied` is raised on the rank whose worker died; the other ranks wait in
+megatron's next collective until the launcher ends them (torchrun does at the first failed rank) or
+the process group times out.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ RUN_ENTRY = "mindspeed_like.megatron_adaptor"
 in the worker's own new process (:func:`worker_main`), never in the process that applies these
 patches: the adapter does not reach up to the runtime, the worker starts the way every rank of
 the run started."""
+
+TRAINER_GONE_EXIT_CODE = 3
+"""The exit code of a worker that ended because its trainer's process ended."""
 
 POLL_S = 0.1
 """How often the trainer looks at its worker while it waits on it (megatron polls its completion
@@ -132,9 +136,6 @@ def _end_with_the_trainer() -> None:
         os._exit(TRAINER_GONE_EXIT_CODE)
 
     threading.Thread(target=watch, name="ckpt-worker-trainer-watch", daemon=True).start()
-
-
-TRAINER_GONE_EXIT_CODE = 3
 
 
 def worker_main(*args: Any, **kwargs: Any) -> None:
