@@ -43,4 +43,4 @@ def test_a_worker_that_cannot_start_raises_in_the_trainer(ranks):
     for rank, out in enumerate(ranks):
         assert out["died"] is not None, f"rank {rank}: the worker could not start and nothing was raised"
         assert f"rank {rank}: megatron's persistent checkpoint worker" in out["died"]
-        assert "exited with code 1 before it took the checkpoint request" in out["died"]
+        assert "exited with code 1 before it had staged the checkpoint request" in out["died"]

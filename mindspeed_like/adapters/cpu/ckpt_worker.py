@@ -55,7 +55,6 @@ import contextlib
 import functools
 import importlib
 import io
-import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.reduction
@@ -72,8 +71,6 @@ from mindspeed_like.adapters.cpu.host_view import HostCuda, HostTorch, host_func
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.binding import Call
 from mindspeed_like.toolkit.targets import CORE
-
-logger = logging.getLogger(__name__)
 
 CALLER = "dist_checkpointing.strategies.async_utils.PersistentAsyncCaller"
 
@@ -293,7 +290,7 @@ def _schedule_on_host(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
         finished.set()
         watcher.join()
     if died:
-        raise _died(instance, "before it took the checkpoint request")
+        raise _died(instance, "before it had staged the checkpoint request")
     return result
 
 
