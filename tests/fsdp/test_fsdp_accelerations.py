@@ -17,6 +17,9 @@ def test_optimization_levels_train_as_level_0_under_fsdp(data_parallel):
     """Every acceleration of levels 1 and 2 under an FSDP path: within bf16 noise of level 0 under the
     same path (reuse-fp32-param steps aside under FSDP2, saying why; see docs/features/fsdp.md)."""
     base = dict(impl="transformer_engine", bf16=True, data_parallel=data_parallel)
+    # megatron's default strategy, no_shard, is refused (fix-megatron-fsdp-no-shard)
+    if data_parallel == "megatron_fsdp":
+        base["ddp_options"] = dict(data_parallel_sharding_strategy="optim_grads_params")
     cases = [dict(base, name=f"level{level}", flags=dict(optimization_level=level)) for level in (0, 1, 2)]
     losses = run_distributed(workers.train_cases, 2, cases, timeout=400)[0]
     for level in (1, 2):
