@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from mindspeed_like.workloads.fsdp_checkpoint import fsdp_dtensor_state
+
 STEPS = 6
 SAVE_AFTER = 3
 STRATEGY = dict(data_parallel_sharding_strategy="optim_grads_params")
@@ -30,25 +32,7 @@ def _model(bf16: bool):
     return tiny_gpt(bf16=bf16, share_embeddings_and_output_weights=False)
 
 
-def _state(model, optimizer, loading: bool) -> tuple[dict, dict]:
-    """(raw, prepared): the state dicts Megatron-LM builds, before and after its fsdp_dtensor preprocessing."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-        preprocess_state_dict_for_uneven_dtensor,
-    )
-    from megatron.core.transformer import fsdp_dtensor_checkpoint as fdc
-
-    state = {"model": model.state_dict_for_save_checkpoint()}
-    state["optimizer"] = optimizer.sharded_state_dict(
-        state, is_loading=loading, metadata={"distrib_optim_sharding_type": "fsdp_dtensor"}
-    )
-    raw = {"model": dict(state["model"]), "optimizer": dict(state["optimizer"])}
-    fdc.handle_fp8_extra_state_case(state["model"])
-    megatron_fsdp = model.module  # what Megatron-LM hands it: model[0] unwrapped once
-    state["model"], state["optimizer"] = fdc.handle_swiglu_in_state_dict(
-        megatron_fsdp, state["model"], state["optimizer"]
-    )
-    preprocess_state_dict_for_uneven_dtensor(state)
-    return raw, state
+_state = fsdp_dtensor_state
 
 
 def save(model, optimizer, ckpt_dir: str) -> None:

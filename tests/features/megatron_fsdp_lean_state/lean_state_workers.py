@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from mindspeed_like.workloads.fsdp_checkpoint import fsdp_dtensor_state
+
 STEPS = 4
 STRATEGY = dict(data_parallel_sharding_strategy="optim_grads_params")
 
@@ -91,23 +93,7 @@ CKPT_STEPS = 6
 SAVE_AFTER = 3
 
 
-def _state(model, optimizer, loading: bool) -> tuple[dict, dict]:
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
-        preprocess_state_dict_for_uneven_dtensor,
-    )
-    from megatron.core.transformer import fsdp_dtensor_checkpoint as fdc
-
-    state = {"model": model.state_dict_for_save_checkpoint()}
-    state["optimizer"] = optimizer.sharded_state_dict(
-        state, is_loading=loading, metadata={"distrib_optim_sharding_type": "fsdp_dtensor"}
-    )
-    raw = {"model": dict(state["model"]), "optimizer": dict(state["optimizer"])}
-    fdc.handle_fp8_extra_state_case(state["model"])
-    state["model"], state["optimizer"] = fdc.handle_swiglu_in_state_dict(
-        model.module, state["model"], state["optimizer"]
-    )
-    preprocess_state_dict_for_uneven_dtensor(state)
-    return raw, state
+_state = fsdp_dtensor_state
 
 
 def _data():
