@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import signal
 import sys
@@ -69,13 +70,17 @@ def async_equals_sync_and_a_dead_worker_raises(directory: str, stall_s: float) -
             "sd_keyB": ShardedTensor.from_rank_offsets("keyB", tensors["b"], replica_id=world - rank - 1),
         }
 
+    # megatron-core 0.19's save defaults to async_strategy="nvrx" (nvidia-resiliency-ext, not on a host);
+    # "mcore" is megatron's own AsyncCallsQueue, the one this worker adapts (earlier releases have only it)
+    strategy = {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(save).parameters else {}
+
     def loaded(path: str) -> dict:
         return load(sharded({name: torch.zeros_like(t) for name, t in original.items()}), path)
 
     out: dict = {}
     with stall_guard(stall_s, "the async save of test_async_is_equivalent_to_sync"):
         queue = AsyncCallsQueue(persistent=True)
-        queue.schedule_async_request(save(sharded(live), paths["async"], async_sharded_save=True))
+        queue.schedule_async_request(save(sharded(live), paths["async"], async_sharded_save=True, **strategy))
         said(rank, "scheduled")
         for tensor in live.values():  # the trainer goes on, in place, while the worker writes
             tensor.add_(1000)
@@ -96,7 +101,7 @@ def async_equals_sync_and_a_dead_worker_raises(directory: str, stall_s: float) -
     try:
         with stall_guard(stall_s, "a worker that could not start"):
             dead = AsyncCallsQueue(persistent=True)
-            request = save(sharded(original), paths["dead"], async_sharded_save=True)
+            request = save(sharded(original), paths["dead"], async_sharded_save=True, **strategy)
             try:
                 dead.schedule_async_request(request)
                 out["died"] = None

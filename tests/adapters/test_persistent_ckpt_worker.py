@@ -18,8 +18,15 @@ Without the adapter each rank stalls in ``schedule_async_request`` (megatron's
 from __future__ import annotations
 
 import pytest
+from packaging.version import Version
 
+from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.testing import run_distributed
+
+pytestmark = pytest.mark.skipif(
+    megatron_core_version() >= Version("0.17"),
+    reason="adapted on megatron-core < 0.17 (0.19 keeps one worker per class); refused there (test_cuda_sites)",
+)
 
 STALL_S = 240  # after the imports: a rank waits on its worker no longer (a loaded 2-core host: ~30-90 s)
 

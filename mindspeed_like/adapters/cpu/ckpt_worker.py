@@ -319,8 +319,15 @@ def _close_dead(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> 
     return wrapped(*args, **kwargs)
 
 
+ADAPTED_VERSIONS = "<0.17"
+"""Run on 0.13.1 and 0.16.1 (0.14/0.15 read): one process per caller instance. megatron-core 0.19 keeps
+one worker per class (``PersistentAsyncCaller._get_process``), which these patches do not reach (its
+spawn pickled the wrapped loop and failed); 0.17/0.18 not read. There it stays refused
+(``not_adapted``)."""
+
+
 def _caller(name: str, new: Callable, why: str) -> Patch:
-    return Patch(f"{CORE}.{CALLER}.{name}", Kind.WRAP, new, why=why)
+    return Patch(f"{CORE}.{CALLER}.{name}", Kind.WRAP, new, why=why, versions=ADAPTED_VERSIONS)
 
 
 PATCHES = [

@@ -326,6 +326,14 @@ NOT_ADAPTED: tuple[NotAdapted, ...] = (
     NotAdapted(f"{CORE}.energy_monitor", "--log-energy: NVML's counters; without pynvml megatron prints 0.0 J"),
     NotAdapted(f"{CORE}.fault_injector", "fault injection needs nvidia-resiliency-ext", versions=">=0.18"),
     NotAdapted(
+        f"{CORE}.dist_checkpointing.strategies.async_utils:PersistentAsyncCaller.async_loop",
+        "the persistent async-save worker (--use-persistent-ckpt-worker) sets a CUDA device in its new process "
+        "(adapted on megatron-core < 0.17: adapters/cpu/ckpt_worker.py)",
+        ("use_persistent_ckpt_worker",),  # seen by the flag sweep: with --async-save the run never ends
+        only_with=("async_save",),
+        versions=">=0.17",
+    ),
+    NotAdapted(
         f"{CORE}.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.prepare_write_data",
         "'cuda' is compared with a tensor's device type (a host's tensors are 'cpu')",
         versions=">=0.17",
@@ -421,8 +429,11 @@ def refused_flags() -> dict[str, str]:
 
 def refused_given(args) -> dict[str, str]:
     """The refused flags set in Megatron-LM's ``args`` (none of the entry's ``unless`` set), and why."""
+    version = megatron_core_version()
     given: dict[str, str] = {}
     for entry in NOT_ADAPTED:
+        if not entry.applies_to(version):  # its sites are not in this release (or adapted there)
+            continue
         if any(getattr(args, name, None) for name in entry.unless):
             continue
         if entry.only_with and not any(getattr(args, name, None) for name in entry.only_with):
