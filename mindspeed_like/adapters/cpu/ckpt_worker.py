@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import wrapt
 
-from mindspeed_like.adapters.cpu.host_view import HostCuda, HostTorch, host_function
+from mindspeed_like.adapters.cpu.host_view import HostTorch, OneDeviceHostCuda, host_function
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.binding import Call
 from mindspeed_like.toolkit.targets import CORE
@@ -88,20 +88,8 @@ POLL_S = 0.1
 queue at the same period)."""
 
 
-class WorkerCuda(HostCuda):
-    """``torch.cuda`` as the worker's loop sees it: one device, the host, selected by
-    ``set_device`` (nothing to do)."""
-
-    @staticmethod
-    def device_count() -> int:
-        return 1
-
-    @staticmethod
-    def set_device(device: Any) -> None:
-        pass
-
-
-WORKER_TORCH = HostTorch(cuda=WorkerCuda())
+WORKER_TORCH = HostTorch(cuda=OneDeviceHostCuda())
+"""``torch`` as the worker's loop sees it: one device, the host."""
 
 
 class WorkerDied(RuntimeError):

@@ -182,6 +182,20 @@ class HostCuda(types.SimpleNamespace):
         pass
 
 
+class OneDeviceHostCuda(HostCuda):
+    """``HostCuda`` with one device, the host, that ``set_device`` selects (nothing to do): for code
+    that picks its device as ``rank % torch.cuda.device_count()`` (megatron.training, megatron's
+    persistent checkpoint worker), where ``HostCuda``'s 0 devices divide by zero."""
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        pass
+
+
 HOST_CUDA = HostCuda()
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mindspeed_like.adapters.cpu.host_view import HostCuda, HostTorch
+from mindspeed_like.adapters.cpu.host_view import HostTorch, OneDeviceHostCuda
 
 _CPU = torch.device("cpu")
 _FACTORIES = (
@@ -96,18 +96,10 @@ class _WallClockEvent:
         return (end._time - self._time) * 1000.0
 
 
-class TrainingHostCuda(HostCuda):
+class TrainingHostCuda(OneDeviceHostCuda):
     """``torch.cuda`` as megatron.training sees it on a CPU host (see the module docstring)."""
 
     Event = _WallClockEvent
-
-    @staticmethod
-    def device_count() -> int:
-        return 1
-
-    @staticmethod
-    def set_device(device: Any) -> None:
-        pass
 
     @staticmethod
     def get_device_properties(device: Any = None) -> types.SimpleNamespace:
