@@ -45,6 +45,14 @@ def as_measured_on(version: str | None) -> Iterator[None]:
         _recent.pop()
 
 
+def release() -> object:
+    """The megatron-core release (a ``packaging`` Version, or None where none is installed) being
+    predicted: the record's inside :func:`as_measured_on`, else the installed one."""
+    from mindspeed_like.megatron_version import megatron_core_version
+
+    return _recent[-1] if _recent else megatron_core_version()
+
+
 def as_measured_by(record: dict) -> contextlib.AbstractContextManager[None]:
     """:func:`as_measured_on` the megatron-core version a record (results/*.json) was measured on."""
     return as_measured_on((record.get("versions") or {}).get("megatron_core"))

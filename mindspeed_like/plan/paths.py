@@ -89,11 +89,12 @@ def feature_paths(run: Run, enabled: Collection[str], config: Mapping[str, Any])
 
 
 def _lean_state_acts() -> bool:
-    """megatron-fsdp-lean-state's patches apply to the installed megatron-core (0.16; elsewhere Megatron-FSDP
-    keeps its own buffers)."""
-    from mindspeed_like.features.megatron_fsdp_lean_state import acts_with_installed_megatron
+    """megatron-fsdp-lean-state's patches apply to the megatron-core release predicted (0.16; elsewhere
+    Megatron-FSDP keeps its own buffers): the installed one, or a record's (:func:`megatron_code.release`)."""
+    from mindspeed_like.features.megatron_fsdp_lean_state import acts_on
+    from mindspeed_like.plan import megatron_code
 
-    return acts_with_installed_megatron()
+    return acts_on(megatron_code.release())
 
 
 FSDP2_KEYS_MODELED = ("sharding_size", "reshard_after_forward", "num_to_forward_prefetch", "num_to_backward_prefetch")

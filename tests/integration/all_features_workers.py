@@ -34,11 +34,23 @@ def accelerations() -> list:
     return [f for f in all_features() if f.kind == "feature"]
 
 
+def acts_with_installed_megatron(feature) -> bool:
+    """Whether switching ``feature`` on changes anything with the installed megatron-core: it has a
+    patch whose declared versions include it, or an ``activate``. (megatron-fsdp-lean-state acts on
+    0.16 only; on the version lane's 0.13 and 0.19 it has nothing to apply.)"""
+    from mindspeed_like.testing.declarations import declared_patches
+
+    return feature.activate is not None or bool(declared_patches(feature.name, **feature.switch_on))
+
+
 def switched_on(*, bf16: bool) -> set[str]:
     return {
         f.name
         for f in accelerations()
-        if f.switch_on and f.name not in EXERCISED_ELSEWHERE and (bf16 or f.name not in BF16_ONLY)
+        if f.switch_on
+        and f.name not in EXERCISED_ELSEWHERE
+        and (bf16 or f.name not in BF16_ONLY)
+        and acts_with_installed_megatron(f)
     }
 
 

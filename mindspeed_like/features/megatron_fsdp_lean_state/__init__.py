@@ -30,15 +30,19 @@ Megatron-FSDP, 0.19 reworked its buffers (no ``preserve_fp32_weights``), 0.14, 0
 read. Elsewhere the patches are not applied and Megatron-FSDP keeps its own buffers."""
 
 
-def acts_with_installed_megatron() -> bool:
-    """Whether the installed megatron-core is one of :data:`VERSIONS` (for tools that predict a run without
-    applying the patches: ``mindspeed-like plan``)."""
+def acts_on(release: object) -> bool:
+    """Whether megatron-core ``release`` (a Version; None: none installed) is one of :data:`VERSIONS` (for
+    tools that predict a run without applying the patches: ``mindspeed-like plan``)."""
     from packaging.specifiers import SpecifierSet
 
+    return release is not None and release in SpecifierSet(VERSIONS)
+
+
+def acts_with_installed_megatron() -> bool:
+    """:func:`acts_on` the installed megatron-core."""
     from mindspeed_like.megatron_version import megatron_core_version
 
-    installed = megatron_core_version()
-    return installed is not None and installed in SpecifierSet(VERSIONS)
+    return acts_on(megatron_core_version())
 
 
 def patches(ctx: Context) -> list[Patch]:
@@ -90,4 +94,4 @@ FEATURE = Feature(
     precisions=("bf16",),
 )
 
-__all__ = ["FEATURE", "VERSIONS", "acts_with_installed_megatron"]
+__all__ = ["FEATURE", "VERSIONS", "acts_on", "acts_with_installed_megatron"]
