@@ -119,14 +119,17 @@ def _scan(root: str) -> tuple[tuple[str, tuple[str, ...], tuple[ast.ClassDef, ..
     the two extension modules at its top level, the classes it defines under ``if HAVE_TE:``)."""
     found = []
     for module, text in modules_mentioning(root, EXTENSION):
-        if module in SOURCES:
-            continue
+        if module == EXTENSION:
+            continue  # the spec provider is an importer too: imported before the import line, its names are None
         tree = ast.parse(text)
         names = sorted(
             {
                 alias.name
                 for node in _top_level(tree.body)
-                if isinstance(node, ast.ImportFrom) and node.module in SOURCES and node.level == 0
+                if isinstance(node, ast.ImportFrom)
+                and node.module in SOURCES
+                and node.module != module
+                and node.level == 0
                 for alias in node.names
                 if alias.asname is None
             }

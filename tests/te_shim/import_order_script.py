@@ -65,6 +65,12 @@ def main(order: str) -> dict:
 
     out["megatron_utils_te_version"] = str(utils.get_te_version())
     out.update(megatron_view())
+    # the TE spec's experts: TEGroupedMLP whichever came first (the spec provider imported before the import line
+    # took TE's grouped linears as None, and megatron built its legacy GroupedMLP instead)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    moe = get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True)
+    out["te_moe_experts"] = moe.submodules.mlp.submodules.experts.module.__name__
     out["report"] = [
         (r.feature, r.target, r.status, r.global_change)
         for r in mindspeed_like.report()

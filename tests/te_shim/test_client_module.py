@@ -44,6 +44,7 @@ def test_megatron_sees_no_te_in_any_import_order(order):
     assert out["probers"] > 0 and out["probers_imported"] == out["probers"]
     assert out["have_te_true"] == []
     assert out["holding_ours"] == []
+    assert out["te_moe_experts"] == "TEGroupedMLP"
     if order == "client-first":
         assert out["extension_te_is_mock"]  # megatron's TE extension took its no-TE branch
     # the report lists it, as a declared global change
