@@ -145,6 +145,9 @@ def test_ranks_needed_reads_megatrons_messages() -> None:
         reasons.ranks_needed("RuntimeError: Mesh should not be bigger than default world size 1, but found 8 ranks!")
         == 8
     )  # torch's init_device_mesh, as megatron_fsdp's tests call it
+    text = "AssertionError: Expert data parallel size should be divisible by partial DistOpt shard factor"
+    assert reasons.ranks_needed(text) == 8  # names no size: the tests pick instances for megatron's CI size
+    assert reasons.classify_failure(text) == "needs-more-ranks"
     assert reasons.ranks_needed("AssertionError: nope") is None
 
 

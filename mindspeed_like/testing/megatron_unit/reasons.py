@@ -37,6 +37,11 @@ _NEEDS_RANKS = [
     # torch's init_device_mesh for a mesh larger than the world (megatron_fsdp's tests build 8-rank meshes)
     re.compile(r"Mesh should not be bigger than default world size \d+, but found (\d+) ranks"),
 ]
+MEGATRON_CI_WORLD_SIZE = 8
+_NEEDS_CI_SIZE = re.compile(r"should be divisible by partial DistOpt shard factor")
+"""parallel_state's check that the (expert) data-parallel size divides ``num_distributed_optimizer_instances``:
+the message names no size, and the tests that reach it (test_param_and_grad_buffer, test_grad_sync_with_expert_parallel,
+Megatron-FSDP's HSDP cases) pick their instances and expert sizes for megatron's CI world size."""
 _WORLD_SIZE_SKIP = re.compile(r"world[_ ]size|GPUs|gpus|number of ranks|rank count", re.I)
 
 FAILURE_RULES: list[Rule] = [
@@ -113,7 +118,7 @@ FAILURE_RULES: list[Rule] = [
     _rule(
         "needs-more-ranks",
         r"is not divisible by|is over sized with world size|world size .* too small|requires \d+ (?:GPUs|ranks)"
-        r"|where \d+ = Utils\.world_size",
+        r"|where \d+ = Utils\.world_size|should be divisible by partial DistOpt shard factor",
         "more gloo ranks than the launch sizes allowed (--megatron-ranks 2,4,8)",
     ),
     _rule(
@@ -315,7 +320,8 @@ _GRID = re.compile(r"Grid shape \[([\d, ]+)\] is over sized")
 
 def ranks_needed(text: str) -> int | None:
     """How many ranks a failure asks for (``world_size (1) is not divisible by 8`` -> 8, megatron's
-    ``HyperCommGrid`` ``Grid shape [2, 1, 1, 4] is over sized`` -> 8), else None."""
+    ``HyperCommGrid`` ``Grid shape [2, 1, 1, 4] is over sized`` -> 8; the partial distributed optimizer's
+    check, which names no size -> megatron's CI size, 8), else None."""
     grid = _GRID.search(text)
     if grid:
         return math.prod(int(n) for n in grid.group(1).split(","))
@@ -323,6 +329,8 @@ def ranks_needed(text: str) -> int | None:
         match = pattern.search(text)
         if match:
             return int(match.groups()[-1])
+    if _NEEDS_CI_SIZE.search(text):
+        return MEGATRON_CI_WORLD_SIZE
     return None
 
 
