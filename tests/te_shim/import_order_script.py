@@ -3,6 +3,7 @@ the probing libraries see, as JSON on the last line of stdout."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -16,6 +17,15 @@ GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
 def _ours(value: object) -> bool:
     spec = getattr(value, "__spec__", None)
     return isinstance(value, types.ModuleType) and type(getattr(spec, "loader", None)).__name__ == "ClientModuleFinder"
+
+
+def _module(spec: object) -> type:
+    """A spec's module: a ModuleSpec's ``module``, or (megatron-core 0.19) a ``functools.partial``'s class."""
+    return spec.func if isinstance(spec, functools.partial) else spec.module
+
+
+def _submodules(spec: object) -> object:
+    return spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
 
 
 def megatron_view() -> dict:
@@ -70,7 +80,7 @@ def main(order: str) -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     moe = get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True)
-    out["te_moe_experts"] = moe.submodules.mlp.submodules.experts.module.__name__
+    out["te_moe_experts"] = _module(_submodules(_submodules(moe).mlp).experts).__name__
     out["report"] = [
         (r.feature, r.target, r.status, r.global_change)
         for r in mindspeed_like.report()
