@@ -149,7 +149,8 @@ def _check_pipeline(args: argparse.Namespace) -> None:
 
 def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
     """Megatron-LM's validate_args checks of --use-torch-fsdp2 and --use-megatron-fsdp (quoted), the
-    options that act only with one of them, and the Megatron-FSDP strategy refused on this release."""
+    options that act only with one of them, the Megatron-FSDP strategy refused on this release, and the
+    hybrid-sharding (HSDP) layouts megatron refuses or cannot run (``plan.fsdp.hybrid_sharding_refusal``)."""
     if args.use_torch_fsdp2 and args.use_megatron_fsdp:
         raise ConfigError("compare: --use-torch-fsdp2 and --use-megatron-fsdp are two FSDP paths; choose one")
     if args.torch_fsdp2_no_reshard_after_forward and not args.use_torch_fsdp2:
@@ -158,6 +159,26 @@ def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"compare: --data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} acts with "
             "--use-megatron-fsdp; give both"
+        )
+    from mindspeed_like.plan.fsdp import hybrid_sharding_refusal
+
+    instances = getattr(args, "num_distributed_optimizer_instances", 1)
+    refusal = hybrid_sharding_refusal(
+        megatron_fsdp=args.use_megatron_fsdp,
+        instances=instances,
+        outer=getattr(args, "outer_dp_sharding_strategy", "no_shard"),
+        strategy=args.data_parallel_sharding_strategy,
+        dp_cp=args.data_parallel_size * args.context_parallel_size,
+        ep=args.expert_model_parallel_size,
+        overlap_grad_reduce=False,  # compare's workers run megatron's default (no --overlap-grad-reduce)
+    )
+    if refusal:
+        raise ConfigError(f"compare: {refusal}")
+    if instances != 1 and not args.use_megatron_fsdp:
+        # the distributed optimizer's instances under DDP are Megatron-LM's too, but not a layout compare runs
+        raise ConfigError(
+            f"compare: --num-distributed-optimizer-instances {instances} runs here with --use-megatron-fsdp (its "
+            "hybrid sharding); give it, or leave the option out"
         )
     if not (args.use_torch_fsdp2 or args.use_megatron_fsdp):
         return
@@ -272,6 +293,8 @@ def _spec_layout(args: argparse.Namespace) -> dict[str, Any]:
         vpp=virtual_stages(args),
         cp=args.context_parallel_size,
         microbatches=pp if pp > 1 else 1,
+        # Megatron-FSDP's HSDP: megatron's parallel state builds the intra- and inter-instance groups
+        instances=getattr(args, "num_distributed_optimizer_instances", 1),
     )
 
 

@@ -19,6 +19,8 @@ SHARED_FLAGS = ("device", "strict", "context_parallel_algo", "ulysses_degree_in_
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 # Megatron-LM's --data-parallel-sharding-strategy choices and default (megatron/training/arguments.py)
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+# Megatron-LM's --outer-dp-sharding-strategy choices (Megatron-FSDP's HSDP), default no_shard
+OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +81,20 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         "optim_grads_params is ZeRO-3)",
     )
     group.add_argument(
+        "--num-distributed-optimizer-instances",
+        type=int,
+        default=1,
+        help="with --use-megatron-fsdp: hybrid sharding (HSDP), as Megatron-LM's flag: each parameter sharded within "
+        "one of N groups of DP x CP / N ranks and replicated across the N groups",
+    )
+    group.add_argument(
+        "--outer-dp-sharding-strategy",
+        choices=OUTER_SHARDING_STRATEGIES,
+        default=OUTER_SHARDING_STRATEGIES[0],
+        help="with --num-distributed-optimizer-instances > 1: optim also shards the fp32 masters and Adam's moments "
+        "across the groups (Megatron-LM's flag and default, no_shard; optim needs optim_grads_params)",
+    )
+    group.add_argument(
         "--transformer-impl",
         choices=TRANSFORMER_IMPLS,
         default="transformer_engine",
@@ -120,5 +136,12 @@ def data_parallel_path(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if args.use_torch_fsdp2:
         return "torch_fsdp2", {"reshard_after_forward": not args.torch_fsdp2_no_reshard_after_forward}
     if args.use_megatron_fsdp:
-        return "megatron_fsdp", {"data_parallel_sharding_strategy": args.data_parallel_sharding_strategy}
+        options: dict[str, Any] = {"data_parallel_sharding_strategy": args.data_parallel_sharding_strategy}
+        instances = getattr(args, "num_distributed_optimizer_instances", 1)
+        if instances > 1:  # HSDP (megatron's parallel state gets the same count: the worker's init_parallel)
+            options.update(
+                num_distributed_optimizer_instances=instances,
+                outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
+            )
+        return "megatron_fsdp", options
     return "ddp", {}

@@ -466,6 +466,8 @@ def record_name(args: argparse.Namespace, flag_values: dict[str, Any]) -> str:
         "torch_fsdp2_no_reshard_after_forward": "noreshard",
         "use_megatron_fsdp": "mfsdp",
         "data_parallel_sharding_strategy": "",
+        "num_distributed_optimizer_instances": "instances",
+        "outer_dp_sharding_strategy": "outer-",
         "fp32": "fp32",
         "num_layers": "layers",
         "hidden_size": "hidden",

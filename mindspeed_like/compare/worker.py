@@ -61,6 +61,7 @@ def _init_parallel(spec: dict[str, Any]) -> None:
         seed=spec["seed"],
         context_parallel_size=spec.get("cp", 1),
         virtual_pipeline_model_parallel_size=spec.get("vpp"),
+        num_distributed_optimizer_instances=spec.get("instances", 1),
     )
 
 

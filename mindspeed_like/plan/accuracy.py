@@ -106,6 +106,11 @@ def layout_text(options: dict[str, Any]) -> str:
         parts.append("FSDP2" + (" no-reshard" if options.get("torch_fsdp2_no_reshard_after_forward") else ""))
     if options.get("use_megatron_fsdp"):
         parts.append(f"Megatron-FSDP {options.get('data_parallel_sharding_strategy')}")
+        instances = options.get("num_distributed_optimizer_instances", 1)
+        if instances > 1:
+            parts.append(f"HSDP{instances}")
+            if options.get("outer_dp_sharding_strategy", "no_shard") != "no_shard":
+                parts.append(f"outer {options['outer_dp_sharding_strategy']}")
     if options.get("transformer_impl") == "local":
         parts.append("local spec")
     return " ".join(parts) or "1 rank"

@@ -73,6 +73,9 @@ def run_from_compare(args: argparse.Namespace, flags: dict[str, Any], device: st
         sequence_parallel=args.sequence_parallel,
         micro_batch_size=args.micro_batch_size,
         num_microbatches=pp if pp > 1 else 1,
+        # Megatron-FSDP's HSDP (records made before compare took these options ran without it)
+        optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
+        outer_sharding=getattr(args, "outer_dp_sharding_strategy", "no_shard"),
         **{"distributed_optimizer": args.use_distributed_optimizer, **fsdp_layout(args)},
     )
     precision = Precision(params="fp32" if args.fp32 else "bf16", grad_reduce_in_fp32=True)

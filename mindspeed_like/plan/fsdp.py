@@ -34,9 +34,11 @@
 
 fsdp2-config (this library's, the features arm): ``sharding_size`` (HSDP) shards over the shard group
 instead (``paths.fsdp2_fields``, state.py), a bool ``reshard_after_forward`` acts as the flag does, and
-``num_to_forward_prefetch`` / ``num_to_backward_prefetch`` set the units in flight. Not modeled:
-Megatron-FSDP's HSDP (``--num-distributed-optimizer-instances``, its outer sharding), fsdp2-config's
-other keys (dtypes, units, an int reshard_after_forward, offload: said in the output), FP8 parameter gathering, CPU
+``num_to_forward_prefetch`` / ``num_to_backward_prefetch`` set the units in flight. Megatron-FSDP's
+HSDP (``--num-distributed-optimizer-instances N``, ``--outer-dp-sharding-strategy``): every buffer sharded
+over an instance's DP x CP / N ranks, and under outer ``optim`` the masters and moments over all DP x CP
+ranks (:func:`hybrid_groups`; compare's records at DP 4, 2 instances, with and without outer sharding).
+Not modeled: fsdp2-config's other keys (dtypes, units, an int reshard_after_forward, offload: said in the output), FP8 parameter gathering, CPU
 offloading, and this library's other state features (reuse-fp32-param under torch FSDP2, the
 precision-aware optimizer's dtypes asked for by name) on these paths: counted as megatron's. Level 2's
 megatron-fsdp-lean-state under Megatron-FSDP is modeled (state.py: no main-weight buffer, bf16 gradients,
@@ -77,6 +79,77 @@ def group_size(run: Run, expert: bool = False) -> int:
     if expert:
         return max(1, lay.tp * lay.cp * lay.dp // (lay.expert_tp * lay.ep))
     return lay.dp * lay.cp
+
+
+def hybrid_groups(run: Run, expert: bool = False) -> tuple[int, int]:
+    """Megatron-FSDP's shard groups of one parameter: (the ranks its model-weight and main-grad buffers
+    are sharded over, the ranks its fp32 masters and Adam's moments are sharded over).
+
+    Without HSDP both are :func:`group_size`. With ``--num-distributed-optimizer-instances N``
+    (megatron-core 0.16.1, ``mcore_fsdp_adapter._init_dist_index``) the shard group is the
+    intra-instance data-parallel group (``partial_data_parallel=True``: DP x CP / N ranks) and the N
+    groups are replicas; ``--outer-dp-sharding-strategy optim`` builds the main buffers over the whole
+    DP x CP group (``get_dp_group``: the hybrid group) and keeps the weights and gradients in the
+    intra-instance ``hsdp_wbuf`` / ``hsdp_gbuf`` (param_and_grad_buffer.py, "the weight and gradient
+    memory footprint is similar to not sharding on DP-Outer"), so only the masters and the moments
+    shrink by N. An expert's parameters under HSDP: the adapter builds no expert mesh, its buffers get
+    no process group and shard over the default (world) group (read in 0.16.1, not run: compare and the
+    plan refuse HSDP at EP > 1, where that is not a replica of anything)."""
+    lay = run.layout
+    whole = group_size(run, expert)
+    if lay.fsdp != MEGATRON_FSDP or lay.optimizer_instances <= 1:
+        return whole, whole
+    if expert:
+        world = lay.world_size
+        return world, world
+    inner = lay.dp * lay.cp // lay.optimizer_instances
+    return inner, (lay.dp * lay.cp if lay.outer_sharding == "optim" else inner)
+
+
+def hybrid_sharding_refusal(
+    *,
+    megatron_fsdp: bool,
+    instances: int,
+    outer: str,
+    strategy: str,
+    dp_cp: int,
+    ep: int,
+    overlap_grad_reduce: bool,
+) -> str | None:
+    """Why megatron (or this library's fix) refuses a Megatron-FSDP HSDP layout, or None: the words
+    of the check that refuses it, and what to change."""
+    if instances < 1:
+        return f"--num-distributed-optimizer-instances must be 1 or more, got {instances}"
+    if outer != "no_shard" and not (megatron_fsdp and instances > 1):
+        return (
+            f"--outer-dp-sharding-strategy {outer} acts with --use-megatron-fsdp --num-distributed-optimizer-instances "
+            "> 1 (hybrid sharding); give both, or leave it out"
+        )
+    if dp_cp % instances:
+        return (
+            f"--num-distributed-optimizer-instances {instances} does not divide DP x CP ({dp_cp}): megatron-core's "
+            "initialize_model_parallel asserts 'Data parallel size should be divisible by partial DistOpt shard "
+            "factor'"
+        )
+    if not megatron_fsdp or instances == 1:
+        return None
+    if outer == "optim" and strategy != "optim_grads_params":
+        return (
+            f"--outer-dp-sharding-strategy optim with --data-parallel-sharding-strategy {strategy}: Megatron-LM: 'The "
+            '"optim" option is only supported when --data-parallel-sharding-strategy is "optim_grads_params"\'; use '
+            "optim_grads_params"
+        )
+    if ep > 1:
+        return (
+            f"--num-distributed-optimizer-instances {instances} with --expert-model-parallel-size {ep}: megatron-core"
+            "'s Megatron-FSDP builds no expert mesh under hybrid sharding (mcore_fsdp_adapter._init_dist_index), so "
+            "the experts' buffers would be sharded over every rank; use EP 1, or one instance"
+        )
+    if strategy in ("no_shard", "optim") and not overlap_grad_reduce:
+        from mindspeed_like.fixes.megatron_fsdp_hsdp_grad_reduce import NO_OVERLAP
+
+        return NO_OVERLAP.format(instances=instances, strategy=strategy)
+    return None
 
 
 def units(run: Run, params: list[Param]) -> list[Unit]:

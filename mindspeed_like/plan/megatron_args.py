@@ -175,6 +175,9 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
         default="no_shard",
         choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
     )
+    # Megatron-FSDP's hybrid sharding (HSDP); under DDP the distributed optimizer's instances (not modeled there)
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
+    g.add_argument("--outer-dp-sharding-strategy", default="no_shard", choices=("no_shard", "optim"))
     g.add_argument("--ckpt-format", default="torch_dist")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
 
@@ -577,6 +580,8 @@ def run_from_namespace(
         loss_in_split=bool(get("account_for_loss_in_pipeline_split")),
         layer_layout=_layout_text(get("pipeline_model_parallel_layout")),
         microbatch_group=get("microbatch_group_size_per_vp_stage"),
+        optimizer_instances=get("num_distributed_optimizer_instances", 1) or 1,
+        outer_sharding=get("outer_dp_sharding_strategy", "no_shard") or "no_shard",
         **{"distributed_optimizer": bool(ns.use_distributed_optimizer), **_fsdp_fields(ns)},
     )
     precision = Precision(
@@ -599,6 +604,10 @@ def run_from_namespace(
     )
     check(model, layout)
     check_recompute(recompute, model.num_layers, layout.pp)
+    instances = get("num_distributed_optimizer_instances", 1) or 1
+    if instances > 1 and layout.fsdp is None and layout.distributed_optimizer:
+        # the distributed optimizer's instances under DDP (its shards over DP / N ranks): not modeled
+        not_modeled = [*not_modeled, "--num-distributed-optimizer-instances"]
     return Run(
         model=model,
         layout=layout,
@@ -806,6 +815,19 @@ def check_recompute(recompute: Recompute, num_layers: int, pp: int) -> None:
 
 def check(model: Model, layout: Layout) -> None:
     """What megatron would refuse later, refused here with the fix."""
+    from mindspeed_like.plan.fsdp import hybrid_sharding_refusal
+
+    refusal = hybrid_sharding_refusal(
+        megatron_fsdp=layout.fsdp == "megatron_fsdp",
+        instances=layout.optimizer_instances,
+        outer=layout.outer_sharding,
+        strategy=layout.sharding_strategy,
+        dp_cp=layout.dp * layout.cp,
+        ep=layout.ep,
+        overlap_grad_reduce=layout.overlap_grad_reduce,
+    )
+    if refusal:
+        raise ConfigError(f"plan: {refusal}")
     tp = layout.tp
     if model.num_attention_heads % tp:
         raise ConfigError(f"plan: --num-attention-heads {model.num_attention_heads} must be divisible by TP {tp}")

@@ -98,6 +98,12 @@ def _fsdp_text(run: Run) -> str:
             + ")"
         )
     if lay.fsdp == "megatron_fsdp":
+        if lay.optimizer_instances > 1:
+            outer = ", masters and moments sharded across them" if lay.outer_sharding == "optim" else ""
+            return (
+                f"Megatron-FSDP ({lay.sharding_strategy}; HSDP: {lay.optimizer_instances} instances of "
+                f"{lay.dp * lay.cp // lay.optimizer_instances} ranks{outer})"
+            )
         return f"Megatron-FSDP ({lay.sharding_strategy})"
     return ""
 

@@ -120,6 +120,11 @@ class Layout:
     fsdp: str | None = None
     reshard_after_forward: bool = True  # torch FSDP2 (--torch-fsdp2-no-reshard-after-forward: False)
     sharding_strategy: str = "no_shard"  # Megatron-FSDP's --data-parallel-sharding-strategy
+    # --num-distributed-optimizer-instances: under Megatron-FSDP its hybrid sharding (HSDP: sharded within each of
+    # N groups of DP x CP / N ranks, replicated across them); --outer-dp-sharding-strategy: "optim" also shards the
+    # masters and moments across the groups (plan/fsdp.py hybrid_groups)
+    optimizer_instances: int = 1
+    outer_sharding: str = "no_shard"
 
     @property
     def world_size(self) -> int:

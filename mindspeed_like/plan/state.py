@@ -203,19 +203,27 @@ def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
         master = "fp32 master shard"
     else:
         # Megatron-FSDP: weights are the model-weight buffer; the fp32 main-weight buffer (the masters, which
-        # the module's parameters view during a step) is optimizer state, as compare's meter counts it
+        # the module's parameters view during a step) is optimizer state, as compare's meter counts it. Under
+        # HSDP (--num-distributed-optimizer-instances) the buffers are sharded within an instance's ranks, and
+        # with --outer-dp-sharding-strategy optim the masters and moments across the instances too
         strategy = lay.sharding_strategy
         weights_sharded = strategy == "optim_grads_params"
         grads_sharded = strategy in ("optim_grads", "optim_grads_params")
-        n = sharded if strategy != "no_shard" else numel
-        part = f"1/{group}" if strategy != "no_shard" else "whole"
+        group, optim_group = fsdp.hybrid_groups(run)
+        sharded = sum(fsdp.shard(q.numel, fsdp.hybrid_groups(run, q.expert)[0]) for q in params)
+        optim_sharded = sum(fsdp.shard(q.numel, fsdp.hybrid_groups(run, q.expert)[1]) for q in params)
+        n = optim_sharded if strategy != "no_shard" else numel
+        part = f"1/{optim_group}" if strategy != "no_shard" else "whole"
+        if lay.optimizer_instances > 1:
+            replicated = f", replicated over {lay.optimizer_instances} instances (HSDP)"
+            part += ", across the instances too" if optim_group != group else replicated
         if strategy == "no_shard":
             lines.append(Line("weights", f"parameters ({prec.params})", p * numel))
         else:
             lines.append(
                 Line(
                     "weights",
-                    f"model-weight buffer ({prec.params}, {f'1/{group}' if weights_sharded else 'whole'})",
+                    f"model-weight buffer ({prec.params}, {f'1/{group}' if weights_sharded else 'whole'}{replicated})",
                     p * (sharded if weights_sharded else numel),
                 )
             )
@@ -223,7 +231,7 @@ def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
         lines.append(
             Line(
                 "gradients",
-                f"main-grad buffer ({prec.grad_dtype}, {f'1/{group}' if grads_sharded else 'whole'})",
+                f"main-grad buffer ({prec.grad_dtype}, {f'1/{group}' if grads_sharded else 'whole'}{replicated})",
                 g * (sharded if grads_sharded else numel),
             )
         )

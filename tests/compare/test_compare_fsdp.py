@@ -40,6 +40,37 @@ def _compare(tmp_path, *args: str) -> dict:
         ),
         (["--use-torch-fsdp2", "--use-distributed-optimizer"], "not supported with MCore's distributed optimizer"),
         (["--use-torch-fsdp2", "--preset", "gpt"], "requires --untie-embeddings-and-output-weights"),
+        # Megatron-FSDP's hybrid sharding (HSDP)
+        (
+            ["--data-parallel-size", "4", "--num-distributed-optimizer-instances", "2"],
+            "runs here with --use-megatron-fsdp",
+        ),
+        (
+            [*"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params".split()]
+            + ["--data-parallel-size", "4", "--num-distributed-optimizer-instances", "3"],
+            "'Data parallel size should be divisible by partial DistOpt shard factor'",
+        ),
+        (
+            ["--outer-dp-sharding-strategy", "optim", "--use-megatron-fsdp", "--data-parallel-size", "4"]
+            + ["--data-parallel-sharding-strategy", "optim_grads_params"],
+            "acts with --use-megatron-fsdp --num-distributed-optimizer-instances > 1",
+        ),
+        (
+            [*"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads --data-parallel-size 4".split()]
+            + ["--num-distributed-optimizer-instances", "2", "--outer-dp-sharding-strategy", "optim"],
+            'only supported when --data-parallel-sharding-strategy is "optim_grads_params"',
+        ),
+        (
+            [*"--use-megatron-fsdp --data-parallel-sharding-strategy optim --data-parallel-size 4".split()]
+            + ["--num-distributed-optimizer-instances", "2"],
+            "Add --overlap-grad-reduce",
+        ),
+        (
+            [*"--preset moe --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params".split()]
+            + ["--data-parallel-size", "4", "--expert-model-parallel-size", "2"]
+            + ["--num-distributed-optimizer-instances", "2"],
+            "builds no expert mesh under hybrid sharding",
+        ),
     ],
 )
 def test_megatron_lms_refusals_before_any_process_starts(tmp_path, capsys, no_process, args, message):
@@ -73,6 +104,38 @@ def test_record_names_tag_the_fsdp_path():
         "--data-parallel-size 2 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params".split()
     )
     assert record_name(args, {"optimization_level": 1}) == "compare-llama-dp2-mfsdp-optim_grads_params-level1"
+    args = parser.parse_args(
+        "--data-parallel-size 4 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+        "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim".split()
+    )
+    assert record_name(args, {}) == "compare-llama-dp4-mfsdp-optim_grads_params-instances2-outer-optim"
+
+
+def test_hsdp_reaches_megatrons_parallel_state_and_the_wrapper():
+    """--num-distributed-optimizer-instances goes to both places megatron reads it: the parallel state
+    (the worker's initialize_model_parallel builds the intra- and inter-instance groups) and the
+    wrapper's DistributedDataParallelConfig (the adapter's HSDP mesh), with the outer strategy."""
+    import argparse
+
+    from mindspeed_like.compare import _spec_layout, add_compare_arguments, data_parallel_path
+
+    parser = argparse.ArgumentParser()
+    add_compare_arguments(parser)
+    args = parser.parse_args(
+        "--data-parallel-size 4 --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+        "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim".split()
+    )
+    assert data_parallel_path(args) == (
+        "megatron_fsdp",
+        {
+            "data_parallel_sharding_strategy": "optim_grads_params",
+            "num_distributed_optimizer_instances": 2,
+            "outer_dp_sharding_strategy": "optim",
+        },
+    )
+    assert _spec_layout(args)["instances"] == 2
+    args = parser.parse_args("--data-parallel-size 4 --use-megatron-fsdp".split())
+    assert "num_distributed_optimizer_instances" not in data_parallel_path(args)[1]
 
 
 def test_megatron_fsdp_buffer_roles_cover_the_installed_release():

@@ -297,3 +297,72 @@ def test_megatron_fsdp_lean_state_is_the_features_arms_layout_at_level_2(capsys)
     text = capsys.readouterr().out
     assert cli.main([*argv, "--optimization-level", "2"]) == 0
     assert "megatron-fsdp-lean-state" in capsys.readouterr().out and "megatron-fsdp-lean-state" not in text
+
+
+def test_megatron_fsdp_hsdp_shards_within_an_instance_and_optim_shards_the_masters_across(capsys) -> None:
+    """Megatron-FSDP's hybrid sharding (megatron-core 0.16.1's mcore_fsdp_adapter._init_dist_index):
+    with --num-distributed-optimizer-instances 2 at DP 4 every buffer is sharded over the instance's 2
+    ranks (the state of DP 2, replicated across the instances); --outer-dp-sharding-strategy optim puts
+    the fp32 masters and Adam's moments on the whole DP group (the state of DP 4) and leaves the weights
+    and gradients in the instance's hsdp buffers (those of DP 2). Measured: the accuracy lane's
+    compare-plan-llama-dp4-mfsdp-hsdp2*-level1 records."""
+    extra = [*MEGATRON_FSDP, "--data-parallel-sharding-strategy", "optim_grads_params"]
+    two, four = _state(extra, 2, capsys), _state(extra, 4, capsys)
+    hsdp = [*extra, "--num-distributed-optimizer-instances", "2"]
+    assert _state(hsdp, 4, capsys) == two
+    outer = _state([*hsdp, "--outer-dp-sharding-strategy", "optim"], 4, capsys)
+    assert outer["weights"] == two["weights"] and outer["gradients"] == two["gradients"]
+    assert outer["optimizer"] == four["optimizer"]
+    text = _plan(hsdp, 4, capsys)
+    assert "HSDP: 2 instances of 2 ranks" in json.dumps(text)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("--num-distributed-optimizer-instances 3", "'Data parallel size should be divisible by partial DistOpt"),
+        (
+            "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim "
+            "--data-parallel-sharding-strategy optim_grads",
+            'only supported when --data-parallel-sharding-strategy is "optim_grads_params"',
+        ),
+        ("--outer-dp-sharding-strategy optim", "acts with --use-megatron-fsdp --num-distributed-optimizer-instances"),
+        (
+            "--num-distributed-optimizer-instances 2 --data-parallel-sharding-strategy optim",
+            "Add --overlap-grad-reduce",
+        ),
+    ],
+)
+def test_megatron_fsdp_hsdp_refusals(extra: str, message: str, capsys) -> None:
+    argv = [*MODEL, *MEGATRON_FSDP, *extra.split(), "--world-size", "4", "--global-batch-size", "4"]
+    if "--data-parallel-sharding-strategy" not in extra:
+        argv += ["--data-parallel-sharding-strategy", "optim_grads_params"]
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_distributed_optimizers_instances_under_ddp_are_said_not_modeled(capsys) -> None:
+    argv = [*MODEL, "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+    out = _plan(argv[len(MODEL) :], 4, capsys)
+    assert "--num-distributed-optimizer-instances" in out["not_modeled"]
+    out = _plan([*MEGATRON_FSDP, "--data-parallel-sharding-strategy", "optim_grads_params"], 4, capsys)
+    assert "--num-distributed-optimizer-instances" not in out["not_modeled"]
+
+
+def test_compares_hsdp_options_predict_megatron_lms_state(capsys) -> None:
+    """compare's --num-distributed-optimizer-instances / --outer-dp-sharding-strategy read into the same
+    layout as Megatron-LM's flags; compare refuses them without Megatron-FSDP."""
+    argv = "--preset llama --num-layers 2 --hidden-size 256 --seq-length 256 --micro-batch-size 2".split()
+    argv += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+    states = {}
+    for name, extra in (
+        ("dp2", ["--data-parallel-size", "2"]),
+        ("hsdp", ["--data-parallel-size", "4", "--num-distributed-optimizer-instances", "2"]),
+    ):
+        assert cli.main([*argv, *extra, "--json"]) == 0
+        arm = json.loads(capsys.readouterr().out)["per_rank"][0]["megatron"]
+        states[name] = [arm[f"{k}_bytes"] for k in ("weights", "gradients", "optimizer")]
+    assert states["hsdp"] == states["dp2"]
+    plain = "--preset llama --num-layers 2 --data-parallel-size 4 --num-distributed-optimizer-instances 2".split()
+    assert cli.main(plain) == 2
+    assert "runs here with --use-megatron-fsdp" in capsys.readouterr().err
