@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mindspeed_like.testing.megatron_unit import checkout, ranks, reasons
 from mindspeed_like.testing.megatron_unit.record import Outcomes, directory_of, write
@@ -496,3 +497,38 @@ def test_ranks_that_diverge_after_a_failure_end_the_launch_soon(monkeypatch) -> 
     assert done == {"t"}
     [result] = charged
     assert [r["outcome"] for r in result.merged()] == ["passed", "failed"]
+
+
+_MESH_CACHE: list = []  # a module's cache of a mesh across tests, as torch's and Megatron-FSDP's are
+
+
+def _groups_after_cleanup() -> dict[str, bool]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from mindspeed_like.testing.megatron_unit import host_device
+
+    held, dropped = dist.new_group([0, 1]), dist.new_group([0, 1])
+    _MESH_CACHE.append(DeviceMesh.from_group(held, "cpu"))
+    names = {"held": held.group_name, "dropped": dropped.group_name}
+    del held, dropped
+    host_device.destroy_leftover_groups()
+    alive = {}
+    for which, name in names.items():
+        try:
+            dist.distributed_c10d._resolve_process_group(name)
+            alive[which] = True
+        except (RuntimeError, ValueError):
+            alive[which] = False
+    mesh = _MESH_CACHE.pop()
+    dist.all_reduce(torch.ones(1), group=mesh.get_group())  # the cached mesh still communicates
+    return alive
+
+
+def test_a_group_a_cached_device_mesh_holds_outlives_the_between_test_cleanup() -> None:
+    """Megatron-FSDP's fully_shard tests at 8 ranks failed "Could not resolve the process group registered
+    under the name N" after the harness destroyed a group that a cached DeviceMesh still named."""
+    from mindspeed_like.testing import run_distributed
+
+    for rank in run_distributed(_groups_after_cleanup, 2, timeout=300):
+        assert rank == {"held": True, "dropped": False}

@@ -193,9 +193,13 @@ def destroy_leftover_groups() -> int:
     megatron's ``destroy_model_parallel`` forgets its groups without destroying them, so every test
     that initializes model parallelism leaves a dozen gloo groups, each with its own threads: a
     run of the transformer folder reached 9,704 threads and starved the host. The groups megatron's
-    parallel state still holds (a class that initialized once for all its tests) and the default
-    group are kept.
+    parallel state still holds (a class that initialized once for all its tests), those a live
+    ``DeviceMesh`` holds, and the default group are kept: a mesh outlives its test where a module
+    caches it (Megatron-FSDP's tests clear torch's mesh caches only when they reach their end), and
+    a destroyed group under a cached mesh fails a later test with "Could not resolve the process group
+    registered under the name N", which megatron's CI, destroying no group between tests, never sees.
     """
+    import gc
     import sys
 
     import torch.distributed as dist
@@ -208,6 +212,9 @@ def destroy_leftover_groups() -> int:
         module = sys.modules.get(name)
         for value in vars(module).values() if module is not None else ():
             _referenced_groups(value, keep)
+    gc.collect()  # the test's own meshes, unreachable now, go first
+    for mesh in _live_device_meshes():
+        _referenced_groups(getattr(mesh, "_pg_registry", None) or {}, keep)
     destroyed = 0
     for group in list(c10d._world.pg_map.keys()):
         if id(group) not in keep:
@@ -216,10 +223,21 @@ def destroy_leftover_groups() -> int:
                 destroyed += 1
     # a destroyed gloo group's threads end only when the object is freed: models and tracebacks of the
     # test may still hold it in reference cycles (measured: 812 groups alive after the transformer folder)
-    import gc
-
     gc.collect()
     return destroyed
+
+
+def _live_device_meshes() -> list[Any]:
+    """Every ``DeviceMesh`` still reachable (found by the collector: torch keeps them in module caches,
+    Megatron-FSDP in its parameters' DTensor specs)."""
+    import gc
+    import sys
+
+    module = sys.modules.get("torch.distributed.device_mesh")
+    mesh_type = getattr(module, "DeviceMesh", None)
+    if not isinstance(mesh_type, type):
+        return []
+    return [obj for obj in gc.get_objects() if isinstance(obj, mesh_type)]
 
 
 def after_test() -> None:
