@@ -463,15 +463,20 @@ def test_a_finished_tests_instance_lets_go_of_what_it_built() -> None:
     assert alive() is None and vars(item.instance) == {}
 
 
-def test_ranks_that_diverge_after_a_failure_end_the_launch_soon(monkeypatch) -> None:
+@pytest.mark.parametrize("rank_0_moved_on", [False, True])
+def test_ranks_that_diverge_after_a_failure_end_the_launch_soon(monkeypatch, rank_0_moved_on: bool) -> None:
     """Rank 0's call failed; rank 1 waits in a collective that rank 0 left. The test is charged with
-    rank 0's failure after DIVERGED_S (not the 300 s stall limit), and the launch ends for a relaunch."""
+    rank 0's failure after DIVERGED_S (not the 300 s stall limit), and the launch ends for a relaunch.
+    Rank 0 may have started the next test by then: the harness killed its ranks, so that test is
+    relaunched, not charged "ranks exited [-9, -9]" (3 of level 1's Megatron-FSDP tests at 8 ranks were)."""
     import json as _json
 
     def lines(rank: int) -> str:
         events = [{"event": "start", "nodeid": "t"}, {"nodeid": "t", "when": "setup", "outcome": "passed"}]
         if rank == 0:
             events.append({"nodeid": "t", "when": "call", "outcome": "failed", "longrepr": "AssertionError"})
+            if rank_0_moved_on:
+                events += [{"nodeid": "t", "when": "teardown", "outcome": "passed"}, {"event": "start", "nodeid": "u"}]
         return "".join(_json.dumps(e) + "\n" for e in events)
 
     class _Waiting:
@@ -496,7 +501,7 @@ def test_ranks_that_diverge_after_a_failure_end_the_launch_soon(monkeypatch) -> 
     done = ranks._launch_once(["t", "u"], 2, [], cwd=".", stall_s=300, on_result=charged.append, env=None)
     assert done == {"t"}
     [result] = charged
-    assert [r["outcome"] for r in result.merged()] == ["passed", "failed"]
+    assert [r["outcome"] for r in result.merged()][:2] == ["passed", "failed"]  # setup, call (then teardown)
 
 
 _MESH_CACHE: list = []  # a module's cache of a mesh across tests, as torch's and Megatron-FSDP's are

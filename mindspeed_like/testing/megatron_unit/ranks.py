@@ -192,6 +192,9 @@ def _launch_once(
         on_result(result)
 
     last_progress = time.monotonic()
+    # the watcher ended the launch itself (a divergence or a stall, already charged): the ranks it killed
+    # crashed nothing, and a test one of them had started next is relaunched, not failed "ranks exited [-9]"
+    stopped_here = False
     try:
         while True:
             progressed = False
@@ -233,6 +236,7 @@ def _launch_once(
             diverged = [n for n, t in first_failure.items() if n not in done and time.monotonic() - t > DIVERGED_S]
             if diverged:  # charged with the failure its ranks reported; the rest of the group relaunches
                 charge(results[diverged[0]])
+                stopped_here = True
                 break
             if stalled or died:
                 current = started.get(0) or next(iter(started.values()), None)
@@ -245,6 +249,7 @@ def _launch_once(
                     result = results.setdefault(current, RankResult(current))
                     result.phases = {"call": [_stalled_report(current, why, logs)]}
                     charge(result)
+                stopped_here = True
                 break
             time.sleep(0.5)
     finally:
@@ -254,7 +259,7 @@ def _launch_once(
         for proc in procs:
             proc.wait()
     # a rank that exited without finishing the test it started (crash): that test failed
-    if len(done) < len(nodeids):
+    if len(done) < len(nodeids) and not stopped_here:
         current = started.get(0) or next(iter(started.values()), None)
         breaker = _relaunch_after(procs, started)
         if current and current not in done and (breaker is None or current == breaker):
