@@ -92,7 +92,15 @@ def _megatron_fsdp_buffer_roles() -> dict[str, str]:
         from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import ParameterGroup
     except ImportError:
         return {}
-    roles = {"main_weight_buffer": "optimizer", "main_grad_buffer": "gradients", "hsdp_gbuf": "gradients"}
+    # HSDP's gradient buffers: 0.16's hsdp_gbuf (persistent, the instance's shard), 0.19's hfsdp_helper_gbuf (the
+    # same role, renamed) and hsdp_comm_gbuf (a temporary bucket for the outer reduction)
+    roles = {
+        "main_weight_buffer": "optimizer",
+        "main_grad_buffer": "gradients",
+        "hsdp_gbuf": "gradients",
+        "hfsdp_helper_gbuf": "gradients",
+        "hsdp_comm_gbuf": "gradients",
+    }
     return {
         field.name: roles.get(field.name, "weights")
         for field in dataclasses.fields(ParameterGroup)

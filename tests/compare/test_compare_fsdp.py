@@ -147,6 +147,9 @@ def test_megatron_fsdp_buffer_roles_cover_the_installed_release():
     assert roles["model_weight_buffer"] == "weights"
     assert roles["main_weight_buffer"] == "optimizer"
     assert roles["main_grad_buffer"] == "gradients"
+    # HSDP's gradient buffers (0.16: hsdp_gbuf; 0.19: hfsdp_helper_gbuf, hsdp_comm_gbuf), where the release has them
+    for name in ("hsdp_gbuf", "hfsdp_helper_gbuf", "hsdp_comm_gbuf"):
+        assert roles.get(name, "gradients") == "gradients", name
 
 
 def test_the_meter_counts_a_dtensors_local_shard_and_skips_a_freed_storage():
