@@ -86,3 +86,33 @@ def _tp_rng_kept(keep: bool) -> Iterator[None]:
         yield
     finally:
         FullyShardedDataParallel.sync_rng_states_across_tp_group = original
+
+
+def stage_meshes(tp: int, without: str) -> list:
+    """Megatron-FSDP's DP x TP device mesh (``mcore_fsdp_adapter._get_dp_tp_mesh``, as its wrapper's
+    ``_init_dist_index`` asks for it) at pipeline-parallel size 2 with ``tp``: as built with every
+    feature, then with the feature ``without`` removed (the error's text where megatron cannot build it)."""
+    import importlib
+
+    from megatron.core import parallel_state
+
+    import mindspeed_like
+    from mindspeed_like import runtime
+    from mindspeed_like.testing import destroy_parallel, init_parallel
+
+    mindspeed_like.configure(device="cpu")
+    init_parallel(tp=tp, pp=2)
+    adapter = importlib.import_module("megatron.core.distributed.fsdp.mcore_fsdp_adapter")
+    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    meshes: list = []
+    try:
+        meshes.append(adapter._get_dp_tp_mesh(dp_cp, tp_group).tolist())
+        runtime.ENGINE.remove(without)
+        try:
+            meshes.append(adapter._get_dp_tp_mesh(dp_cp, tp_group).tolist())
+        except Exception as error:  # megatron's own failure, compared by the test
+            meshes.append(f"{type(error).__name__}: {error}")
+    finally:
+        destroy_parallel()
+    return meshes

@@ -1,9 +1,10 @@
-"""megatron's FSDP paths with model parallelism (issue 54 items 1 and 2): TP, CP, EP and HSDP.
+"""megatron's FSDP paths with model parallelism (issue 54 items 1 and 2): TP, CP, EP, HSDP and PP.
 
 Megatron-LM allows, with ``--use-torch-fsdp2``, tensor and context parallelism (the FSDP2 mesh is the
 data x context group; a parameter stays a TP shard inside its DTensor) and refuses pipeline and expert
 parallelism; with ``--use-megatron-fsdp`` TP, CP, EP and hybrid sharding
-(``--num-distributed-optimizer-instances``), refusing only hybrid context parallelism. Each layout
+(``--num-distributed-optimizer-instances``) and PP, refusing only hybrid context parallelism (PP runs
+with fix-megatron-fsdp-pipeline: megatron stopped in three places). Each layout
 trains as the same layout without FSDP: DDP for FSDP2, the distributed optimizer for Megatron-FSDP
 (its optimizer). docs/features/fsdp.md has the Megatron-LM runs and their losses.
 
@@ -19,10 +20,12 @@ import types
 
 import fsdp_layout_workers as workers
 import pytest
+import torch
 
 from mindspeed_like.adapters.cpu_training.arguments import host_defaults
 from mindspeed_like.fixes import megatron_fsdp_hsdp_grad_norm as hsdp_norm_fix
 from mindspeed_like.fixes import megatron_fsdp_hsdp_grad_reduce as hsdp_fix
+from mindspeed_like.fixes import megatron_fsdp_pipeline as pp_fix
 from mindspeed_like.testing import megatron_lm, run_distributed
 from mindspeed_like.toolkit.errors import ConfigError
 
@@ -175,6 +178,23 @@ def test_hybrid_sharding_without_its_outer_reduction_is_refused_at_argument_vali
             pass
 
 
+MEGATRON_FSDP = [
+    "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+    "optim_grads_params",
+    "--use-distributed-optimizer",
+    "--ckpt-format",
+    "fsdp_dtensor",
+]
+PP2 = [
+    "--pipeline-model-parallel-size",
+    "2",
+    "--num-layers",
+    "4",
+    "--micro-batch-size",
+    "1",
+]  # two layers a stage, two microbatches in flight
+
 MEGATRON_LM_LAYOUTS = {
     "fsdp2-tp2": (
         ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--ckpt-format", "torch_dist"],
@@ -192,6 +212,8 @@ MEGATRON_LM_LAYOUTS = {
         [],
         ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2", "--micro-batch-size", "1"],
     ),
+    "megatron-fsdp-pp2": (MEGATRON_FSDP, ["--use-distributed-optimizer"], PP2),
+    "megatron-fsdp-pp2-bf16": (MEGATRON_FSDP, ["--use-distributed-optimizer"], [*PP2, "--bf16"]),
 }
 
 
@@ -211,3 +233,106 @@ def test_megatron_lm_layout_under_fsdp_prints_the_digits_of_the_same_layout_with
     ]
     assert sorted(runs[0]) == [1, 2, 3]
     assert runs[0] == runs[1]
+
+
+def test_megatron_fsdp_mesh_under_pipeline_parallelism_is_the_stages():
+    """Megatron-FSDP's DP x TP mesh at PP 2 x DP 2 (4 gloo ranks): megatron-core splits
+    ``torch.arange(world_size)`` into DP x EP x TP and stops (einops: "Shape mismatch, 4 != 2") on every
+    device; with fix-megatron-fsdp-pipeline each stage's mesh is its own two data-parallel ranks."""
+    meshes = run_distributed(workers.stage_meshes, 4, 1, pp_fix.NAME, timeout=600)
+    assert [fixed for fixed, _ in meshes] == [[[0], [1]], [[0], [1]], [[2], [3]], [[2], [3]]]
+    assert all("Shape mismatch, 4 != 2" in megatrons for _, megatrons in meshes), meshes
+
+
+def _without_patch(target: str, extra: list[str], expect_failure: bool) -> str:
+    script = [os.path.join(os.path.dirname(__file__), "megatron_lm_without_patch.py"), pp_fix.NAME, target]
+    return megatron_lm.torchrun_output(
+        4, [*script, megatron_lm.PRETRAIN_GPT], extra, expect_failure=expect_failure, timeout=1200
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
+@pytest.mark.parametrize(
+    "target, error",
+    [
+        (pp_fix.MESH, "Shape mismatch, 4 != 2"),
+        (pp_fix.FORWARD, "counter-productive to free a view of another tensor"),
+        (pp_fix.EMBEDDING, "attempting to assign a gradient of size '[128, 64]' to a tensor of size '[256, 64]'"),
+    ],
+    ids=["mesh", "stage-output-view", "tied-embedding-grad"],
+)
+def test_megatron_lm_pipeline_under_megatron_fsdp_stops_without_each_patch(target, error):
+    """pretrain_gpt.py at PP 2 x DP 2 under ``--use-megatron-fsdp``: with fix-megatron-fsdp-pipeline it
+    prints the distributed optimizer's digits (``megatron-fsdp-pp2`` above); each of its three patches
+    taken out, megatron-core stops with its own error (the view and the embedding: at the first step)."""
+    extra = [*megatron_lm.DROPOUT, "--train-iters", "1", *PP2, *MEGATRON_FSDP]
+    assert error in _without_patch(target, extra, expect_failure=True)
+
+
+def _stage(*layer_numbers: int) -> torch.nn.Module:
+    """A model chunk as the checkpoint sees it: a wrapper around megatron's TransformerBlock whose layers
+    carry their ``layer_number`` (counted from 1 over every stage)."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    block = TransformerBlock.__new__(TransformerBlock)  # only its layers are read
+    torch.nn.Module.__init__(block)
+    layers = []
+    for number in layer_numbers:
+        layer = torch.nn.Module()
+        layer.layer_number = number
+        layers.append(layer)
+    block.layers = torch.nn.ModuleList(layers)
+    return torch.nn.Sequential(block)
+
+
+def test_fsdp_dtensor_checkpoint_names_a_stages_layers_by_their_index_in_the_model():
+    """The second stage of a 4-layer model at PP 2 holds layers 3 and 4: its keys name layers 2 and 3
+    (megatron wrote 0 and 1, the first stage's names); the values stay megatron's objects, the dicts
+    megatron kept are untouched, and the first stage's state dict is megatron's own."""
+    weight, embedding, exp_avg, meta = torch.zeros(2), torch.zeros(3), torch.zeros(2), {"lr": 0.1}
+    megatrons = {
+        "model": {"module.decoder.layers.0.mlp.weight": weight, "module.embedding.word_embeddings.weight": embedding},
+        "optimizer": {
+            "state": {"module.module.decoder.layers.1.mlp.weight": {"exp_avg": exp_avg}},
+            "param_to_group_meta": {"module.module.decoder.layers.1.mlp.weight": meta},
+        },
+        "iteration": 3,
+    }
+    optimizer = megatrons["optimizer"]
+    names = [list(megatrons["model"]), list(optimizer["state"]), list(optimizer["param_to_group_meta"])]
+
+    def prepared(args, raw_state_dict, model):
+        return megatrons
+
+    named = pp_fix.global_layer_names(prepared, None, (None, {}, _stage(3, 4)), {})
+    assert named["model"] == {
+        "module.decoder.layers.2.mlp.weight": weight,
+        "module.embedding.word_embeddings.weight": embedding,
+    }
+    assert named["model"]["module.decoder.layers.2.mlp.weight"] is weight
+    assert list(named["optimizer"]["state"]) == ["module.module.decoder.layers.3.mlp.weight"]
+    assert named["optimizer"]["state"]["module.module.decoder.layers.3.mlp.weight"]["exp_avg"] is exp_avg
+    assert named["optimizer"]["param_to_group_meta"]["module.module.decoder.layers.3.mlp.weight"] is meta
+    assert named["iteration"] == 3
+    assert megatrons["optimizer"] is optimizer  # what megatron holds on to keeps its own names
+    assert [list(megatrons["model"]), list(optimizer["state"]), list(optimizer["param_to_group_meta"])] == names
+    assert pp_fix.global_layer_names(prepared, None, (None, {}, _stage(1, 2)), {}) is megatrons
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
+def test_megatron_lm_pipeline_under_megatron_fsdp_resumes_as_the_straight_run(tmp_path):
+    """PP 2 x DP 2, ``optim_grads_params``, ``--ckpt-format fsdp_dtensor``: saved at iteration 3, loaded in
+    new processes, iterations 4-6 print the uninterrupted run's lm loss and grad norm. Without the
+    checkpoint patch both stages save their layers as layers 0 and 1, and the resumed run differs."""
+    extra = [*megatron_lm.DROPOUT, *PP2, *MEGATRON_FSDP, "--train-iters", "6"]
+    straight, resumed, _ = megatron_lm.straight_and_resumed(4, extra[:-2], str(tmp_path / "fixed"))
+    assert resumed == straight
+    checkpoint = str(tmp_path / "megatrons")
+    interval = ["--save", checkpoint, "--save-interval", "3", "--exit-interval", "3"]
+    _without_patch(pp_fix.CHECKPOINT, [*extra, *interval], expect_failure=False)
+    output = _without_patch(pp_fix.CHECKPOINT, [*extra, "--load", checkpoint], expect_failure=False)
+    broken = megatron_lm.printed(megatron_lm.lines_of(output))
+    assert sorted(broken) == [4, 5, 6]
+    assert broken[4]["lm loss"] != straight[4]["lm loss"]
