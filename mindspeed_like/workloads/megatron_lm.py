@@ -134,6 +134,15 @@ def grad_norms(lines: list[str], iterations: int = 10) -> list[float]:
 
 DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
 """Megatron-LM's default dropout (TINY switches it off): a run with it draws from the device RNG."""
+MEGATRON_FSDP = [
+    "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+    "optim_grads_params",
+    "--use-distributed-optimizer",
+    "--ckpt-format",
+    "fsdp_dtensor",
+]
+"""Megatron-FSDP as Megatron-LM's docs run it (ZeRO-3 sharding, its checkpoint format)."""
 
 
 def straight_and_resumed(

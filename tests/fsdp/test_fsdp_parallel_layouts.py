@@ -179,14 +179,7 @@ def test_hybrid_sharding_without_its_outer_reduction_is_refused_at_argument_vali
             pass
 
 
-MEGATRON_FSDP = [
-    "--use-megatron-fsdp",
-    "--data-parallel-sharding-strategy",
-    "optim_grads_params",
-    "--use-distributed-optimizer",
-    "--ckpt-format",
-    "fsdp_dtensor",
-]
+MEGATRON_FSDP = megatron_lm.MEGATRON_FSDP
 PP2 = [
     "--pipeline-model-parallel-size",
     "2",

@@ -13,15 +13,7 @@ from mindspeed_like.testing import megatron_lm
 
 pytestmark = [pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON), pytest.mark.slow]
 
-MEGATRON_FSDP = [
-    *megatron_lm.DROPOUT,
-    "--use-megatron-fsdp",
-    "--data-parallel-sharding-strategy",
-    "optim_grads_params",
-    "--use-distributed-optimizer",
-    "--ckpt-format",
-    "fsdp_dtensor",
-]
+MEGATRON_FSDP = [*megatron_lm.DROPOUT, *megatron_lm.MEGATRON_FSDP]
 
 
 @pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
