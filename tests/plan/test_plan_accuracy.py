@@ -21,6 +21,14 @@ _HEAP = (
     "after step 1 beyond the Adam moments; the plan does not simulate the allocator (the order in which blocks "
     "of every size are allocated and freed decides it); under-predicted"
 )
+_DRIFT = (
+    "the process runtime moved since the calibration baselines were measured (compare-plan-baseline*, 2026-11-27, "
+    "679bfbb): measured again at 0a799e4 (2026-12-02, the same runs as these records) they read 463.3 / 464.3 MiB "
+    "against 425.7 / 426.9 recorded (+37.6 MiB), and these records, made with today's runtime, carry that drift; "
+    "against the baselines of their own batch (measure_records --into, every compare-plan record at 0a799e4) "
+    "they are 2.2-4.3% under. The rest of the lane was measured with the old runtime, so the baselines stay until "
+    "the whole lane is measured again in one batch; under-predicted"
+)
 KNOWN_MISSES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("compare-plan-llama-dp2-distopt-level1", "features", "process_peak_bytes"): (0.15, _HEAP),
     ("compare-plan-llama-dp2-distopt-level2", "megatron", "process_peak_bytes"): (0.13, _HEAP),
@@ -32,6 +40,18 @@ KNOWN_MISSES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("compare-plan-llama-tp2-sp-level2", "megatron", "process_peak_bytes"): (0.13, _HEAP),
     ("compare-plan-moe-ep2-dp2-level2", "features", "process_peak_bytes"): (0.13, _HEAP),
     ("compare-plan-moe-level2", "features", "process_peak_bytes"): (0.16, _HEAP),
+    # issue 54 item 5's records (HSDP, TP and CP under FSDP), made on 2026-12-02 at 0a799e4: -10.0% to -11.1%
+    **{
+        (f"compare-plan-llama-{name}-level1", arm, "process_peak_bytes"): (0.12, _DRIFT)
+        for name, arms in (
+            ("dp4-mfsdp-hsdp2", ("megatron", "features")),
+            ("dp4-mfsdp-hsdp2-outer-optim", ("megatron", "features")),
+            ("dp2-tp2-mfsdp", ("features",)),
+            ("dp2-tp2-fsdp2", ("megatron", "features")),
+            ("cp2-dp2-mfsdp", ("megatron", "features")),
+        )
+        for arm in arms
+    },
 }
 
 
@@ -57,6 +77,11 @@ def test_the_lane_covers_the_presets_and_layouts(cases: list[accuracy.Case]) -> 
         "DP4 Megatron-FSDP optim_grads_params",
         "DP4 FSDP2, level 1, fsdp2-config sharding_size",  # HSDP
         "DP2 FSDP2, level 1, fsdp2-config reshard_after_forward",
+        "DP4 Megatron-FSDP optim_grads_params HSDP2,",  # Megatron-FSDP's HSDP: 2 instances of 2 ranks
+        "DP4 Megatron-FSDP optim_grads_params HSDP2 outer optim,",  # its masters and moments across them
+        "TP2 DP2 Megatron-FSDP optim_grads_params",  # TP under each path
+        "TP2 DP2 FSDP2,",
+        "CP2 DP2 Megatron-FSDP optim_grads_params",
     ):
         assert layout in layouts, layout
 
@@ -87,6 +112,28 @@ def test_fsdp_model_state_falls_as_one_over_dp(cases: list[accuracy.Case]) -> No
             for metric in accuracy.STATE_METRICS:
                 ratio = getattr(four, side)[metric] / getattr(two, side)[metric]
                 assert ratio == pytest.approx(0.5, abs=0.005), (path, side, metric, ratio)
+
+
+def test_megatron_fsdp_hsdp_holds_one_instances_shards(cases: list[accuracy.Case]) -> None:
+    """Megatron-FSDP's HSDP at DP 4 with 2 instances holds, measured and predicted, what DP 2 holds
+    (each buffer sharded over an instance's 2 ranks); with --outer-dp-sharding-strategy optim its
+    optimizer state is DP 4's (the masters and moments over all 4 ranks) and its weights and
+    gradients stay DP 2's (within the buffers' padding and the step counters)."""
+    by = {(case.record, case.arm): case for case in cases}
+    two, four = (
+        by[("compare-plan-llama-dp2-mfsdp-level1", "megatron")],
+        by[("compare-plan-llama-dp4-mfsdp-level1", "megatron")],
+    )
+    hsdp = by[("compare-plan-llama-dp4-mfsdp-hsdp2-level1", "megatron")]
+    outer = by[("compare-plan-llama-dp4-mfsdp-hsdp2-outer-optim-level1", "megatron")]
+    for side in ("measured", "predicted"):
+        for metric in accuracy.STATE_METRICS:
+            assert getattr(hsdp, side)[metric] == pytest.approx(getattr(two, side)[metric], rel=0.005), (side, metric)
+        for metric in ("weights_bytes", "gradients_bytes"):
+            assert getattr(outer, side)[metric] == pytest.approx(getattr(two, side)[metric], rel=0.005), (side, metric)
+        optimizer = getattr(outer, side)["optimizer_bytes"]
+        assert optimizer == pytest.approx(getattr(four, side)["optimizer_bytes"], rel=0.005), side
+        assert optimizer == pytest.approx(getattr(hsdp, side)["optimizer_bytes"] / 2, rel=0.005), side
 
 
 def test_every_case_is_within_its_target(cases: list[accuracy.Case]) -> None:
