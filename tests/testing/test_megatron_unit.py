@@ -537,3 +537,48 @@ def test_a_group_a_cached_device_mesh_holds_outlives_the_between_test_cleanup() 
 
     for rank in run_distributed(_groups_after_cleanup, 2, timeout=300):
         assert rank == {"held": True, "dropped": False}
+
+
+@pytest.mark.parametrize("second_launch_runs", [False, True])
+def test_a_launch_whose_ranks_ran_no_test_is_tried_once_more(monkeypatch, second_launch_runs: bool) -> None:
+    """Ranks that exit before any test (a rendezvous or import failure) charge nothing the first time:
+    the launch is tried again, and only a second empty launch charges every test "ran no test"."""
+    import json as _json
+
+    launches: list[int] = []
+
+    class _Rank:
+        def __init__(self, cmd, **kwargs) -> None:
+            rank = int(kwargs["env"]["RANK"])
+            if rank == 0:
+                launches.append(1)
+            out = Path(next(a for a in cmd if a.startswith("--megatron-child=")).split("=", 1)[1])
+            if second_launch_runs and len(launches) == 2:
+                events = []
+                for nodeid in ("t", "u"):
+                    events += [{"event": "start", "nodeid": nodeid}]
+                    phases = ("setup", "call", "teardown")
+                    events += [{"nodeid": nodeid, "when": w, "outcome": "passed"} for w in phases]
+                out.write_text("".join(_json.dumps(e) + "\n" for e in events))
+                self.returncode = 0
+            else:
+                self.returncode = 1  # exited before its first test
+
+        def poll(self) -> int:
+            return self.returncode
+
+        def kill(self) -> None:
+            pass
+
+        def wait(self) -> int:
+            return self.returncode
+
+    monkeypatch.setattr(ranks.subprocess, "Popen", _Rank)
+    charged = []
+    ranks.launch(["t", "u"], 2, [], cwd=".", stall_s=300, on_result=charged.append)
+    assert len(launches) == 2
+    outcomes = {r.nodeid: [e["outcome"] for e in r.merged()] for r in charged}
+    if second_launch_runs:
+        assert outcomes == {"t": ["passed"] * 3, "u": ["passed"] * 3}
+    else:
+        assert sorted(outcomes) == ["t", "u"] and all(o == ["failed"] for o in outcomes.values())
