@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from mindspeed_like.adapters.cpu_training.arguments import host_defaults
+from mindspeed_like.fixes import megatron_fsdp_dp1_grads as dp1_fix
 from mindspeed_like.fixes import megatron_fsdp_hsdp_grad_norm as hsdp_norm_fix
 from mindspeed_like.fixes import megatron_fsdp_hsdp_grad_reduce as hsdp_fix
 from mindspeed_like.fixes import megatron_fsdp_pipeline as pp_fix
@@ -334,3 +335,56 @@ def test_megatron_lm_pipeline_under_megatron_fsdp_resumes_as_the_straight_run(tm
     broken = megatron_lm.printed(megatron_lm.lines_of(output))
     assert sorted(broken) == [4, 5, 6]
     assert broken[4]["lm loss"] != straight[4]["lm loss"]
+
+
+TP2_DP1 = ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1", "--train-iters", "3"]  # 4 microbatches
+
+
+def _megatron_lm_tp2_dp1(fsdp: list[str], extra: list[str], script: list[str] | None = None) -> dict:
+    return megatron_lm.printed(
+        megatron_lm.torchrun(2, script or megatron_lm.launcher(), [*fsdp, *TP2_DP1, *extra], timeout=1500)
+    )
+
+
+@pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
+def test_megatron_lm_megatron_fsdp_at_dp1_prints_the_distributed_optimizers_digits():
+    """pretrain_gpt.py TP 2 on 2 ranks (data-parallel size 1), four microbatches a step: Megatron-FSDP
+    prints the distributed optimizer's lm loss and grad norm at every iteration. Without
+    fix-megatron-fsdp-dp1-grads megatron adds the gradients to themselves after each microbatch (grad
+    norm 12.036 against 1.193 at iteration 1, the loss apart from iteration 2)."""
+    fsdp = _megatron_lm_tp2_dp1(megatron_lm.MEGATRON_FSDP, [])
+    assert sorted(fsdp) == [1, 2, 3]
+    assert fsdp == _megatron_lm_tp2_dp1(["--use-distributed-optimizer"], [])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--bf16"],
+        ["--overlap-grad-reduce"],
+        ["--bf16", "--overlap-grad-reduce", "--overlap-param-gather"],
+        ["--data-parallel-sharding-strategy", "optim_grads"],
+        ["--data-parallel-sharding-strategy", "optim", "--overlap-grad-reduce"],
+    ],
+    ids=["bf16", "overlap-grad-reduce", "bf16-overlap", "optim_grads", "optim-overlap"],
+)
+def test_megatron_lm_megatron_fsdp_at_dp1_variants_print_the_distributed_optimizers_digits(extra):
+    fsdp = _megatron_lm_tp2_dp1(megatron_lm.MEGATRON_FSDP, extra)
+    assert sorted(fsdp) == [1, 2, 3]
+    assert fsdp == _megatron_lm_tp2_dp1(["--use-distributed-optimizer"], extra)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
+@pytest.mark.parametrize("extra", [[], ["--data-parallel-sharding-strategy", "optim", "--overlap-grad-reduce"]])
+def test_megatron_lm_megatron_fsdp_at_dp1_doubles_gradients_without_the_fix(extra):
+    """The same run without fix-megatron-fsdp-dp1-grads: the first forward is the same model, the grad
+    norm is not the distributed optimizer's (doubled after each microbatch: ``optim_grads_params``
+    12.036 against 1.193; ``optim`` reduces on the last microbatch only, 2.386, exactly twice)."""
+    script = [os.path.join(os.path.dirname(__file__), "megatron_lm_without_patch.py"), dp1_fix.NAME, dp1_fix.TARGET]
+    broken = _megatron_lm_tp2_dp1(megatron_lm.MEGATRON_FSDP, extra, [*script, megatron_lm.PRETRAIN_GPT])
+    distopt = _megatron_lm_tp2_dp1(["--use-distributed-optimizer"], extra)
+    assert broken[1]["lm loss"] == distopt[1]["lm loss"]
+    assert float(broken[1]["grad norm"]) > 1.9 * float(distopt[1]["grad norm"])
