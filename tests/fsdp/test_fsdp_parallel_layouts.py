@@ -388,3 +388,17 @@ def test_megatron_lm_megatron_fsdp_at_dp1_doubles_gradients_without_the_fix(extr
     distopt = _megatron_lm_tp2_dp1(["--use-distributed-optimizer"], extra)
     assert broken[1]["lm loss"] == distopt[1]["lm loss"]
     assert float(broken[1]["grad norm"]) > 1.9 * float(distopt[1]["grad norm"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
+def test_megatron_lm_megatron_fsdp_at_pp2_tp2_dp1_prints_the_distributed_optimizers_digits():
+    """PP 2 x TP 2 on 4 ranks (data-parallel size 1 again, 4 layers): without fix-megatron-fsdp-dp1-grads
+    grad norm 15.444 against 1.492 (docs/features/fsdp.md)."""
+    pp = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+    runs = [
+        megatron_lm.printed(megatron_lm.torchrun(4, megatron_lm.launcher(), [*f, *TP2_DP1, *pp], timeout=1500))
+        for f in (megatron_lm.MEGATRON_FSDP, ["--use-distributed-optimizer"])
+    ]
+    assert sorted(runs[0]) == [1, 2, 3]
+    assert runs[0] == runs[1]
