@@ -17,8 +17,9 @@ that is not distributed and whose group is one rank, the reduction's bucket is a
 gradients taken just before it, and the buffer is zeroed, so ``local_grad += reduced_grad`` leaves the
 buffer holding the (scaled) gradients once. The copy and the zeroing run on the current stream before the
 reduction, which waits for that stream first (``reduce_scatter_stream.wait_stream(current_stream)``); the
-copy is kept alive for the reduce-scatter stream (``record_stream``). Nothing changes at DP > 1 (the
-buffer is distributed there) or with ``no_shard`` (an all-reduce in place, nothing added).
+copy is kept alive for the reduce-scatter stream (``record_stream``). Nothing changes where the group has
+more than one rank (there gradient sharding distributes the buffer; ``optim`` at DP > 1, undistributed, was
+not examined here) or with ``no_shard`` (an all-reduce in place, nothing added).
 
 megatron-core 0.17.0 fixed this itself (the reduce-scatter writes into the unsharded buffer and nothing is
 added to it: ``grad_accum_closure``; the same in 0.18.0 and 0.19.2), hence ``<0.17``: there this wrapper's
