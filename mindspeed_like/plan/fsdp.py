@@ -38,9 +38,10 @@ instead (``paths.fsdp2_fields``, state.py), a bool ``reshard_after_forward`` act
 HSDP (``--num-distributed-optimizer-instances N``, ``--outer-dp-sharding-strategy``): every buffer sharded
 over an instance's DP x CP / N ranks, and under outer ``optim`` the masters and moments over all DP x CP
 ranks (:func:`hybrid_groups`; compare's records at DP 4, 2 instances, with and without outer sharding).
-Not modeled: fsdp2-config's other keys (dtypes, units, an int reshard_after_forward, offload: said in the output), FP8 parameter gathering, CPU
-offloading, and this library's other state features (reuse-fp32-param under torch FSDP2, the
-precision-aware optimizer's dtypes asked for by name) on these paths: counted as megatron's. Level 2's
+Not modeled: fsdp2-config's other keys (dtypes, units, an int reshard_after_forward, offload: said in the
+output), FP8 parameter gathering, CPU offloading, and this library's other state features (reuse-fp32-param
+under torch FSDP2, the precision-aware optimizer's dtypes asked for by name) on these paths: counted as
+megatron's. Level 2's
 megatron-fsdp-lean-state under Megatron-FSDP is modeled (state.py: no main-weight buffer, bf16 gradients,
 int16 remainders and bf16 moments).
 """
