@@ -91,7 +91,8 @@ def group_by_size(needs: Iterable[tuple[str, int]]) -> dict[int, list[str]]:
     return dict(sorted(groups.items()))
 
 
-def _stalled_report(nodeid: str, why: str, rank_logs: list[Path]) -> dict:
+def _log_tails(rank_logs: list[Path]) -> str:
+    """The last lines of each rank's log."""
     tails = []
     for path in rank_logs:
         try:
@@ -100,11 +101,15 @@ def _stalled_report(nodeid: str, why: str, rank_logs: list[Path]) -> dict:
             )
         except OSError:
             pass
+    return "\n".join(tails)
+
+
+def _stalled_report(nodeid: str, why: str, rank_logs: list[Path]) -> dict:
     return {
         "nodeid": nodeid,
         "when": "call",
         "outcome": "failed",
-        "longrepr": f"rank-timeout: {why}\n" + "\n".join(tails) + f"\nrank-timeout: {why}",
+        "longrepr": f"rank-timeout: {why}\n" + _log_tails(rank_logs) + f"\nrank-timeout: {why}",
         "duration": 0.0,
         "_harness": True,
     }
@@ -134,7 +139,7 @@ def launch(
     A stall or a dead rank fails the test in progress and relaunches the rest (never hangs).
     """
     remaining = list(nodeids)
-    empty_launches = 0
+    last_was_empty = False
     while remaining:
         done = _launch_once(
             remaining,
@@ -144,9 +149,9 @@ def launch(
             stall_s=stall_s,
             on_result=on_result,
             env=env,
-            charge_if_none_ran=empty_launches >= 1,
+            charge_if_none_ran=last_was_empty,
         )
-        empty_launches = 0 if done else empty_launches + 1
+        last_was_empty = not done
         remaining = [n for n in remaining if n not in done]
 
 
@@ -284,8 +289,8 @@ def _launch_once(
                 )
             )
         elif not started:  # nothing ran at all (collection failed in the ranks): fail them all once
-            report = _stalled_report(nodeids[0], f"ranks exited {[p.returncode for p in procs]} before a test", logs)
-            print(report["longrepr"][-6000:], file=sys.stderr, flush=True)
+            why = f"ranks exited {[p.returncode for p in procs]} before a test"
+            print(f"{why}\n{_log_tails(logs)}"[-6000:], file=sys.stderr, flush=True)
             for nodeid in nodeids if charge_if_none_ran else ():
                 charge(
                     RankResult(

@@ -118,7 +118,7 @@ FAILURE_RULES: list[Rule] = [
     _rule(
         "needs-more-ranks",
         r"is not divisible by|is over sized with world size|world size .* too small|requires \d+ (?:GPUs|ranks)"
-        r"|where \d+ = Utils\.world_size|should be divisible by partial DistOpt shard factor",
+        r"|where \d+ = Utils\.world_size|" + _NEEDS_CI_SIZE.pattern,
         "more gloo ranks than the launch sizes allowed (--megatron-ranks 2,4,8)",
     ),
     _rule(
