@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, 
 
 from mindspeed_like.kernels.grouped_gemm import gmm
 from mindspeed_like.te_backend.extra_state import TEExtraState, holds_nothing
+from mindspeed_like.te_backend.initialization import te_initialization
 from mindspeed_like.te_backend.linear import mark_tensor_parallel, parameter_device
 from mindspeed_like.te_backend.refusals import check_config
 from mindspeed_like.te_backend.sharding import dp_cp_group, sharded_tensors
@@ -128,7 +129,8 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
                         world_size=tp_size,
                     )
                 else:
-                    _initialize_affine_weight_gpu(weight, init_method, partition_dim=partition_dim, is_expert=True)
+                    with te_initialization():
+                        _initialize_affine_weight_gpu(weight, init_method, partition_dim=partition_dim, is_expert=True)
             # TE's GroupedLinear marks every weight, and column biases, whatever perform_initialization says
             mark_tensor_parallel(weight, partition_dim, 1)
             self.register_parameter(f"weight{e}", weight)

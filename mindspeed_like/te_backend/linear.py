@@ -31,6 +31,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from mindspeed_like.te_backend.extra_state import TEExtraState
+from mindspeed_like.te_backend.initialization import te_initialization
 from mindspeed_like.te_backend.refusals import check_config
 from mindspeed_like.te_backend.sharding import sharded_tensors
 from mindspeed_like.te_shim import pytorch as te_pytorch
@@ -172,12 +173,11 @@ class TELinear(TEExtraState, torch.nn.Module):
             if self.is_expert
             else random.get_data_parallel_rng_tracker_name()
         )
-        tracker = get_cuda_rng_tracker()
         with torch.no_grad():
-            if self.config.use_cpu_initialization or not tracker.is_initialized():
+            if self.config.use_cpu_initialization:
                 init_method(self.weight)
             else:
-                with tracker.fork(name):
+                with te_initialization(), get_cuda_rng_tracker().fork(name):
                     init_method(self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -233,19 +233,20 @@ class TEColumnParallelLinear(TELinear, ColumnParallelLinear):
         if skip_weight_param_allocation:
             raise ValueError("Transformer Engine linear layers do not support skip_weight_param_allocation")
         check_config(config)
-        ColumnParallelLinear.__init__(
-            self,
-            input_size,
-            output_size,
-            config=config,
-            init_method=init_method,
-            bias=bias,
-            gather_output=False,
-            skip_bias_add=skip_bias_add,
-            is_expert=is_expert,
-            tp_comm_buffer_name=tp_comm_buffer_name,
-            **_column_row_kwargs(ColumnParallelLinear, tp_group, stride, newer.get("name")),
-        )
+        with te_initialization():
+            ColumnParallelLinear.__init__(
+                self,
+                input_size,
+                output_size,
+                config=config,
+                init_method=init_method,
+                bias=bias,
+                gather_output=False,
+                skip_bias_add=skip_bias_add,
+                is_expert=is_expert,
+                tp_comm_buffer_name=tp_comm_buffer_name,
+                **_column_row_kwargs(ColumnParallelLinear, tp_group, stride, newer.get("name")),
+            )
         self.parallel_mode = "column"
         self._tp_group = self.tp_group
         split = 1 if self.explicit_expert_comm else self.output_size // self.output_size_per_partition
@@ -315,19 +316,20 @@ class TERowParallelLinear(TELinear, RowParallelLinear):
         if not input_is_parallel:
             raise ValueError("Transformer Engine linear layers do not support input_is_parallel = False")
         check_config(config)
-        RowParallelLinear.__init__(
-            self,
-            input_size,
-            output_size,
-            config=config,
-            init_method=init_method,
-            bias=bias,
-            input_is_parallel=True,
-            skip_bias_add=skip_bias_add,
-            is_expert=is_expert,
-            tp_comm_buffer_name=tp_comm_buffer_name,
-            **_column_row_kwargs(RowParallelLinear, tp_group, None, newer.get("name")),
-        )
+        with te_initialization():
+            RowParallelLinear.__init__(
+                self,
+                input_size,
+                output_size,
+                config=config,
+                init_method=init_method,
+                bias=bias,
+                input_is_parallel=True,
+                skip_bias_add=skip_bias_add,
+                is_expert=is_expert,
+                tp_comm_buffer_name=tp_comm_buffer_name,
+                **_column_row_kwargs(RowParallelLinear, tp_group, None, newer.get("name")),
+            )
         self.parallel_mode = "row"
         self._tp_group = self.tp_group
         split = 1 if self.explicit_expert_comm else self.input_size // self.input_size_per_partition
