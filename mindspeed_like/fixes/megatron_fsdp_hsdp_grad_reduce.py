@@ -23,6 +23,14 @@ the same instances bit for bit (``tests/fsdp/test_fsdp_parallel_layouts.py``). W
 (``optim`` without ``--overlap-grad-reduce``) gradients are reduced by ``start_grad_sync`` after
 the backward, within the inner group only, and setting the flag would reduce them twice: left
 alone, and refused where Megatron-LM's arguments ask for it (``refuse_on_the_command_line``).
+
+The same unset flag stops the inner reduction of the strategies that reduce on the last microbatch only,
+``no_shard`` and ``optim``, with ``overlap_grad_reduce`` and one data-parallel group: a megatron-core API loop
+that calls ``finish_grad_sync`` without ``no_sync`` (one microbatch a step) never reduced their gradients
+at all, each rank stepping on its own (measured with tests/fsdp's tiny GPT on 2 gloo ranks, ``optim``:
+5.576083 / 5.567298 at steps 2-3 against the distributed optimizer's 5.577414 / 5.553706). The fix starts
+those as last microbatch too. Megatron-LM's schedules enter ``no_sync`` whenever it overlaps, so its runs
+were not affected by this part.
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ from mindspeed_like.toolkit.errors import ConfigError
 NAME = "fix-megatron-fsdp-hsdp-grad-reduce"
 VERSIONS = ">=0.14"
 TARGET = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp.MegatronFSDP.__init__"
+DELAYED = ("no_shard", "optim")
+"""Strategies whose hooks reduce on the last microbatch only (the others on every backward)."""
+
 NO_OVERLAP = (
     "--num-distributed-optimizer-instances {instances} with --use-megatron-fsdp "
     "--data-parallel-sharding-strategy {strategy}: without --overlap-grad-reduce Megatron-FSDP reduces "
@@ -49,7 +60,8 @@ NO_OVERLAP = (
 def start_as_last_microbatch(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     hybrid = getattr(getattr(instance, "dist_index", None), "use_hybrid_fsdp", False)
-    if hybrid and instance.ddp_config.overlap_grad_reduce and not hasattr(instance, "is_last_microbatch"):
+    delayed = instance.ddp_config.data_parallel_sharding_strategy in DELAYED
+    if (hybrid or delayed) and instance.ddp_config.overlap_grad_reduce and not hasattr(instance, "is_last_microbatch"):
         instance.is_last_microbatch = True
     return result
 
@@ -75,7 +87,8 @@ PATCHES = [
         start_as_last_microbatch,
         versions=VERSIONS,
         after=("cpu-adapter",),
-        why="HSDP's outer data-parallel gradient all-reduce waits for is_last_microbatch, unset outside no_sync",
+        why="HSDP's outer gradient all-reduce, and no_shard / optim's overlapped reduction, wait for "
+        "is_last_microbatch, unset outside no_sync",
     )
 ]
 

@@ -57,7 +57,7 @@ def _wrap_data_parallel(kind: str, config, model, ddp_fields: dict, options: dic
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     if kind == "ddp":
-        return DistributedDataParallel(config, DistributedDataParallelConfig(**ddp_fields, **options), model)
+        return DistributedDataParallel(config, DistributedDataParallelConfig(**{**ddp_fields, **options}), model)
     if kind == "torch_fsdp2":
         from megatron.core.distributed import TorchFullyShardedDataParallelConfig
         from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from mindspeed_like.adapters.cpu_training.arguments import host_defaults
-from mindspeed_like.fixes import megatron_fsdp_dp1_grads as dp1_fix
 from mindspeed_like.fixes import megatron_fsdp_hsdp_grad_norm as hsdp_norm_fix
 from mindspeed_like.fixes import megatron_fsdp_hsdp_grad_reduce as hsdp_fix
 from mindspeed_like.fixes import megatron_fsdp_pipeline as pp_fix
+from mindspeed_like.fixes import megatron_fsdp_unsharded_grads as unsharded_fix
 from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.testing import megatron_lm, run_distributed
 from mindspeed_like.toolkit.errors import ConfigError
@@ -129,6 +129,11 @@ HSDP_CASES = [
         data_parallel="megatron_fsdp",
         ddp_options=dict(data_parallel_sharding_strategy="optim_grads_params", outer_dp_sharding_strategy="optim"),
     ),
+    dict(  # whole gradients in the buffer: fix-megatron-fsdp-unsharded-grads too
+        name="optim-overlap",
+        data_parallel="megatron_fsdp",
+        ddp_options=dict(data_parallel_sharding_strategy="optim", overlap_grad_reduce=True),
+    ),
 ]
 
 
@@ -138,12 +143,37 @@ def test_megatron_fsdp_hybrid_sharding_trains_as_the_distributed_optimizer():
     them) against the distributed optimizer with the same instances, with the fix; without it each
     pair trains on its own gradients from the second step on (fix-megatron-fsdp-hsdp-grad-reduce)."""
     losses = _train(dict(instances=2), HSDP_CASES)
-    for name in ("mfsdp", "optim_grads", "outer-optim"):
+    for name in ("mfsdp", "optim_grads", "outer-optim", "optim-overlap"):
         assert losses[name] == pytest.approx(losses["distopt"], rel=1e-6, abs=0), name
     broken = _train(dict(instances=2), [DISTOPT, MFSDP], without=(hsdp_fix.NAME,))
     assert broken["distopt"] == losses["distopt"]
     assert broken["mfsdp"][0] == losses["distopt"][0]  # the first forward is the same model
     assert broken["mfsdp"][1] != pytest.approx(losses["distopt"][1], rel=1e-4)
+
+
+OPTIM_OVERLAP = [
+    dict(DISTOPT, ddp_options=dict(overlap_grad_reduce=True)),
+    dict(
+        name="optim-overlap",
+        data_parallel="megatron_fsdp",
+        ddp_options=dict(data_parallel_sharding_strategy="optim", overlap_grad_reduce=True),
+    ),
+]
+
+
+@pytest.mark.parametrize("without", [unsharded_fix.NAME, hsdp_fix.NAME])
+def test_megatron_fsdp_optim_with_overlapped_reduction_trains_as_the_distributed_optimizer(without):
+    """``optim`` with ``overlap_grad_reduce`` at DP 4, one microbatch a step without ``no_sync`` (a
+    megatron-core API loop): megatron never reduced the gradients (``is_last_microbatch`` unset:
+    fix-megatron-fsdp-hsdp-grad-reduce), and where it did reduce, it added each rank's reduced shard to its
+    own unreduced gradients (fix-megatron-fsdp-unsharded-grads; Megatron-LM at DP 2: grad norm 1.841
+    against 1.183). With both fixes the distributed optimizer's losses; without either, apart from the
+    second step on."""
+    losses = _train({}, OPTIM_OVERLAP)
+    assert losses["optim-overlap"] == pytest.approx(losses["distopt"], rel=1e-6, abs=0)
+    broken = _train({}, OPTIM_OVERLAP, without=(without,))
+    assert broken["optim-overlap"][0] == losses["distopt"][0]  # the first forward is the same model
+    assert broken["optim-overlap"][1] != pytest.approx(losses["distopt"][1], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -350,7 +380,7 @@ def _megatron_lm_tp2_dp1(fsdp: list[str], extra: list[str], script: list[str] | 
 def test_megatron_lm_megatron_fsdp_at_dp1_prints_the_distributed_optimizers_digits():
     """pretrain_gpt.py TP 2 on 2 ranks (data-parallel size 1), four microbatches a step: Megatron-FSDP
     prints the distributed optimizer's lm loss and grad norm at every iteration. Without
-    fix-megatron-fsdp-dp1-grads megatron adds the gradients to themselves after each microbatch (grad
+    fix-megatron-fsdp-unsharded-grads megatron adds the gradients to themselves after each microbatch (grad
     norm 12.036 against 1.193 at iteration 1, the loss apart from iteration 2)."""
     fsdp = _megatron_lm_tp2_dp1(megatron_lm.MEGATRON_FSDP, [])
     assert sorted(fsdp) == [1, 2, 3]
@@ -380,10 +410,14 @@ def test_megatron_lm_megatron_fsdp_at_dp1_variants_print_the_distributed_optimiz
 @pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
 @pytest.mark.parametrize("extra", [[], ["--data-parallel-sharding-strategy", "optim", "--overlap-grad-reduce"]])
 def test_megatron_lm_megatron_fsdp_at_dp1_doubles_gradients_without_the_fix(extra):
-    """The same run without fix-megatron-fsdp-dp1-grads: the first forward is the same model, the grad
+    """The same run without fix-megatron-fsdp-unsharded-grads: the first forward is the same model, the grad
     norm is not the distributed optimizer's (doubled after each microbatch: ``optim_grads_params``
     12.036 against 1.193; ``optim`` reduces on the last microbatch only, 2.386, exactly twice)."""
-    script = [os.path.join(os.path.dirname(__file__), "megatron_lm_without_patch.py"), dp1_fix.NAME, dp1_fix.TARGET]
+    script = [
+        os.path.join(os.path.dirname(__file__), "megatron_lm_without_patch.py"),
+        unsharded_fix.NAME,
+        unsharded_fix.TARGET,
+    ]
     broken = _megatron_lm_tp2_dp1(megatron_lm.MEGATRON_FSDP, extra, [*script, megatron_lm.PRETRAIN_GPT])
     distopt = _megatron_lm_tp2_dp1(["--use-distributed-optimizer"], extra)
     assert broken[1]["lm loss"] == distopt[1]["lm loss"]
@@ -393,7 +427,7 @@ def test_megatron_lm_megatron_fsdp_at_dp1_doubles_gradients_without_the_fix(extr
 @pytest.mark.slow
 @pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
 def test_megatron_lm_megatron_fsdp_at_pp2_tp2_dp1_prints_the_distributed_optimizers_digits():
-    """PP 2 x TP 2 on 4 ranks (data-parallel size 1 again, 4 layers): without fix-megatron-fsdp-dp1-grads
+    """PP 2 x TP 2 on 4 ranks (data-parallel size 1 again, 4 layers): without fix-megatron-fsdp-unsharded-grads
     grad norm 15.444 against 1.492 (docs/features/fsdp.md)."""
     pp = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
     runs = [
