@@ -19,6 +19,7 @@ feature acts on TE-spec models as on local-spec ones:
   rope.py                fused_apply_rotary_pos_emb(_thd) (rope_utils')   our RoPE kernel (TE 2.1's contract)
   refusals.py            TEFusedMLP, TEActivationOp, ...                  a clear error naming the TE feature
   guarded_classes.py     megatron's classes defined under `if HAVE_TE:`   megatron's class body on the above
+  llava.py               LLaVA's SP/CP check (HAVE_TE while it builds)     megatron's LLaVAModel
 
 Where the names are bound (``megatron_names.py``, read from the installed source): the extension
 module itself, and every megatron module that took them by name at import (PROVIDE patches:
@@ -39,6 +40,7 @@ from typing import Any
 from mindspeed_like.engine import Deferred, Kind, Patch
 from mindspeed_like.te_backend import fsdp2, megatron_names
 from mindspeed_like.te_backend.fallbacks import TransformerConfigFallbacks
+from mindspeed_like.te_backend.llava import LLAVA, TEAttentionAllowsParallelism
 from mindspeed_like.te_backend.megatron_names import EXTENSION, SPEC_PROVIDER
 from mindspeed_like.te_backend.vision_norm import CLIP_VIT, NormFromTheBackend
 from mindspeed_like.toolkit import transformer_engine
@@ -142,6 +144,14 @@ def patches(ctx: Context) -> list[Patch]:
             Kind.WRAP,
             NormFromTheBackend(),
             why="its NORM_IMPL default is torch's LayerNorm without TE, which takes no config= (vision_norm.py)",
+        )
+    )
+    result.append(
+        Patch(
+            f"{LLAVA}.LLaVAModel.__init__",
+            Kind.WRAP,
+            TEAttentionAllowsParallelism(),
+            why="LLaVA allows SP/CP only with TEDotProductAttention and its module's HAVE_TE (llava.py)",
         )
     )
     result.append(
