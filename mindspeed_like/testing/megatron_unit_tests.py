@@ -263,6 +263,14 @@ def _wanted_size(reports: list[pytest.TestReport], state: _State, size: int = 1)
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """In a rank: the default process group exists before the test, as after any earlier test in megatron's CI."""
+    state = _state(item.config)
+    if state is not None and state.child:
+        host_device.before_test()
+
+
+@pytest.hookimpl(tryfirst=True)
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """In a rank too: the groups a test left behind go after its teardown (threads stay flat)."""

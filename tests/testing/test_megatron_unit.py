@@ -593,3 +593,35 @@ def test_a_launch_whose_ranks_ran_no_test_is_tried_once_more(monkeypatch, second
         assert outcomes == {"t": ["passed"] * 3, "u": ["passed"] * 3}
     else:
         assert sorted(outcomes) == ["t", "u"] and all(o == ["failed"] for o in outcomes.values())
+
+
+def _default_group_before_a_test(megatron_lm: str) -> int:
+    """A rank whose launch starts with a test that makes no default group: the harness makes it."""
+    import torch.distributed as dist
+
+    from mindspeed_like.testing.megatron_unit import host_device
+
+    import mindspeed_like
+
+    dist.destroy_process_group()  # run_distributed's own; a harness rank starts without one
+    sys.path.insert(0, megatron_lm)
+    mindspeed_like.configure(device="cpu", transfer_to_host=True)  # a rank runs under the import line
+    host_device.install()
+    try:
+        host_device.before_test()
+        size = dist.get_world_size()
+        dist.all_reduce(torch.ones(1))
+        host_device.before_test()  # made once: a second call keeps the group
+        return size
+    finally:
+        host_device.uninstall()
+        mindspeed_like.reset()
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(MEGATRON_LM, "tests", "unit_tests")), reason="no Megatron-LM")
+def test_a_rank_has_the_default_group_before_its_first_test() -> None:
+    """models/test_gpt_model.py's TestGPTModelWithCustomPG, the first test of its 8-rank launch, failed
+    "Default process group has not been initialized": in megatron's CI an earlier test had made it."""
+    from mindspeed_like.testing import run_distributed
+
+    assert run_distributed(_default_group_before_a_test, 2, MEGATRON_LM, timeout=300) == [2, 2]

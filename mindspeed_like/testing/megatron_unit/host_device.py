@@ -240,6 +240,24 @@ def _live_device_meshes() -> list[Any]:
     return [obj for obj in gc.get_objects() if isinstance(obj, mesh_type)]
 
 
+def before_test() -> None:
+    """In a rank, before each test: the default process group, as megatron's CI has it there.
+
+    megatron's CI runs a whole directory in one ``torchrun --nproc-per-node 8`` launch, so by the time a
+    test runs, an earlier one has made the default group (``Utils.initialize_distributed``, which
+    ``Utils.initialize_model_parallel`` calls). The harness launches only the tests a size needs, so a
+    launch can start with a test that builds its groups itself and never makes the default one
+    (models/test_gpt_model.py's ``TestGPTModelWithCustomPG``: "Default process group has not been
+    initialized" at 8 ranks). Made the way megatron's utility makes it (its store, its backend, which
+    the harness serves with gloo)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and not dist.is_initialized():
+        from tests.unit_tests.test_utilities import Utils
+
+        Utils.initialize_distributed()
+
+
 def after_test() -> None:
     """Between tests: leftover process groups destroyed, megatron's batch-invariant mode off (it
     overrides aten::mm process-wide)."""
