@@ -102,6 +102,11 @@ def test_a_fused_adam_shaped_state_given_to_torch_adam_is_named() -> None:
     assert reasons.classify_failure(text) == "fused-adam-state"
 
 
+def test_a_megatron_bug_fixed_in_a_later_release_is_named() -> None:
+    text = "E   AttributeError: 'FileSystemWriter' object has no attribute 'metadata_path'"
+    assert reasons.classify_failure(text) == "megatron-fixed-later"
+
+
 def test_merging_reclassifies_with_the_rows_world_size(tmp_path: Path) -> None:
     from mindspeed_like.testing.megatron_unit.record import merge
 
@@ -599,9 +604,8 @@ def _default_group_before_a_test(megatron_lm: str) -> int:
     """A rank whose launch starts with a test that makes no default group: the harness makes it."""
     import torch.distributed as dist
 
-    from mindspeed_like.testing.megatron_unit import host_device
-
     import mindspeed_like
+    from mindspeed_like.testing.megatron_unit import host_device
 
     dist.destroy_process_group()  # run_distributed's own; a harness rank starts without one
     sys.path.insert(0, megatron_lm)
