@@ -24,8 +24,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from mindspeed_like.toolkit.overrides import attributes_set
+
 LLAVA = "megatron.core.models.multimodal.llava_model"
-_UNBOUND = object()
 
 
 @dataclass(frozen=True)
@@ -35,16 +36,5 @@ class TEAttentionAllowsParallelism:
     def __call__(self, wrapped, instance, args: tuple, kwargs: dict) -> Any:
         from mindspeed_like.te_backend.versions import te_layers_min_version
 
-        module = sys.modules[LLAVA]
-        names = vars(module)
-        saved = {name: names.get(name, _UNBOUND) for name in ("HAVE_TE", "is_te_min_version")}
-        module.HAVE_TE = True
-        module.is_te_min_version = te_layers_min_version
-        try:
+        with attributes_set(sys.modules[LLAVA], HAVE_TE=True, is_te_min_version=te_layers_min_version):
             return wrapped(*args, **kwargs)
-        finally:
-            for name, value in saved.items():
-                if value is _UNBOUND:
-                    delattr(module, name)
-                else:
-                    setattr(module, name, value)

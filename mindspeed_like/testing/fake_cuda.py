@@ -76,6 +76,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mindspeed_like.adapters.cpu.host_view import NullEvent
 from mindspeed_like.testing import host_round_trips
+from mindspeed_like.toolkit.overrides import attributes_set
 
 _REAL_DEVICE = torch.device  # the block replaces torch.device (see _OneGpuDevice)
 CUDA0 = _REAL_DEVICE("cuda", 0)
@@ -542,21 +543,6 @@ _active = threading.Lock()
 
 
 @contextlib.contextmanager
-def _patched(namespace: Any, values: dict[str, Any]) -> Iterator[None]:
-    saved = {name: getattr(namespace, name, _MISSING) for name in values}
-    try:
-        for name, value in values.items():
-            setattr(namespace, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is _MISSING:
-                delattr(namespace, name)
-            else:
-                setattr(namespace, name, value)
-
-
-@contextlib.contextmanager
 def _tensors_made_on_the_host() -> Iterator[None]:
     """``torch.tensor(data, device="cuda")``: made on the host, then moved by a dispatched copy (torch
     would otherwise ask the CUDA allocator directly, which a CPU-only build lacks)."""
@@ -582,13 +568,13 @@ def fake_cuda(seed: int = 0) -> Iterator[None]:
         random = {name: cuda[name] for name in _RANDOM}
         nvtx = dict(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_patched(torch.cuda, cuda))
-            stack.enter_context(_patched(torch.cuda.random, random))
-            stack.enter_context(_patched(torch.cuda.nvtx, nvtx))
-            stack.enter_context(_patched(torch, {"device": _OneGpuDevice}))
+            stack.enter_context(attributes_set(torch.cuda, **cuda))
+            stack.enter_context(attributes_set(torch.cuda.random, **random))
+            stack.enter_context(attributes_set(torch.cuda.nvtx, **nvtx))
+            stack.enter_context(attributes_set(torch, device=_OneGpuDevice))
             engine = _engine_under_the_view(torch.autograd.graph._engine_run_backward)
-            stack.enter_context(_patched(torch.autograd.graph, {"_engine_run_backward": engine}))
-            stack.enter_context(_patched(torch.autograd, {"_engine_run_backward": engine}))
+            stack.enter_context(attributes_set(torch.autograd.graph, _engine_run_backward=engine))
+            stack.enter_context(attributes_set(torch.autograd, _engine_run_backward=engine))
             stack.enter_context(torch.compiler.set_stance("force_eager"))
             stack.enter_context(_tensors_made_on_the_host())
             stack.enter_context(_Placement())

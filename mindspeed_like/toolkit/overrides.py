@@ -1,4 +1,4 @@
-"""Running megatron code with one config field seen differently, for one call only.
+"""Running megatron code with one config field (or module global) seen differently, for one call only.
 
 Several features reach megatron's own code path by changing one field megatron reads (the
 fused branch of MLP.forward behind ``bias_activation_fusion``, GroupedMLP's bf16-only assertion,
@@ -34,3 +34,23 @@ def config_fields(owner: Any, **fields: Any) -> Iterator[Any]:
         yield owner.config
     finally:
         owner.config = original
+
+
+_UNBOUND = object()
+
+
+@contextlib.contextmanager
+def attributes_set(namespace: Any, **values: Any) -> Iterator[None]:
+    """``namespace``'s attributes (a module's globals, a class's) set to ``values`` for the block;
+    afterwards each is what it was, or unbound again where it was unbound."""
+    saved = {name: vars(namespace).get(name, _UNBOUND) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(namespace, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is _UNBOUND:
+                delattr(namespace, name)
+            else:
+                setattr(namespace, name, value)
