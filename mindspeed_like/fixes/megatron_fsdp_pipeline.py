@@ -13,7 +13,10 @@ Megatron-LM core_v0.16.1's pretrain_gpt.py on 4 gloo ranks (PP 2 x DP 2, ``optim
    Shape mismatch, 4 != 2"). Megatron's rank order puts PP outermost (``tp-cp-ep-dp-pp``), so a
    stage's ranks are the contiguous block of DP x EP x TP ranks holding this rank; the mesh is built
    from that block, megatron's own consistency checks against the DP and TP groups kept (another
-   order, e.g. ``--use-tp-pp-dp-mapping``, fails those checks by name).
+   order, e.g. ``--use-tp-pp-dp-mapping``, fails those checks by name). Hybrid sharding
+   (``--num-distributed-optimizer-instances``) builds its outer x inner x TP mesh the same way
+   (``_get_hsdp_tp_mesh``) and stops the same way at PP 2 x DP 2 with 2 instances ("Shape mismatch,
+   2 != 1"); it is built from the stage's block too, megatron's three checks kept.
 2. Megatron-FSDP's forward hook on each unit (``TransformerLayer``) returns its output as
    ``t.view_as(t)``; on a stage other than the last that view is the model chunk's output, which the
    pipeline schedule frees once sent (``deallocate_output_tensor``: "counter-productive to free a
@@ -58,6 +61,7 @@ NAME = "fix-megatron-fsdp-pipeline"
 VERSIONS = ">=0.14"
 ADAPTER = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
 MESH = f"{ADAPTER}._get_dp_tp_mesh"
+HSDP_MESH = f"{ADAPTER}._get_hsdp_tp_mesh"
 FORWARD = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp.MegatronFSDP.forward"
 EMBEDDING = "megatron.core.distributed.finalize_model_grads._allreduce_embedding_grad"
 CHECKPOINT = "megatron.training.checkpointing.preprocess_fsdp_dtensor_state_dict"
@@ -92,6 +96,35 @@ def mesh_of_the_stage(wrapped, instance, args, kwargs):
     rank = torch.distributed.get_rank()
     (dp_tp_mesh,) = [per_ep for per_ep in mesh if rank in per_ep.reshape(-1).tolist()]
     return dp_tp_mesh
+
+
+def hsdp_mesh_of_the_stage(wrapped, instance, args, kwargs):
+    """megatron's ``_get_hsdp_tp_mesh(outer_fsdp_dp_group, dp_cp_group, tp_group)`` (0.19 adds
+    ``ep_size``) over this stage's ranks: megatron's outer x inner x EP x TP split of them (the instances
+    are contiguous blocks of the stage's data-parallel ranks, ``parallel_state``), its consistency checks
+    against the groups, and, as 0.19 returns, the mesh of this rank's expert-parallel index (at EP 1, 0.16's
+    whole mesh)."""
+    import einops
+
+    adapter = importlib.import_module(ADAPTER)
+    outer_group, dp_cp_group, tp_group = args[:3]
+    ep = args[3] if len(args) > 3 else kwargs.get("ep_size", 1)
+    outer, fsdp, tp = outer_group.size(), dp_cp_group.size(), tp_group.size()
+    block = outer * fsdp * ep * tp
+    world = torch.distributed.get_world_size()
+    if block == world or world % block:
+        return wrapped(*args, **kwargs)  # no pipeline (or a layout megatron's own errors name)
+    mesh = einops.rearrange(
+        stage_ranks(block), "(outer fsdp ep tp) -> ep outer fsdp tp", outer=outer, fsdp=fsdp, ep=ep, tp=tp
+    )
+    check = adapter._check_mesh_ranks_and_group_ranks_are_consistent
+    ranks = torch.distributed.get_process_group_ranks
+    check(einops.rearrange(mesh, "ep outer fsdp tp -> (outer ep tp) fsdp"), ranks(dp_cp_group))
+    check(einops.rearrange(mesh, "ep outer fsdp tp -> (outer fsdp ep) tp"), ranks(tp_group))
+    check(einops.rearrange(mesh, "ep outer fsdp tp -> (fsdp ep tp) outer"), ranks(outer_group))
+    rank = torch.distributed.get_rank()
+    (mesh_of_the_rank,) = [per_ep for per_ep in mesh if rank in per_ep.reshape(-1).tolist()]
+    return mesh_of_the_rank
 
 
 def _pipelined() -> bool:
@@ -192,6 +225,13 @@ PATCHES = [
         mesh_of_the_stage,
         versions=VERSIONS,
         why="Megatron-FSDP's DP x TP mesh is split from every rank of the world; with PP, from this stage's ranks",
+    ),
+    Patch(
+        HSDP_MESH,
+        Kind.WRAP,
+        hsdp_mesh_of_the_stage,
+        versions=VERSIONS,
+        why="Megatron-FSDP's hybrid (HSDP) mesh is split from every rank of the world; with PP, from this stage's",
     ),
     Patch(
         FORWARD,

@@ -116,3 +116,37 @@ def stage_meshes(tp: int, without: str) -> list:
     finally:
         destroy_parallel()
     return meshes
+
+
+def stage_hsdp_meshes(without: str) -> list:
+    """Megatron-FSDP's hybrid (HSDP) mesh (``mcore_fsdp_adapter._get_hsdp_tp_mesh``, as its wrapper's
+    ``_init_dist_index`` asks for it with ``--num-distributed-optimizer-instances 2``) at pipeline-parallel
+    size 2: as built with every feature, then with the feature ``without`` removed (the error's text where
+    megatron cannot build it)."""
+    import importlib
+
+    from megatron.core import parallel_state
+
+    import mindspeed_like
+    from mindspeed_like import runtime
+    from mindspeed_like.testing import destroy_parallel, init_parallel
+
+    mindspeed_like.configure(device="cpu")
+    init_parallel(pp=2, num_distributed_optimizer_instances=2)
+    adapter = importlib.import_module("megatron.core.distributed.fsdp.mcore_fsdp_adapter")
+    groups = (
+        parallel_state.get_inter_distributed_optimizer_instance_group(),
+        parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True),
+        parallel_state.get_tensor_model_parallel_group(),
+    )
+    meshes: list = []
+    try:
+        meshes.append(adapter._get_hsdp_tp_mesh(*groups).tolist())
+        runtime.ENGINE.remove(without)
+        try:
+            meshes.append(adapter._get_hsdp_tp_mesh(*groups).tolist())
+        except Exception as error:  # megatron's own failure, compared by the test
+            meshes.append(f"{type(error).__name__}: {error}")
+    finally:
+        destroy_parallel()
+    return meshes

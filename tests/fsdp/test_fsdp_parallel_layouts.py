@@ -273,6 +273,20 @@ def test_megatron_fsdp_mesh_under_pipeline_parallelism_is_the_stages():
     assert all("Shape mismatch, 4 != 2" in megatrons for _, megatrons in meshes), meshes
 
 
+@pytest.mark.skipif(
+    megatron_core_version() is None or megatron_core_version().release < (0, 14),
+    reason="Megatron-FSDP's mcore_fsdp_adapter arrives in megatron-core 0.14 (0.13 has custom_fsdp)",
+)
+def test_megatron_fsdp_hybrid_mesh_under_pipeline_parallelism_is_the_stages():
+    """Megatron-FSDP's HSDP mesh (outer x inner x TP) at PP 2 x DP 2 with two distributed-optimizer
+    instances (4 gloo ranks): megatron-core splits ``torch.arange(world_size)`` and stops on every device
+    (einops: "Shape mismatch, 2 != 1", the world's inner size against the group's); with
+    fix-megatron-fsdp-pipeline each stage's mesh is its own two ranks, each rank an instance of its own."""
+    meshes = run_distributed(workers.stage_hsdp_meshes, 4, pp_fix.NAME, timeout=600)
+    assert [fixed for fixed, _ in meshes] == [[[[0]], [[1]]]] * 2 + [[[[2]], [[3]]]] * 2
+    assert all("Shape mismatch, 2 != 1" in megatrons for _, megatrons in meshes), meshes
+
+
 def _without_patch(target: str, extra: list[str], expect_failure: bool) -> str:
     script = [os.path.join(os.path.dirname(__file__), "megatron_lm_without_patch.py"), pp_fix.NAME, target]
     return megatron_lm.torchrun_output(
