@@ -219,6 +219,12 @@ PP2 = [
     "--micro-batch-size",
     "1",
 ]  # two layers a stage, two microbatches in flight
+CP2 = ["--context-parallel-size", "2"]  # the tiny model's 64 tokens split in 2 x CP chunks
+MOE_EP2 = [
+    *("--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2"),
+    *("--moe-token-dispatcher-type", "alltoall"),
+    "--disable-bias-linear",  # megatron's experts with swiglu: "Bias is not supported for weighted swiglu fusion"
+]
 
 MEGATRON_LM_LAYOUTS = {
     "fsdp2-tp2": (
@@ -239,6 +245,8 @@ MEGATRON_LM_LAYOUTS = {
     ),
     "megatron-fsdp-pp2": (MEGATRON_FSDP, ["--use-distributed-optimizer"], PP2),
     "megatron-fsdp-pp2-bf16": (MEGATRON_FSDP, ["--use-distributed-optimizer"], [*PP2, "--bf16"]),
+    "megatron-fsdp-pp2-cp2": (MEGATRON_FSDP, ["--use-distributed-optimizer"], [*PP2[:4], *CP2]),  # DP 1
+    "megatron-fsdp-pp2-ep2": (MEGATRON_FSDP, ["--use-distributed-optimizer"], [*PP2, *MOE_EP2]),  # EP inside DP 2
 }
 
 
@@ -399,6 +407,23 @@ def test_megatron_lm_megatron_fsdp_at_dp1_prints_the_distributed_optimizers_digi
     fsdp = _megatron_lm_tp2_dp1(megatron_lm.MEGATRON_FSDP, [])
     assert sorted(fsdp) == [1, 2, 3]
     assert fsdp == _megatron_lm_tp2_dp1(["--use-distributed-optimizer"], [])
+
+
+@pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
+def test_megatron_lm_megatron_fsdp_experts_at_expert_dp1_print_the_distributed_optimizers_digits():
+    """pretrain_gpt.py DP 2 x EP 2 on 2 ranks (expert data-parallel size 1: the experts' gradient buffer is
+    not sharded, its factor still 1/DP), two microbatches a step: Megatron-FSDP reduces that buffer after each
+    backward and scaled what it held each time, the first microbatch's expert gradients twice (grad norm
+    0.889 against 0.892 at iteration 1, the loss apart from iteration 2; 0.939 against 0.943 at PP 2 x EP 2).
+    fix-megatron-fsdp-unsharded-grads sums them unscaled and scales once a step: the distributed optimizer's
+    lm loss and grad norm."""
+    extra = [*megatron_lm.DROPOUT, *MOE_EP2, "--micro-batch-size", "1", "--train-iters", "3"]
+    runs = [
+        megatron_lm.printed(megatron_lm.torchrun(2, megatron_lm.launcher(), [*f, *extra], timeout=1500))
+        for f in (megatron_lm.MEGATRON_FSDP, ["--use-distributed-optimizer"])
+    ]
+    assert sorted(runs[0]) == [1, 2, 3]
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.slow
