@@ -208,6 +208,41 @@ def test_hybrid_sharding_without_its_outer_reduction_is_refused_at_argument_vali
     else:
         with hsdp_fix.refuse_on_the_command_line(args):
             pass
+        assert args.overlap_grad_reduce  # Megatron-FSDP's own setting, so Megatron-LM hands over no_sync
+
+
+@pytest.mark.parametrize("instances, strategy", [(1, "optim_grads_params"), (2, "optim_grads"), (1, "optim")])
+def test_hybrid_sharding_overlaps_on_the_command_line_too(instances, strategy):
+    """HSDP with ``optim_grads(_params)`` without ``--overlap-grad-reduce``: Megatron-FSDP overlaps anyway, but
+    Megatron-LM gave its schedules no ``no_sync``, so every backward was the last and the outer all-reduce ran
+    at each one (pretrain_gpt.py on 4 ranks, two microbatches a step: grad norm 1.554 against 1.073). The flag
+    is set; without hybrid sharding the arguments are left alone (``optim``: megatron reduces without it)."""
+    args = types.SimpleNamespace(
+        use_megatron_fsdp=True,
+        num_distributed_optimizer_instances=instances,
+        data_parallel_sharding_strategy=strategy,
+        overlap_grad_reduce=False,
+    )
+    with hsdp_fix.refuse_on_the_command_line(args):
+        pass
+    assert args.overlap_grad_reduce == (instances > 1)
+
+
+@pytest.mark.parametrize(
+    "fsdp, pp, overlap, aligned",
+    [(True, 2, True, False), (True, 1, True, True), (True, 2, False, True), (False, 2, True, True)],
+)
+def test_megatron_fsdp_under_pipeline_reduces_in_every_stages_last_backward(fsdp, pp, overlap, aligned):
+    """``align_grad_reduce`` kept every stage but the first in ``no_sync`` for its last backward, leaving the
+    reduction to ``start_grad_sync``, which Megatron-FSDP skips when it overlaps: those stages never reduced
+    ``optim``'s gradients nor HSDP's across instances (pretrain_gpt.py PP 2 x DP 2, ``optim
+    --overlap-grad-reduce``: grad norm 1.569 against 1.488). Switched off there only."""
+    args = types.SimpleNamespace(
+        use_megatron_fsdp=fsdp, pipeline_model_parallel_size=pp, overlap_grad_reduce=overlap, align_grad_reduce=True
+    )
+    with pp_fix.reduce_on_every_stages_last_backward(args):
+        pass
+    assert args.align_grad_reduce == aligned
 
 
 MEGATRON_FSDP = megatron_lm.MEGATRON_FSDP
@@ -247,6 +282,12 @@ MEGATRON_LM_LAYOUTS = {
     "megatron-fsdp-pp2-bf16": (MEGATRON_FSDP, ["--use-distributed-optimizer"], [*PP2, "--bf16"]),
     "megatron-fsdp-pp2-cp2": (MEGATRON_FSDP, ["--use-distributed-optimizer"], [*PP2[:4], *CP2]),  # DP 1
     "megatron-fsdp-pp2-ep2": (MEGATRON_FSDP, ["--use-distributed-optimizer"], [*PP2, *MOE_EP2]),  # EP inside DP 2
+    "megatron-fsdp-pp2-optim-overlap": (
+        ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--overlap-grad-reduce"]
+        + ["--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"],
+        ["--use-distributed-optimizer"],
+        PP2,
+    ),
 }
 
 
@@ -263,6 +304,26 @@ def test_megatron_lm_layout_under_fsdp_prints_the_digits_of_the_same_layout_with
             megatron_lm.torchrun(4, megatron_lm.launcher(), [*megatron_lm.DROPOUT, "--train-iters", "3", *common, *f])
         )
         for f in (fsdp, baseline)
+    ]
+    assert sorted(runs[0]) == [1, 2, 3]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
+def test_megatron_lm_pipeline_with_hybrid_sharding_at_8_ranks_prints_the_distributed_optimizers_digits():
+    """PP 2 x DP 4 with ``--num-distributed-optimizer-instances 2`` (8 ranks), two microbatches a step:
+    megatron built no HSDP mesh under PP, then reduced across the instances at every backward (no
+    ``no_sync`` without ``--overlap-grad-reduce``: grad norm 1.872) or on the first stage only (with it,
+    ``align_grad_reduce``: 1.126); now the distributed optimizer's digits with one instance, which are those of
+    two instances without overlap (1.307 at iteration 1)."""
+    common = [*megatron_lm.DROPOUT, "--train-iters", "3", *PP2, "--global-batch-size", "8"]
+    runs = [
+        megatron_lm.printed(megatron_lm.torchrun(8, megatron_lm.launcher(), [*common, *f], timeout=1800))
+        for f in (
+            [*MEGATRON_FSDP, "--num-distributed-optimizer-instances", "2"],
+            ["--use-distributed-optimizer"],
+        )
     ]
     assert sorted(runs[0]) == [1, 2, 3]
     assert runs[0] == runs[1]
