@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import TransformerConfig, spec_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -33,6 +33,20 @@ def parallel():
     mindspeed_like.reset()
 
 
+def _te_layer_submodules(**options):
+    """The TE spec's layer submodules (megatron-core 0.19 builds ``..._spec()`` from ``functools.partial``
+    parts and has ``..._submodules()`` for them)."""
+    submodules = getattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_submodules", None)
+    if submodules is not None:
+        return submodules(**options)
+    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options).submodules
+
+
+def _mlp_submodules(layer_submodules):
+    get = getattr(spec_utils, "get_submodules", None)
+    return get(layer_submodules.mlp) if get is not None else layer_submodules.mlp.submodules
+
+
 def _config(**moe) -> TransformerConfig:
     return TransformerConfig(
         num_layers=1, hidden_size=16, num_attention_heads=2, add_bias_linear=False, init_method_std=0.02, **moe
@@ -41,12 +55,11 @@ def _config(**moe) -> TransformerConfig:
 
 def _moe_layer() -> MoELayer:
     config = _config(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall")
-    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True)
-    return MoELayer(config, spec.submodules.mlp.submodules)
+    return MoELayer(config, _mlp_submodules(_te_layer_submodules(num_experts=4, moe_grouped_gemm=True)))
 
 
 def _dense_layer() -> TransformerLayer:
-    return TransformerLayer(_config(), get_gpt_layer_with_transformer_engine_spec().submodules)
+    return TransformerLayer(_config(), _te_layer_submodules())
 
 
 def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -16,11 +16,28 @@ from mindspeed_like.te_backend import llava
 from mindspeed_like.testing import destroy_parallel, init_parallel, run_distributed
 
 
+def _layer_spec(local: bool):
+    """A GPT layer spec whose parts can be edited: megatron-core 0.19 builds ``..._spec()`` from
+    ``functools.partial`` submodules, so there the ``..._submodules()`` function's (megatron's test does so)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    name = "local" if local else "with_transformer_engine"
+    submodules = getattr(specs, f"get_gpt_layer_{name}_submodules", None)
+    if submodules is not None:
+        return ModuleSpec(module=TransformerLayer, submodules=submodules())
+    return getattr(specs, f"get_gpt_layer_{name}_spec")()
+
+
+def _mlp_submodules(spec):
+    from megatron.core.transformer import spec_utils
+
+    get = getattr(spec_utils, "get_submodules", None)
+    return get(spec.submodules.mlp) if get is not None else spec.submodules.mlp.submodules
+
+
 def _llava(tp: int, cp: int, local: bool = False):
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
     from megatron.core.models.multimodal.llava_model import LLaVAModel
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -34,7 +51,7 @@ def _llava(tp: int, cp: int, local: bool = False):
     language.language_model_type = "dummy"
     vision = config(16)
     vision.vision_model_type = "clip"
-    spec = get_gpt_layer_local_spec() if local else get_gpt_layer_with_transformer_engine_spec()
+    spec = _layer_spec(local)
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.padding_causal
     return LLaVAModel(
         language_transformer_config=language,
@@ -42,10 +59,10 @@ def _llava(tp: int, cp: int, local: bool = False):
         language_vocab_size=128,
         language_max_sequence_length=64,
         vision_transformer_config=vision,
-        vision_transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+        vision_transformer_layer_spec=_layer_spec(local=False),
         drop_vision_class_token=False,
         vision_projection_config=config(64, ffn_hidden_size=128),
-        vision_projection_layer_spec=get_gpt_layer_with_transformer_engine_spec().submodules.mlp.submodules,
+        vision_projection_layer_spec=_mlp_submodules(_layer_spec(local=False)),
         img_h=28,
         img_w=28,
         patch_dim=14,
