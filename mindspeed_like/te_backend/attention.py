@@ -59,6 +59,18 @@ def _core_attention_extra_state_not_missing(module: torch.nn.Module, incompatibl
             incompatible_keys.missing_keys.remove(key)
 
 
+def _global_memory_buffer_made() -> None:
+    """megatron's math path takes its score buffer from ``parallel_state``'s global memory buffer, which
+    only ``initialize_model_parallel`` makes; TE's attention needs nothing of megatron's state, so a model
+    built with its own process groups (``pg_collection``, no ``initialize_model_parallel``: megatron's
+    ``TestGPTModelWithCustomPG``) stopped with "global memory buffer is not initialized". Made here when
+    absent, as megatron makes it."""
+    from megatron.core import parallel_state
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+
+
 class TEDotProductAttention(TEExtraState, DotProductAttention):
     """megatron's ``TEDotProductAttention`` contract on megatron's ``DotProductAttention``."""
 
@@ -133,6 +145,7 @@ class TEDotProductAttention(TEExtraState, DotProductAttention):
             # (issue 48 item 5: megatron's test gives an all-True mask to a causal layer)
             attention_mask = None
         self._check_window_with_mask(attention_mask, mask_type)
+        _global_memory_buffer_made()
         if _is_thd(packed_seq_params) and not self._thd_in_one_call(packed_seq_params, attention_bias):
             return self._per_sequence(query, key, value, mask_type, attention_bias, packed_seq_params)
         if self._flash_without_feature():

@@ -226,3 +226,17 @@ def test_a_causal_layer_reads_no_attention_mask_as_te(level):
     assert torch.equal(sbhd, attention(q, k, v, None, attn_mask_type=AttnMaskType.causal))
     for i in range(b):
         assert_close_to_reference(sbhd[:, i], _reference(q[:, i], k[:, i], v[:, i], _band(s, s, -1, 0)), torch.bfloat16)
+
+
+def test_attention_needs_no_global_memory_buffer_from_megatron(level):
+    """TE's attention needs nothing of megatron's parallel state; megatron's math path (level 0) takes its
+    score buffer from parallel_state's global memory buffer, which only initialize_model_parallel makes: a
+    model on its own process groups (megatron's TestGPTModelWithCustomPG at 8 ranks) stopped with "global
+    memory buffer is not initialized". The te-backend makes it when absent."""
+    from megatron.core import parallel_state
+
+    attention = _attention()
+    parallel_state.destroy_global_memory_buffer()
+    q, k, v = torch.randn(3, 8, 2, 4, 16).unbind(0)  # [s, b, heads, head dim]
+    out = attention(q, k, v, None)
+    assert out.shape == (8, 2, 64) and torch.isfinite(out).all()
