@@ -44,17 +44,16 @@ were not affected by this part.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 
 from mindspeed_like.engine import Kind, Patch
+from mindspeed_like.toolkit.argument_changes import say_adjusted
 from mindspeed_like.toolkit.declaration import Feature, always_on
 from mindspeed_like.toolkit.errors import ConfigError
 
 NAME = "fix-megatron-fsdp-hsdp-grad-reduce"
 VERSIONS = ">=0.14"
 TARGET = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp.MegatronFSDP.__init__"
-logger = logging.getLogger("mindspeed_like")
 DELAYED = ("no_shard", "optim")
 """Strategies whose hooks reduce on the last microbatch only (the others on every backward)."""
 
@@ -91,15 +90,12 @@ def refuse_on_the_command_line(args) -> Iterator[None]:
         if strategy in ("no_shard", "optim"):
             raise ConfigError(NO_OVERLAP.format(instances=instances, strategy=strategy))
         args.overlap_grad_reduce = True
-        if getattr(args, "rank", 0) == 0:
-            logger.warning(
-                "mindspeed_like %s adjusted Megatron-LM arguments:\n  args.overlap_grad_reduce: False -> True "
-                "(Megatron-FSDP %s overlaps anyway; with --num-distributed-optimizer-instances %d the schedule's "
-                "no_sync marks the last microbatch, where the outer all-reduce runs)",
-                NAME,
-                strategy,
-                instances,
-            )
+        change = (
+            f"args.overlap_grad_reduce: False -> True (Megatron-FSDP {strategy} overlaps anyway; with "
+            f"--num-distributed-optimizer-instances {instances} the schedule's no_sync marks the last microbatch, "
+            "where the outer all-reduce runs)"
+        )
+        say_adjusted(NAME, args, [change])
     yield
 
 

@@ -60,16 +60,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import logging
 import re
 from collections.abc import Iterator
 
 import torch
 
 from mindspeed_like.engine import Kind, Patch
+from mindspeed_like.toolkit.argument_changes import say_adjusted
 from mindspeed_like.toolkit.declaration import Feature, always_on
 
-logger = logging.getLogger("mindspeed_like")
 NAME = "fix-megatron-fsdp-pipeline"
 VERSIONS = ">=0.14"
 ADAPTER = "megatron.core.distributed.fsdp.mcore_fsdp_adapter"
@@ -249,13 +248,11 @@ def reduce_on_every_stages_last_backward(args) -> Iterator[None]:
         and getattr(args, "align_grad_reduce", False)
     ):
         args.align_grad_reduce = False
-        if getattr(args, "rank", 0) == 0:
-            logger.warning(
-                "mindspeed_like %s adjusted Megatron-LM arguments:\n  args.align_grad_reduce: True -> False "
-                "(Megatron-FSDP's start_grad_sync does nothing when it overlaps: each stage reduces in its own "
-                "last backward)",
-                NAME,
-            )
+        change = (
+            "args.align_grad_reduce: True -> False (Megatron-FSDP's start_grad_sync does nothing when it "
+            "overlaps: each stage reduces in its own last backward)"
+        )
+        say_adjusted(NAME, args, [change])
     yield
 
 

@@ -29,13 +29,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import logging
 from collections.abc import Iterator
 
 from mindspeed_like.toolkit import transformer_engine
+from mindspeed_like.toolkit.argument_changes import say_adjusted
 from mindspeed_like.toolkit.declaration import Feature, always_on
 
-logger = logging.getLogger("mindspeed_like")
 NAME = "fix-megatron-lm-fusion-defaults"
 
 
@@ -67,9 +66,7 @@ def fusion_defaults(args) -> list[str]:
         change("gradient_accumulation_fusion", False, "megatron's linears need apex's fused_weight_gradient_mlp_cuda")
     if not _installed("apex"):
         change("no_persist_layer_norm", True, "persistent LayerNorm is apex's")
-    if changes and getattr(args, "rank", 0) == 0:
-        logger.warning("mindspeed_like %s adjusted Megatron-LM arguments:\n  %s", NAME, "\n  ".join(changes))
-    return changes
+    return say_adjusted(NAME, args, changes)
 
 
 @contextlib.contextmanager

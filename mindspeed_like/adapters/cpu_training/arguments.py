@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import logging
 import os
 from collections.abc import Iterator
 
@@ -24,9 +23,8 @@ import torch
 
 from mindspeed_like.adapters.cpu.not_adapted import refused_given
 from mindspeed_like.toolkit import transformer_engine
+from mindspeed_like.toolkit.argument_changes import say_adjusted
 from mindspeed_like.toolkit.errors import ConfigError
-
-logger = logging.getLogger("mindspeed_like")
 
 
 def _installed(module: str) -> bool:
@@ -73,9 +71,7 @@ def host_defaults(args) -> list[str]:
         # in program order, which is what the setting asks for; set it so the check passes.
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
         changes.append("CUDA_DEVICE_MAX_CONNECTIONS=1 (host work runs in program order already)")
-    if changes and getattr(args, "rank", 0) == 0:
-        logger.warning("mindspeed_like cpu-training-loop adjusted Megatron-LM arguments:\n  %s", "\n  ".join(changes))
-    return changes
+    return say_adjusted("cpu-training-loop", args, changes)
 
 
 def _max_connections_one_only_warned(args) -> bool:
@@ -148,6 +144,4 @@ def drop_nccl_stream_priorities(args) -> list[str]:
         return []
     args.high_priority_stream_groups = []
     change = f"args.high_priority_stream_groups: {groups!r} -> [] (an NCCL stream option; this torch has no NCCL)"
-    if getattr(args, "rank", 0) == 0:
-        logger.warning("mindspeed_like cpu-training-loop adjusted Megatron-LM arguments:\n  %s", change)
-    return [change]
+    return say_adjusted("cpu-training-loop", args, [change])
