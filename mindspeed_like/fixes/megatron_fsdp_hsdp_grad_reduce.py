@@ -55,7 +55,8 @@ NAME = "fix-megatron-fsdp-hsdp-grad-reduce"
 VERSIONS = ">=0.14"
 TARGET = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp.MegatronFSDP.__init__"
 DELAYED = ("no_shard", "optim")
-"""Strategies whose hooks reduce on the last microbatch only (the others on every backward)."""
+"""Megatron-FSDP's strategies whose hooks reduce on the last microbatch only (``optim_grads`` and
+``optim_grads_params`` reduce after every backward: megatron_fsdp.py's ``grad_reduce_every_bprop``)."""
 
 NO_OVERLAP = (
     "--num-distributed-optimizer-instances {instances} with --use-megatron-fsdp "
@@ -87,7 +88,7 @@ def refuse_on_the_command_line(args) -> Iterator[None]:
     strategy = getattr(args, "data_parallel_sharding_strategy", None)
     hybrid = getattr(args, "use_megatron_fsdp", False) and instances > 1
     if hybrid and not getattr(args, "overlap_grad_reduce", False):
-        if strategy in ("no_shard", "optim"):
+        if strategy in DELAYED:
             raise ConfigError(NO_OVERLAP.format(instances=instances, strategy=strategy))
         args.overlap_grad_reduce = True
         change = (

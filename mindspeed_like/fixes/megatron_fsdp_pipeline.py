@@ -105,9 +105,7 @@ def mesh_of_the_stage(wrapped, instance, args, kwargs):
         einops.rearrange(mesh, "ep dp_cp tp -> (ep tp) dp_cp"), torch.distributed.get_process_group_ranks(dp_cp_group)
     )
     check(einops.rearrange(mesh, "ep dp_cp tp -> (dp_cp ep) tp"), torch.distributed.get_process_group_ranks(tp_group))
-    rank = torch.distributed.get_rank()
-    (dp_tp_mesh,) = [per_ep for per_ep in mesh if rank in per_ep.reshape(-1).tolist()]
-    return dp_tp_mesh
+    return _this_ranks(mesh)
 
 
 def hsdp_mesh_of_the_stage(wrapped, instance, args, kwargs):
@@ -134,9 +132,14 @@ def hsdp_mesh_of_the_stage(wrapped, instance, args, kwargs):
     check(einops.rearrange(mesh, "ep outer fsdp tp -> (outer ep tp) fsdp"), ranks(dp_cp_group))
     check(einops.rearrange(mesh, "ep outer fsdp tp -> (outer fsdp ep) tp"), ranks(tp_group))
     check(einops.rearrange(mesh, "ep outer fsdp tp -> (fsdp ep tp) outer"), ranks(outer_group))
+    return _this_ranks(mesh)
+
+
+def _this_ranks(mesh: torch.Tensor) -> torch.Tensor:
+    """The mesh of this rank's expert-parallel index (``mesh[ep]`` holding this rank), as megatron returns it."""
     rank = torch.distributed.get_rank()
-    (mesh_of_the_rank,) = [per_ep for per_ep in mesh if rank in per_ep.reshape(-1).tolist()]
-    return mesh_of_the_rank
+    (per_ep,) = [per_ep for per_ep in mesh if rank in per_ep.reshape(-1).tolist()]
+    return per_ep
 
 
 def _pipelined() -> bool:

@@ -50,6 +50,7 @@ path this library adapts.
 from __future__ import annotations
 
 from mindspeed_like.engine import Kind, Patch
+from mindspeed_like.fixes.megatron_fsdp_hsdp_grad_reduce import DELAYED
 from mindspeed_like.toolkit.declaration import Feature, always_on
 
 NAME = "fix-megatron-fsdp-unsharded-grads"
@@ -57,8 +58,6 @@ VERSIONS = ">=0.14,<0.17"
 MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"
 TARGET = f"{MODULE}.GradReducePipeline._bucket_group_gradient_reduce"
 SYNC = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp.MegatronFSDP.synchronize_gradient_reduce"
-EVERY_BACKWARD = ("optim_grads", "optim_grads_params")
-"""Strategies whose hooks reduce after every backward (the others on the last microbatch only)."""
 
 
 def _adds_to_itself(pipeline, gbuf) -> bool:
@@ -72,7 +71,7 @@ def _scaled_again_each_backward(pipeline, gbuf) -> bool:
     config = pipeline.buffer.ddp_config
     factor = gbuf.gradient_scaling_factor
     return (
-        config.data_parallel_sharding_strategy in EVERY_BACKWARD
+        config.data_parallel_sharding_strategy not in DELAYED
         and not config.average_in_collective
         and factor is not None
         and factor != 1.0

@@ -146,9 +146,9 @@ def hybrid_sharding_refusal(
             "'s Megatron-FSDP builds no expert mesh under hybrid sharding (mcore_fsdp_adapter._init_dist_index), so "
             "the experts' buffers would be sharded over every rank; use EP 1, or one instance"
         )
-    if strategy in ("no_shard", "optim") and not overlap_grad_reduce:
-        from mindspeed_like.fixes.megatron_fsdp_hsdp_grad_reduce import NO_OVERLAP
+    from mindspeed_like.fixes.megatron_fsdp_hsdp_grad_reduce import DELAYED, NO_OVERLAP
 
+    if strategy in DELAYED and not overlap_grad_reduce:
         return NO_OVERLAP.format(instances=instances, strategy=strategy)
     return None
 

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+from mindspeed_like.toolkit.overrides import attributes_set
+
 
 @contextlib.contextmanager
 def _no_fork(*_args: object, **_kwargs: object) -> Iterator[None]:
@@ -32,12 +34,5 @@ def te_initialization() -> Iterator[None]:
     if tracker.is_initialized():
         yield
         return
-    own = vars(tracker).get("fork")
-    tracker.fork = _no_fork
-    try:
+    with attributes_set(tracker, fork=_no_fork):
         yield
-    finally:
-        if own is None:
-            del tracker.fork
-        else:
-            tracker.fork = own
