@@ -198,13 +198,16 @@ test-megatron-unit: $(STAMP)
 
 # The tests a level's record set aside for more ranks than its run allowed (written for 8: megatron's CI
 # size), straight under 8 gloo ranks in resumable chunks, merged over the record (run.py --rank-skips-of).
+# PASSED_IN=results/megatron-unit-0.json: only those level 0 saw pass (at levels 1-2: what can regress).
+PASSED_IN ?=
 test-megatron-unit-8-ranks: $(STAMP)
 	@test -f "$(MEGATRON_LM_PATH)/tests/unit_tests/conftest.py" || \
 		(echo "set MEGATRON_LM_PATH=/path/to/Megatron-LM (a checkout of tag core_v$(PRIMARY_VERSION))"; exit 2)
 	$(PY) -m pip install -q $(MEGATRON_UNIT_DEPS)
 	MEGATRON_LM_PATH="$(MEGATRON_LM_PATH)" $(PY) -m mindspeed_like.testing.megatron_unit.run --level $(LEVEL) \
 		--ranks 2,4,8 --rank-skips-of $(MEGATRON_UNIT_RECORD) --record $(MEGATRON_UNIT_RECORD) --resume \
-		--pieces-dir build/megatron-unit/ws8-l$(LEVEL) $(if $(DIRS),--dirs $(DIRS))
+		--pieces-dir build/megatron-unit/ws8-l$(LEVEL) $(if $(PASSED_IN),--passed-in $(PASSED_IN)) \
+		$(if $(DIRS),--dirs $(DIRS))
 
 # The CI-sized part: the fastest directories at world size 1 and 2 (under 10 minutes on 2 cores); without
 # MEGATRON_LM_PATH it says it skipped and succeeds (CI has no checkout).

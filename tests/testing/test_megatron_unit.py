@@ -349,6 +349,20 @@ def test_rank_skips_of_a_record_are_chunked_per_directory(tmp_path: Path) -> Non
         ("models-3", ["tests/unit_tests/models/test_a.py::t4"]),
     ]
     assert [name for name, _ in rank_skips(record, ["fusions"], chunk=40)] == ["fusions-1"]
+    only = {"tests/unit_tests/models/test_a.py::t3", "tests/unit_tests/fusions/test_b.py::v"}
+    assert rank_skips(record, None, chunk=40, only=only) == [("models-1", ["tests/unit_tests/models/test_a.py::t3"])]
+
+
+def test_passed_tests_of_a_record_are_its_passes_only(tmp_path: Path) -> None:
+    """`run.py --passed-in`: the tests a level-0 record saw pass (what levels 1 and 2 can regress)."""
+    from mindspeed_like.testing.megatron_unit.run import passed_tests
+
+    outcomes = Outcomes()
+    outcomes.settle("tests/unit_tests/a.py::p", "passed", 8, None)
+    outcomes.settle("tests/unit_tests/a.py::f", "failed", 8, "numerics", "assert False")
+    outcomes.settle("tests/unit_tests/a.py::s", "skipped", 1, "megatron-skip", "flaky")
+    record = write(outcomes, tmp_path / "r.json", level=0, options={"ranks": [2, 4, 8]}, command=["pytest"])
+    assert passed_tests(record) == {"tests/unit_tests/a.py::p"}
 
 
 def test_a_later_piece_settles_a_test_over_a_merged_record(tmp_path: Path) -> None:

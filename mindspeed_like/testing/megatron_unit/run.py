@@ -54,13 +54,26 @@ def piece_args(unit: Path, piece: str, pieces: list[str]) -> list[str]:
     return [str(unit / piece)]
 
 
-def rank_skips(record: Path, dirs: list[str] | None, chunk: int) -> list[tuple[str, list[str]]]:
+def passed_tests(record: Path) -> set[str]:
+    """The node ids ``record`` saw pass."""
+    rows = json.loads(record.read_text())["rows"]
+    return {r["test"] for r in rows if r.get("table") == "tests" and r["outcome"] == "passed"}
+
+
+def rank_skips(
+    record: Path, dirs: list[str] | None, chunk: int, only: set[str] | None = None
+) -> list[tuple[str, list[str]]]:
     """The tests ``record`` set aside for more ranks, as (piece name, node ids) chunks per directory
-    (only ``dirs`` when given; the record's directory names, e.g. ``transformer/moe``)."""
+    (only ``dirs`` when given; the record's directory names, e.g. ``transformer/moe``; only the node
+    ids in ``only`` when given)."""
     rows = [r for r in json.loads(record.read_text())["rows"] if r.get("table") == "tests"]
     by_dir: dict[str, list[str]] = {}
     for row in rows:
-        if row["class"] == RANK_SKIP_CLASS and (not dirs or row["dir"] in dirs):
+        if (
+            row["class"] == RANK_SKIP_CLASS
+            and (not dirs or row["dir"] in dirs)
+            and (only is None or row["test"] in only)
+        ):
             by_dir.setdefault(row["dir"], []).append(row["test"])
     pieces = []
     for directory, nodeids in sorted(by_dir.items()):
@@ -83,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         help="run only the tests this record set aside for more ranks, under the largest --ranks size, "
         "and merge them over it (--dirs then filters the record's directories)",
     )
+    parser.add_argument(
+        "--passed-in",
+        type=Path,
+        default=None,
+        help="with --rank-skips-of: only the tests this record (level 0's) saw pass; at levels 1 and 2 those "
+        "are the ones that can show a regression, at about half the time of all of them",
+    )
     parser.add_argument("--chunk", type=int, default=40, help="tests per piece with --rank-skips-of")
     parser.add_argument("--resume", action="store_true", help="keep a piece whose record exists")
     parser.add_argument("pytest_args", nargs="*")
@@ -93,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         recorded = json.loads(args.rank_skips_of.read_text()).get("options", {}).get("level")
         if recorded != args.level:
             parser.error(f"--rank-skips-of {args.rank_skips_of} is a level-{recorded} record; --level is {args.level}")
+    if args.passed_in is not None and (args.rank_skips_of is None or not args.passed_in.exists()):
+        parser.error(f"--passed-in {args.passed_in}: needs --rank-skips-of and an existing record")
     try:
         found = checkout.check(checkout.find_root([]))
     except checkout.CheckoutError as error:
@@ -103,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank_skips_of is not None:
         planned = [
             (f"ws{sizes[-1]}-{name}", [f"--megatron-launch-size={sizes[-1]}", *(str(found.root / n) for n in ids)])
-            for name, ids in rank_skips(args.rank_skips_of, args.dirs, args.chunk)
+            for name, ids in rank_skips(
+                args.rank_skips_of, args.dirs, args.chunk, passed_tests(args.passed_in) if args.passed_in else None
+            )
         ]
         parts, failed = [args.rank_skips_of], False
     else:
