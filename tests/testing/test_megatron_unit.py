@@ -117,6 +117,20 @@ def test_merging_reclassifies_with_the_rows_world_size(tmp_path: Path) -> None:
     assert record["extra"]["failure_classes"] == {"router-near-tie": 1}
 
 
+def test_merging_reclassifies_a_config_skip_recorded_as_a_missing_package(tmp_path: Path) -> None:
+    from mindspeed_like.testing.megatron_unit.record import merge
+
+    outcomes = Outcomes()
+    reason = "dp_outer sharding strategy optim requires zero_dp_strategy to be full-sharded ('optim_grads_params', 3)."
+    outcomes.settle("tests/unit_tests/distributed/test_m.py::t", "skipped", 8, "missing-package", reason)
+    outcomes.settle(
+        "tests/unit_tests/distributed/test_m.py::u", "skipped", 8, "missing-package", "Deep EP is not available"
+    )
+    part = write(outcomes, tmp_path / "p.json", level=0, options={}, command=["pytest"])
+    record = json.loads(merge(tmp_path / "m.json", [part], level=0, reclassify=True).read_text())
+    assert record["extra"]["skip_classes"] == {"megatron-skip": 1, "missing-package": 1}
+
+
 def test_extra_import_line_flags_reach_the_ranks(tmp_path: Path) -> None:
     """`--megatron-extra-args` (MEGATRON_UNIT_EXTRA_ARGS) bisects which feature changes a test: the
     import line gets the flags after the level, and every rank launch gets the option again."""
@@ -643,3 +657,23 @@ def test_a_rank_has_the_default_group_before_its_first_test() -> None:
     from mindspeed_like.testing import run_distributed
 
     assert run_distributed(_default_group_before_a_test, 2, MEGATRON_LM, timeout=300) == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        (
+            "dp_outer sharding strategy optim requires zero_dp_strategy to be full-sharded ('optim_grads_params', 3).",
+            "megatron-skip",
+        ),
+        ("Multiple distributed optimizer instances requires distributed optimizer to be enabled", "megatron-skip"),
+        ("Kitchen required for using kitchen backend.", "missing-package"),
+        ("Deep EP and Hybrid EP are not available", "missing-package"),
+        ("need latest flash attn for dynamic batching", "missing-package"),
+    ],
+)
+def test_a_config_skip_that_says_requires_is_megatrons_own(reason: str, expected: str) -> None:
+    """A skip naming a config combination megatron does not cover is not a missing package."""
+    from mindspeed_like.testing.megatron_unit.reasons import classify_skip
+
+    assert classify_skip(reason) == expected

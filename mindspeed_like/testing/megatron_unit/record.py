@@ -127,8 +127,14 @@ def merge(
                 if reclassify and row["outcome"] == "failed":  # the rules as they are now, on the kept text
                     cls = classify_failure(row["reason"], row["test"], row["world_size"]) if cls != "timeout" else cls
                     cls = row["class"] if cls == "unknown" else cls
-                if reclassify and row["outcome"] == "skipped" and str(cls).startswith("harness"):
-                    cls = classify_skip(row["reason"])  # the harness' own skips, read as their reason says
+                if (
+                    reclassify
+                    and row["outcome"] == "skipped"
+                    and (str(cls).startswith("harness") or cls == "missing-package")
+                ):
+                    # the harness' own skips, read as their reason says; missing-package's rule was refined
+                    # (a config skip saying "requires" is megatron's own)
+                    cls = classify_skip(row["reason"])
                 outcomes.settle(row["test"], row["outcome"], row["world_size"], cls, row["reason"])
         wall += data["extra"]["wall_s"]
         for size, seconds in data["extra"].get("wall_s_per_world_size", {}).items():
