@@ -277,7 +277,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     state = _state(item.config)
     if state is not None and state.child:
         _release_test_instance(item)
-        host_device.after_test()
+        host_device.after_test(module_ends=_module_ends(item, nextitem))
+
+
+def _module_ends(item: pytest.Item, nextitem: pytest.Item | None) -> bool:
+    return nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None)
 
 
 def _release_test_instance(item: pytest.Item) -> None:
@@ -307,7 +311,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     with _time_limit(TEST_TIMEOUT_S):
         reports = runtestprotocol(item, nextitem=nextitem, log=False)
     _release_test_instance(item)
-    host_device.after_test()
+    host_device.after_test(module_ends=_module_ends(item, nextitem))
     needed = _wanted_size(reports, state)
     if needed:
         size = reasons.launch_size(needed, state.sizes)

@@ -677,3 +677,21 @@ def test_a_config_skip_that_says_requires_is_megatrons_own(reason: str, expected
     from mindspeed_like.testing.megatron_unit.reasons import classify_skip
 
     assert classify_skip(reason) == expected
+
+
+def test_a_module_boundary_unsets_megatrons_microbatch_calculator() -> None:
+    """A test that set megatron's num-microbatches calculator and never unset it failed the next module's
+    fixture ("already initialized"); the calculator stays within a module and goes at its end."""
+    from megatron.core import num_microbatches_calculator as calculator
+
+    from mindspeed_like.testing.megatron_unit import host_device
+
+    calculator.init_num_microbatches_calculator(0, None, 1, 1, 1)
+    try:
+        host_device.after_test(module_ends=False)
+        assert calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None
+        host_device.after_test(module_ends=True)
+        assert calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None
+    finally:
+        if calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
+            calculator.unset_num_microbatches_calculator()

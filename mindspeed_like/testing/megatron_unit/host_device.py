@@ -258,10 +258,12 @@ def before_test() -> None:
         Utils.initialize_distributed()
 
 
-def after_test() -> None:
+def after_test(module_ends: bool = False) -> None:
     """Between tests: leftover process groups destroyed, megatron's batch-invariant mode off (it
-    overrides aten::mm process-wide)."""
+    overrides aten::mm process-wide); where a test module ends, its num-microbatches calculator unset."""
     destroy_leftover_groups()
+    if module_ends:
+        unset_module_globals()
     try:
         from megatron.core.transformer.custom_layers import batch_invariant_kernels as bik
     except Exception:  # noqa: BLE001 - no triton: the mode cannot have been switched on
@@ -269,3 +271,19 @@ def after_test() -> None:
     if bik.is_batch_invariant_mode_enabled():
         with contextlib.suppress(Exception):
             bik.disable_batch_invariant_mode()
+
+
+def unset_module_globals() -> None:
+    """megatron's process-global num-microbatches calculator, unset where a test module ends.
+
+    Some tests set it through megatron.training's ``set_global_variables`` and never unset it; a later
+    module whose fixture calls ``init_num_microbatches_calculator`` then fails "num microbatches
+    calculator is already initialized" (distributed/test_torch_fully_sharded_parallel.py's two tests and
+    dist_checkpointing/test_pipeline_parallel_layout.py's, in a whole-directory launch). A module that
+    sets it in a module- or class-scoped fixture keeps it for all its tests: only the boundary clears it."""
+    try:
+        from megatron.core import num_microbatches_calculator as calculator
+    except ImportError:  # megatron-core not imported by these tests at all
+        return
+    if calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
+        calculator.unset_num_microbatches_calculator()
