@@ -188,11 +188,21 @@ LEVEL ?= 0
 DIRS ?=
 MEGATRON_UNIT_RANKS ?= 2,4
 MEGATRON_UNIT_RECORD ?= results/megatron-unit-$(LEVEL).json
-MEGATRON_UNIT_DEPS := click requests pytest-mock mock six regex pyyaml pydantic
+MEGATRON_UNIT_DEPS := click requests pytest-mock mock six regex pyyaml pydantic absl-py
+# megatron's Muon / layer-wise optimizer tests assert emerging_optimizers, which megatron pins from GitHub
+# (pyproject [tool.uv.sources]: v0.1.0; PyPI's 0.3.0 needs Python 3.12 and renamed use_nesterov). Where GitHub
+# cannot be reached, EMERGING_OPTIMIZERS_SRC=/path/to/a/checkout/of/v0.1.0; without either, those tests read
+# missing-package and the run goes on (said once).
+EMERGING_OPTIMIZERS_SRC ?= git+https://github.com/NVIDIA-NeMo/Emerging-Optimizers.git@v0.1.0
+define install_megatron_unit_deps
+	$(PY) -m pip install -q $(MEGATRON_UNIT_DEPS)
+	@$(PY) -c "import emerging_optimizers" 2>/dev/null || $(PY) -m pip install -q --no-deps "$(EMERGING_OPTIMIZERS_SRC)" \
+		|| echo "megatron-unit: emerging_optimizers not installed from $(EMERGING_OPTIMIZERS_SRC): megatron's Muon tests will read missing-package (set EMERGING_OPTIMIZERS_SRC to a checkout of its v0.1.0)"
+endef
 test-megatron-unit: $(STAMP)
 	@test -f "$(MEGATRON_LM_PATH)/tests/unit_tests/conftest.py" || \
 		(echo "set MEGATRON_LM_PATH=/path/to/Megatron-LM (a checkout of tag core_v$(PRIMARY_VERSION))"; exit 2)
-	$(PY) -m pip install -q $(MEGATRON_UNIT_DEPS)
+	$(install_megatron_unit_deps)
 	MEGATRON_LM_PATH="$(MEGATRON_LM_PATH)" $(PY) -m mindspeed_like.testing.megatron_unit.run --level $(LEVEL) \
 		--ranks $(MEGATRON_UNIT_RANKS) --record $(MEGATRON_UNIT_RECORD) $(if $(DIRS),--dirs $(DIRS))
 
@@ -203,7 +213,7 @@ PASSED_IN ?=
 test-megatron-unit-8-ranks: $(STAMP)
 	@test -f "$(MEGATRON_LM_PATH)/tests/unit_tests/conftest.py" || \
 		(echo "set MEGATRON_LM_PATH=/path/to/Megatron-LM (a checkout of tag core_v$(PRIMARY_VERSION))"; exit 2)
-	$(PY) -m pip install -q $(MEGATRON_UNIT_DEPS)
+	$(install_megatron_unit_deps)
 	MEGATRON_LM_PATH="$(MEGATRON_LM_PATH)" $(PY) -m mindspeed_like.testing.megatron_unit.run --level $(LEVEL) \
 		--ranks 2,4,8 --rank-skips-of $(MEGATRON_UNIT_RECORD) --record $(MEGATRON_UNIT_RECORD) --resume \
 		--pieces-dir build/megatron-unit/ws8-l$(LEVEL) $(if $(PASSED_IN),--passed-in $(PASSED_IN)) \

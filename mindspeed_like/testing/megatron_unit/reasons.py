@@ -198,8 +198,9 @@ FAILURE_RULES: list[Rule] = [
         r"|is not (?:available|installed)\. Please (?:run `)?pip install|Emerging Optimizers is not installed",
         "an optional package the test needs (apex, flash_attn, nvidia-resiliency, mamba-ssm, grouped_gemm, deep_ep): "
         "not installable from PyPI on a CPU host. emerging_optimizers, which megatron's Muon asserts: megatron pins "
-        "v0.1.0 from GitHub; PyPI's only release, 0.3.0, declares Python 3.12 and renamed the optimizer's "
-        "use_nesterov (megatron 0.16.1's Muon then fails: missing keyword 'nesterov')",
+        "v0.1.0 from GitHub, which make's megatron-unit targets install (EMERGING_OPTIMIZERS_SRC: a checkout of that "
+        "tag where GitHub cannot be reached); PyPI's only release, 0.3.0, declares Python 3.12 and renamed the "
+        "optimizer's use_nesterov (megatron 0.16.1's Muon then fails: missing keyword 'nesterov')",
     ),
     _rule("memory", r"MemoryError|out of memory|Cannot allocate memory|Killed", "the test is sized for a GPU's memory"),
     _rule(
