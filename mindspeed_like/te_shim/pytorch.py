@@ -46,7 +46,6 @@ from mindspeed_like.te_shim.refusals import (
     CUDA_GRAPHS,
     FP8,
     USERBUFFERS,
-    Refused,
     check_no_userbuffers,
     disabled_only,
     refused_module_getattr,
@@ -90,7 +89,6 @@ def _check_common(name: str, kwargs: dict[str, Any], known: set[str]) -> None:
 _IGNORED = {
     "get_rng_state_tracker",
     "rng_tracker_name",
-    "parameters_split",
     "name",
     "symmetric_ar_type",
     "save_original_input",
@@ -103,12 +101,18 @@ _IGNORED = {
 }
 
 
-def _init(weight: torch.Tensor, init_method) -> None:
-    with torch.no_grad():
-        if init_method is None:
-            torch.nn.init.normal_(weight, mean=0.0, std=DEFAULT_INIT_STD)
-        else:
-            init_method(weight)
+def default_init_method(weight: torch.Tensor) -> torch.Tensor:
+    """TE's ``get_default_init_method()``: ``normal_(mean=0, std=0.023)``."""
+    return torch.nn.init.normal_(weight, mean=0.0, std=DEFAULT_INIT_STD)
+
+
+def init_method_constant(value: float):
+    """TE's ``init_method_constant``: fill with ``value`` (norm weights 1 or 0, biases 0)."""
+
+    def init(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.constant_(tensor, value)
+
+    return init
 
 
 class _TEModule(TEExtraState, torch.nn.Module, metaclass=abc.ABCMeta):
@@ -116,7 +120,40 @@ class _TEModule(TEExtraState, torch.nn.Module, metaclass=abc.ABCMeta):
     so the te-backend registers its classes for megatron's TE wrappers under the TE name they
     derive from in TE (``register``): they are built on megatron's own layers (whose cooperative
     ``super().__init__()`` would reach a real base's TE constructor), and ``isinstance`` /
-    ``issubclass`` against the TE name holds for them, as with TE."""
+    ``issubclass`` against the TE name holds for them, as with TE.
+
+    Parameters are registered with their init function, as TE's ``register_parameter(...,
+    init_fn=)`` does, and initialised at construction unless on the meta device (TE's
+    ``reset_parameters(defer_init=device == "meta")``). ``reset_parameters()`` initialises them
+    again; a parameter still on the meta device is first materialised on the host device (TE:
+    on CUDA) as a new ``Parameter``; others are initialised in place. Megatron-FSDP's
+    ``init_model_with_meta_device`` calls it on each module owning meta parameters after
+    ``to_empty``."""
+
+    def _register(self, name: str, param: torch.nn.Parameter | None, init_fn) -> None:
+        self.register_parameter(name, param)
+        if param is not None:
+            self.__dict__.setdefault("_te_init_fns", {})[name] = init_fn
+
+    def reset_parameters(self, defer_init: bool | None = False) -> None:
+        if defer_init:
+            return
+        init_fns = self.__dict__.get("_te_init_fns", {})
+        for name, param in list(self.named_parameters(recurse=False)):
+            if name not in init_fns:
+                continue
+            if param.is_meta:
+                fresh = torch.empty_like(param, device=_device("cuda"))
+                with torch.no_grad():
+                    init_fns[name](fresh)
+                setattr(self, name, torch.nn.Parameter(fresh, requires_grad=param.requires_grad))
+            else:
+                with torch.no_grad():
+                    init_fns[name](param)
+
+    def _materialise(self, device: torch.device) -> None:
+        """Initialise the parameters now unless they live on the meta device (TE's defer_init)."""
+        self.reset_parameters(defer_init=device.type == "meta")
 
 
 class _Norm(torch.nn.Module):
@@ -130,13 +167,19 @@ class _Norm(torch.nn.Module):
         return torch.nn.functional.layer_norm(x, weight.shape, gamma, bias, eps)
 
 
-def _norm_params(module: torch.nn.Module, prefix: str, hidden: int, normalization: str, zcg: bool, device, dtype):
+def check_normalization(normalization: str) -> None:
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm' (TE's), got {normalization!r}")
-    fill = torch.zeros if zcg else torch.ones
-    module.register_parameter(f"{prefix}weight", torch.nn.Parameter(fill(hidden, device=device, dtype=dtype)))
+
+
+def _norm_params(module: _TEModule, prefix: str, hidden: int, normalization: str, zcg: bool, device, dtype):
+    """TE's norm parameters: weight filled with 1 (0 with ``zero_centered_gamma``), bias 0 (LayerNorm)."""
+    check_normalization(normalization)
+    empty = torch.empty(hidden, device=device, dtype=dtype)
+    module._register(f"{prefix}weight", torch.nn.Parameter(empty), init_method_constant(float(not zcg)))
     if normalization == "LayerNorm":
-        module.register_parameter(f"{prefix}bias", torch.nn.Parameter(torch.zeros(hidden, device=device, dtype=dtype)))
+        bias = torch.nn.Parameter(torch.empty(hidden, device=device, dtype=dtype))
+        module._register(f"{prefix}bias", bias, init_method_constant(0.0))
     else:
         module.register_parameter(f"{prefix}bias", None)
 
@@ -160,9 +203,9 @@ class _BaseNorm(_TEModule):
         super().__init__()
         self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
         self.sequence_parallel = bool(sequence_parallel)
-        _norm_params(
-            self, "", hidden_size, self.normalization, zero_centered_gamma, _device(device), _dtype(params_dtype)
-        )
+        device = _device(device)
+        _norm_params(self, "", hidden_size, self.normalization, zero_centered_gamma, device, _dtype(params_dtype))
+        self._materialise(device)
         if self.sequence_parallel:
             for param in self.parameters():
                 param.sequence_parallel = True
@@ -183,6 +226,30 @@ class RMSNorm(_BaseNorm):
     normalization = "RMSNorm"
 
 
+def parameter_splits(parameters_split, out_features: int) -> list[tuple[str, int]]:
+    """TE's ``parameters_split``: ``None`` is one ``weight``/``bias``; a dict ``{name: rows}`` or a
+    tuple of names (equal rows) gives ``{name}_weight`` / ``{name}_bias`` parameters (a trailing
+    ``_`` of the name dropped), concatenated along dim 0 for the GEMM. Returns (prefix, rows)."""
+    if parameters_split is None:
+        return [("", out_features)]
+    if isinstance(parameters_split, dict):
+        splits = [(f"{name.rstrip('_')}_", int(size)) for name, size in parameters_split.items()]
+    elif isinstance(parameters_split, (tuple, list)) and all(isinstance(n, str) for n in parameters_split):
+        if not parameters_split:
+            raise ValueError("parameters_split: cannot split the weight into 0 parameters")
+        size = out_features // len(parameters_split)
+        splits = [(f"{name.rstrip('_')}_", size) for name in parameters_split]
+    else:
+        raise TypeError(f"parameters_split must be None, a dict of sizes or a tuple of names, got {parameters_split!r}")
+    if not splits:
+        raise ValueError("parameters_split: cannot split the weight into 0 parameters")
+    if sum(size for _, size in splits) != out_features:
+        raise ValueError(
+            f"parameters_split sizes {[size for _, size in splits]} do not add up to out_features={out_features}"
+        )
+    return splits
+
+
 class Linear(_TEModule):
     """TE's ``Linear(in_features, out_features, bias=True, init_method=None, return_bias=False,
     params_dtype=None, parallel_mode=None, device="cuda", ...)``; ``forward(x, is_first_microbatch=None)``."""
@@ -200,12 +267,14 @@ class Linear(_TEModule):
         tp_size: int = 1,
         tp_group=None,
         sequence_parallel: bool = False,
+        parameters_split: dict[str, int] | tuple[str, ...] | None = None,
         **kwargs: Any,
     ) -> None:
         _check_common(type(self).__name__, kwargs, _IGNORED)
         _single_device(type(self).__name__, tp_size, tp_group, sequence_parallel)
         if parallel_mode not in (None, "column", "row"):
             raise ValueError(f"parallel_mode must be None, 'column' or 'row', got {parallel_mode!r}")
+        splits = parameter_splits(parameters_split, out_features)
         super().__init__()
         device, dtype = _device(device), _dtype(params_dtype)
         self.in_features, self.out_features = in_features, out_features
@@ -214,21 +283,42 @@ class Linear(_TEModule):
         self.parallel_mode = parallel_mode
         self.sequence_parallel = sequence_parallel
         self.tp_size = 1
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        _init(self.weight, init_method)
-        if bias:
-            self.bias = torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
-        else:
-            self.register_parameter("bias", None)
+        self._register_before_weights(device, dtype)
+        self.weight_names = [f"{prefix}weight" for prefix, _ in splits]
+        self.bias_names = [f"{prefix}bias" for prefix, _ in splits]
+        init_fn = init_method if init_method is not None else default_init_method
+        for name, (_, size) in zip(self.weight_names, splits):
+            weight = torch.nn.Parameter(torch.empty(size, in_features, device=device, dtype=dtype))
+            self._register(name, weight, init_fn)
+        for name, (_, size) in zip(self.bias_names, splits):
+            if bias:
+                value = torch.nn.Parameter(torch.empty(size, device=device, dtype=dtype))
+                self._register(name, value, init_method_constant(0.0))
+            else:
+                self.register_parameter(name, None)
+        self._materialise(device)
+
+    def _register_before_weights(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Parameters TE registers ahead of the weights (LayerNormLinear's norm)."""
+
+    def _joined(self, names: list[str]) -> torch.Tensor:
+        """The weight (or bias) the GEMM uses: TE's split parameters concatenated along dim 0."""
+        tensors = [getattr(self, name) for name in names]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+    def _bias_value(self) -> torch.Tensor | None:
+        return self._joined(self.bias_names) if self.use_bias else None
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight, self.bias if self.apply_bias else None)
+        return torch.nn.functional.linear(
+            x, self._joined(self.weight_names), self._bias_value() if self.apply_bias else None
+        )
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, fp8_output: bool = False):
-        if fp8_output:
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, fp8_output: bool = False, **kwargs):
+        if fp8_output or kwargs.get("fp8_grad"):
             refuse(*FP8)
         out = self._linear(inp)
-        return (out, self.bias) if self.return_bias else out
+        return (out, self._bias_value()) if self.return_bias else out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}"
@@ -252,16 +342,19 @@ class LayerNormLinear(Linear):
         device: Any = "cuda",
         **kwargs: Any,
     ) -> None:
+        check_normalization(normalization)
+        self._norm_spec = (normalization, zero_centered_gamma)
         super().__init__(in_features, out_features, bias=bias, params_dtype=params_dtype, device=device, **kwargs)
         self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
         self.return_layernorm_output = return_layernorm_output
         self.return_layernorm_output_gathered = return_layernorm_output_gathered
-        _norm_params(
-            self, "layer_norm_", in_features, normalization, zero_centered_gamma, self.weight.device, self.weight.dtype
-        )
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, fp8_output: bool = False):
-        if fp8_output:
+    def _register_before_weights(self, device: torch.device, dtype: torch.dtype) -> None:
+        normalization, zero_centered_gamma = self._norm_spec
+        _norm_params(self, "layer_norm_", self.in_features, normalization, zero_centered_gamma, device, dtype)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, fp8_output: bool = False, **kwargs):
+        if fp8_output or kwargs.get("fp8_grad"):
             refuse(*FP8)
         normed = _Norm.apply(
             inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma
@@ -300,14 +393,15 @@ class GroupedLinear(_TEModule):
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         self.parallel_mode = parallel_mode
+        init_fn = init_method if init_method is not None else default_init_method
         for i in range(num_gemms):
             weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-            _init(weight, init_method)
-            self.register_parameter(f"weight{i}", weight)
-            if bias:
-                self.register_parameter(
-                    f"bias{i}", torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
-                )
+            self._register(f"weight{i}", weight, init_fn)
+        if bias:
+            for i in range(num_gemms):
+                value = torch.nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+                self._register(f"bias{i}", value, init_method_constant(0.0))
+        self._materialise(device)
 
     def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: bool | None = None):
         counts = [int(c) for c in (m_splits.tolist() if isinstance(m_splits, torch.Tensor) else m_splits)]
@@ -491,24 +585,7 @@ def quantized_model_init(enabled: bool = False, **kwargs: Any):
     return disabled_only(FP8, enabled)
 
 
-def _whole_layer(name: str) -> type:
-    return type(
-        name,
-        (Refused,),
-        {
-            "te_feature": f"whole-layer module {name}",
-            "alternative": "build the layer with megatron's TE specs (get_gpt_layer_with_transformer_engine_spec), "
-            "which the te-backend provides",
-            "__module__": __name__,
-        },
-    )
-
-
-TransformerLayer = _whole_layer("TransformerLayer")
-MultiheadAttention = _whole_layer("MultiheadAttention")
-LayerNormMLP = _whole_layer("LayerNormMLP")
-
-__getattr__ = refused_module_getattr(
+_refused_getattr = refused_module_getattr(
     "transformer_engine.pytorch",
     {
         "initialize_ub": USERBUFFERS,
@@ -517,19 +594,29 @@ __getattr__ = refused_module_getattr(
         "Float8Tensor": FP8,
     },
 )
+_WHOLE_LAYERS = ("LayerNormMLP", "MultiheadAttention", "TransformerLayer")
+
+
+def __getattr__(name: str) -> Any:
+    """TE's whole-layer modules come from ``layers.py`` (built on this module's classes, so
+    imported on first use); the refused names raise their refusal; anything else is absent."""
+    if name in _WHOLE_LAYERS:
+        from mindspeed_like.te_shim import layers
+
+        return getattr(layers, name)
+    return _refused_getattr(name)
+
 
 __all__ = [
     "DotProductAttention",
     "GroupedLinear",
     "LayerNorm",
     "LayerNormLinear",
-    "LayerNormMLP",
     "Linear",
-    "MultiheadAttention",
     "RMSNorm",
-    "TransformerLayer",
     "autocast",
     "fp8_autocast",
     "fp8_model_init",
     "quantized_model_init",
 ]
+__all__ += _WHOLE_LAYERS  # served lazily by __getattr__ (layers.py)
