@@ -4,7 +4,9 @@ Clients that import TransformerEngine themselves (Megatron-Bridge's ``peft/lora_
 ``import transformer_engine.pytorch as te`` unconditionally, so ``from megatron.bridge import
 AutoBridge`` fails without TE) get a ``transformer_engine`` module whose layers
 (``te.pytorch.Linear``, ``LayerNormLinear``, ``RMSNorm``, ``LayerNorm``, ``DotProductAttention``,
-``GroupedLinear``) run on our kernels (``pytorch.py``) and whose TE-only mechanisms (fp8 recipes
+``GroupedLinear``, and the whole-layer ``TransformerLayer``, ``MultiheadAttention``,
+``LayerNormMLP`` built from them in ``layers.py``) run on our kernels (``pytorch.py``) and whose
+TE-only mechanisms (fp8 recipes
 and enabled autocasts, userbuffers, CUDA graphs, TE's CPU offload, fusible ops) are refused by
 name with the alternative (``refusals.py``). The models such clients build from megatron's TE
 specs are the te-backend's (this feature is on only with it).

@@ -4,12 +4,16 @@ What clients build themselves (Megatron-Bridge subclasses ``te.Linear`` at impor
 ``isinstance(m, (te.Linear, te.LayerNormLinear))``; megatron's own TE layers are the te-backend's):
 
   TE name            here                                              kernel
-  Linear             weight [out, in], bias; ``return_bias``          torch linear
+  Linear             weight [out, in], bias; ``return_bias``;         torch linear
+                     ``parameters_split`` ({name}_weight / _bias)
   LayerNormLinear    layer_norm_weight(/_bias) + weight/bias          our RMSNorm / layer_norm, linear
   LayerNorm, RMSNorm weight (bias); ``zero_centered_gamma``           our RMSNorm / layer_norm
   DotProductAttention sbhd / bshd / thd, GQA, causal / padding masks, our flash attention
                      sliding windows, separate K/V head dims
   GroupedLinear      weight0..N-1 / bias0..; ``forward(x, m_splits)`` our grouped GEMM
+  TransformerLayer,  TE's whole-layer modules, built from the classes above (``layers.py``;
+  MultiheadAttention, served lazily by this module's ``__getattr__``)
+  LayerNormMLP
   fp8_autocast, autocast, fp8_model_init, quantized_model_init: with ``enabled=False`` nothing to do
 
 Single-device semantics (``tp_size`` 1: TE's ``parallel_mode`` then changes nothing); tensor
@@ -21,10 +25,13 @@ classes for megatron's TE wrappers derive from these, as megatron's derive from 
 ``LayerNorm`` or ``RMSNorm``), so a client's ``isinstance(m, te.pytorch.X)`` answers as with TE.
 They are registered subclasses (``_TEModule`` is an ``ABCMeta`` class): built on megatron's own
 layers, whose methods and constructors stay theirs. Every module keeps TE's
-``_extra_state`` (an empty uint8 tensor). Refused by name, with the alternative: fp8 (enabled
-autocasts, recipes), userbuffers (``ub_*``, ``initialize_ub``), CUDA graphs
-(``make_graphed_callables``), TE's CPU offload (``get_cpu_offload_context``), fusible ``ops``,
-whole-layer modules (``TransformerLayer``, ``MultiheadAttention``, ``LayerNormMLP``).
+``_extra_state`` (an empty uint8 tensor), registers its parameters in TE's order with TE's init
+function (weights ``init_method``, default ``normal_(0, 0.023)``; biases 0; norm weights 1, or 0
+with ``zero_centered_gamma``), defers it on the meta device and has TE's ``reset_parameters()``
+(Megatron-FSDP's ``init_model_with_meta_device`` calls it). Refused by name, with the
+alternative: fp8 (enabled autocasts, recipes), userbuffers (``ub_*``, ``initialize_ub``), CUDA
+graphs (``make_graphed_callables``), TE's CPU offload (``get_cpu_offload_context``), fusible
+``ops``.
 """
 
 from __future__ import annotations
@@ -314,8 +321,14 @@ class Linear(_TEModule):
             x, self._joined(self.weight_names), self._bias_value() if self.apply_bias else None
         )
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, fp8_output: bool = False, **kwargs):
-        if fp8_output or kwargs.get("fp8_grad"):
+    def forward(
+        self,
+        inp: torch.Tensor,
+        is_first_microbatch: bool | None = None,
+        fp8_output: bool = False,
+        fp8_grad: bool = False,
+    ):
+        if fp8_output or fp8_grad:
             refuse(*FP8)
         out = self._linear(inp)
         return (out, self._bias_value()) if self.return_bias else out
@@ -353,8 +366,14 @@ class LayerNormLinear(Linear):
         normalization, zero_centered_gamma = self._norm_spec
         _norm_params(self, "layer_norm_", self.in_features, normalization, zero_centered_gamma, device, dtype)
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, fp8_output: bool = False, **kwargs):
-        if fp8_output or kwargs.get("fp8_grad"):
+    def forward(
+        self,
+        inp: torch.Tensor,
+        is_first_microbatch: bool | None = None,
+        fp8_output: bool = False,
+        fp8_grad: bool = False,
+    ):
+        if fp8_output or fp8_grad:
             refuse(*FP8)
         normed = _Norm.apply(
             inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma
