@@ -695,3 +695,25 @@ def test_a_module_boundary_unsets_megatrons_microbatch_calculator() -> None:
     finally:
         if calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
             calculator.unset_num_microbatches_calculator()
+
+
+def test_passed_in_keeps_each_pieces_own_node_ids() -> None:
+    """`run.py --passed-in` without --rank-skips-of: a piece runs the node ids its paths would collect."""
+    from mindspeed_like.testing.megatron_unit.run import passed_in_piece
+
+    ids = [
+        "tests/unit_tests/transformer/test_a.py::t",
+        "tests/unit_tests/transformer/moe/test_b.py::t[1-2]",
+        "tests/unit_tests/test_optimizer.py::t",
+        "tests/unit_tests/test_optimizer_param_scheduler.py::t",
+        "tests/unit_tests/optimizer/test_c.py::t",
+        "tests/unit_tests/dist_checkpointing/test_layer_wise_optimizer.py::T::t[1-1]",
+        "tests/unit_tests/dist_checkpointing/models/test_d.py::t",
+    ]
+    pieces = ["transformer", "transformer/moe", "optimizer"]
+    assert passed_in_piece(ids, "transformer", pieces) == [ids[0]]
+    assert passed_in_piece(ids, "transformer", ["transformer"]) == ids[:2]
+    assert passed_in_piece(ids, "transformer/moe", pieces) == [ids[1]]
+    assert passed_in_piece(ids, "optimizer", pieces) == ids[2:5]
+    assert passed_in_piece(ids, "dist_checkpointing/test_layer_wise_optimizer.py", pieces) == [ids[5]]
+    assert passed_in_piece(ids, "dist_checkpointing", pieces) == ids[5:]

@@ -54,6 +54,30 @@ def piece_args(unit: Path, piece: str, pieces: list[str]) -> list[str]:
     return [str(unit / piece)]
 
 
+def passed_in_piece(node_ids: list[str], piece: str, pieces: list[str]) -> list[str]:
+    """The node ids (``tests/unit_tests/...``) a piece's pytest paths collect (:func:`piece_args`)."""
+    unit = "tests/unit_tests/"
+
+    def file_of(node_id: str) -> str:
+        return node_id.split("::", 1)[0][len(unit) :] if node_id.startswith(unit) else ""
+
+    def under(path: str, prefix: str) -> bool:
+        return path == prefix or path.startswith(prefix.rstrip("/") + "/")
+
+    kept = []
+    for node_id in node_ids:
+        path = file_of(node_id)
+        if piece == "optimizer":
+            inside = (path.startswith("test_optimizer") and "/" not in path) or under(path, "optimizer")
+        else:
+            inside = under(path, piece) and not (
+                piece == "transformer" and "transformer/moe" in pieces and under(path, "transformer/moe")
+            )
+        if inside:
+            kept.append(node_id)
+    return kept
+
+
 def passed_tests(record: Path) -> set[str]:
     """The node ids ``record`` saw pass."""
     rows = json.loads(record.read_text())["rows"]
@@ -100,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         "--passed-in",
         type=Path,
         default=None,
-        help="with --rank-skips-of: only the tests this record (level 0's) saw pass; at levels 1 and 2 those "
-        "are the ones that can show a regression, at about half the time of all of them",
+        help="only the tests this record (level 0's) saw pass, of each piece (with --rank-skips-of: of the set-aside "
+        "ones); at levels 1 and 2 those are the ones that can show a regression",
     )
     parser.add_argument("--chunk", type=int, default=40, help="tests per piece with --rank-skips-of")
     parser.add_argument("--resume", action="store_true", help="keep a piece whose record exists")
@@ -113,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         recorded = json.loads(args.rank_skips_of.read_text()).get("options", {}).get("level")
         if recorded != args.level:
             parser.error(f"--rank-skips-of {args.rank_skips_of} is a level-{recorded} record; --level is {args.level}")
-    if args.passed_in is not None and (args.rank_skips_of is None or not args.passed_in.exists()):
-        parser.error(f"--passed-in {args.passed_in}: needs --rank-skips-of and an existing record")
+    if args.passed_in is not None and not args.passed_in.exists():
+        parser.error(f"--passed-in {args.passed_in}: no such record")
     try:
         found = checkout.check(checkout.find_root([]))
     except checkout.CheckoutError as error:
@@ -133,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dirs = args.dirs or DIRS
         planned = [(piece, piece_args(found.unit_tests, piece, dirs)) for piece in dirs]
+        if args.passed_in is not None:  # each piece's node ids that passed there, or nothing to run
+            passed = sorted(passed_tests(args.passed_in))
+            planned = [
+                (piece, ids)
+                for piece, _ in planned
+                if (ids := [str(found.root / t) for t in passed_in_piece(passed, piece, dirs)])
+            ]
         parts, failed = [], False
     for piece, paths in planned:
         part = args.pieces_dir / f"L{args.level}-{piece.replace('/', '-').replace('.py', '')}.json"
