@@ -530,7 +530,21 @@ def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[S
             out.append(
                 _swiglu_halves("moe", "experts: SwiGLU halves", p * rows_r * fm, 1, " and the probs-weighted output")
             )
-        if stacked:
+        if stacked and paths.moe_alltoall_overlap:
+            # the feature runs the experts once per local expert (its chunk's rows); each call's grouped
+            # linears stack every local expert's weights and save the copy (compare, moe EP2 x DP2 level 1:
+            # four [4, 1408, 256] and four [4, 256, 704] copies a layer)
+            out.append(
+                Saved(
+                    "moe",
+                    "experts: stacked fc1 / fc2 weights of the grouped GEMM (te-backend), one copy per local "
+                    "expert's chunk",
+                    p * local * 3 * fm * dims.h,
+                    count=local,
+                    feature="moe-alltoall-overlap",
+                )
+            )
+        elif stacked:
             out.append(
                 Saved(
                     "moe",

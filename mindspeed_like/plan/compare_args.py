@@ -54,6 +54,7 @@ def run_from_compare(args: argparse.Namespace, flags: dict[str, Any], device: st
         moe_router_enable_expert_bias=bool(m.get("moe_router_enable_expert_bias", False)),
         moe_aux_loss=balance in ("aux_loss", "seq_aux_loss") and m.get("moe_aux_loss_coeff", 0.0) > 0,
         moe_grouped_gemm=bool(m.get("moe_grouped_gemm", False)),
+        moe_token_dispatcher_type=m.get("moe_token_dispatcher_type", "alltoall"),  # gpt_config's default
         multi_latent_attention=bool(m.get("multi_latent_attention", False)),
         q_lora_rank=m.get("q_lora_rank"),
         kv_lora_rank=m.get("kv_lora_rank") or 0,

@@ -184,14 +184,45 @@ def shard(numel: int, group: int) -> int:
     return math.ceil(numel / group)
 
 
+def gathered(run: Run, param: Param) -> bool:
+    """Whether the FSDP path all-gathers ``param`` for its unit: every parameter under torch FSDP2; under
+    Megatron-FSDP only one whose model-weight buffer is sharded, i.e. whose shard group has more than one
+    rank (megatron-core 0.16.1 ``ParamAndGradBuffer._init_each_parameter_group_buffers``:
+    ``is_data_distributed=... and model_wbuf_dp_group.size() > 1``; an unsharded buffer holds the whole
+    bucket, the module's parameters are views of it, counted as weights, and ``free_bucket_storage``
+    frees nothing). An expert's group is its expert data-parallel group: at DP 2 x EP 2 on 2 ranks one
+    rank, so the experts are never gathered (compare, moe EP2 x DP2 optim_grads_params: the experts'
+    bf16 buffer 4,325,376 bytes a layer, not distributed, on both ranks)."""
+    if run.layout.fsdp != MEGATRON_FSDP:
+        return True
+    return hybrid_groups(run, param.expert)[0] > 1
+
+
+def _saved_whole(run: Run, paths: Paths | None, param: Param) -> bool:
+    """Whether autograd saves a view of ``param`` itself (so that its gathered bucket stays alive to the
+    unit's backward). An expert's weights on the TE spec are not: the te-backend's grouped linear stacks
+    them into a new tensor and its grouped GEMM saves that copy (activations.py's "stacked fc1 / fc2
+    weights" row), and moe-zero-memory saves no expert weight; the gathered expert bucket is freed after
+    the unit's forward (compare's saved-tensor breakdown, moe EP2 x DP2 under Megatron-FSDP: the saved
+    expert weights are the [4, 1408, 256] / [4, 256, 704] stacked copies, none in a bucket). The local
+    spec's experts (GroupedMLP / SequentialMLP) multiply by views of their parameters, so their bucket is
+    kept (read in megatron-core 0.16.1, not measured under Megatron-FSDP)."""
+    if not param.expert:
+        return True
+    if paths is not None and paths.moe_zero_memory:
+        return False
+    return run.transformer_impl != "transformer_engine"
+
+
 def gathered_unit_bytes(run: Run, chunks: list[list[Param]]) -> tuple[int, str]:
-    """The largest FSDP unit's gathered (unsharded) parameters, in the model dtype, and its name."""
-    biggest = max((u for params in chunks for u in units(run, params) if u.name != "not in a unit"), key=_size)
-    return BYTES[run.precision.params] * biggest.numel, biggest.name
+    """The largest FSDP unit's gathered (unsharded) parameters, in the model dtype, and its name (a
+    parameter the path does not gather, :func:`gathered`, left out)."""
 
+    def size(unit: Unit) -> int:
+        return sum(p.numel for p in unit.params if gathered(run, p))
 
-def _size(unit: Unit) -> int:
-    return unit.numel
+    biggest = max((u for params in chunks for u in units(run, params) if u.name != "not in a unit"), key=size)
+    return BYTES[run.precision.params] * size(biggest), biggest.name
 
 
 def in_flight_bytes(run: Run, chunks: list[list[Param]], paths: Paths | None = None) -> tuple[int, str]:
@@ -235,13 +266,22 @@ def saved_gathered_bytes(run: Run, params: list[Param], paths: Paths | None = No
       only where megatron's own RMSNorm/LayerNorm runs (fused-rmsnorm's kernel saves no weight).
       With reshard_after_forward every unit, the root included, is freed after its forward: none
       (compare's records: exact to the byte both ways).
-    - Megatron-FSDP optim_grads_params: every TransformerLayer's bucket, whole, as measured on the
-      largest rank (megatron-core 0.16 releases them lazily from the second step on; one rank of two
-      held one layer's, the other both)."""
+    - Megatron-FSDP optim_grads_params: every TransformerLayer's gathered bucket, whole, as measured on
+      the largest rank (megatron-core 0.16 releases them lazily from the second step on; one rank of two
+      held one layer's, the other both). A layer's experts are a bucket of their own (their own
+      parameter group): counted only where they are gathered (:func:`gathered`: not at expert
+      data-parallel size 1) and autograd saves them (:func:`_saved_whole`: not the TE spec's stacked
+      grouped GEMM). compare's moe EP2 x DP2 (expert DP 1): the saved gathered storages were the dense
+      buckets only (332,800 bytes each); counting each layer's experts (4,325,376 bytes) besides their
+      stacked copies put megatron's arm 18% above the measured mean rank."""
     lay = run.layout
     p = BYTES[run.precision.params]
     if lay.fsdp == MEGATRON_FSDP and lay.sharding_strategy == "optim_grads_params":
-        return [(u.name, p * u.numel) for u in units(run, params) if u.name.startswith("layer ")]
+        return [
+            (u.name, p * sum(q.numel for q in u.params if gathered(run, q) and _saved_whole(run, paths, q)))
+            for u in units(run, params)
+            if u.name.startswith("layer ")
+        ]
     reshard = lay.reshard_after_forward
     if paths is not None and paths.fsdp_reshard_after_forward is not None:
         reshard = paths.fsdp_reshard_after_forward  # fsdp2-config's own key (the features arm)

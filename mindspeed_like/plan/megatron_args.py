@@ -554,6 +554,7 @@ def run_from_namespace(
         moe_router_enable_expert_bias=bool(get("moe_router_enable_expert_bias")),
         moe_aux_loss=aux,
         moe_grouped_gemm=bool(get("moe_grouped_gemm")),
+        moe_token_dispatcher_type=get("moe_token_dispatcher_type", "allgather"),
         multi_latent_attention=bool(get("multi_latent_attention")),
         q_lora_rank=get("q_lora_rank"),
         kv_lora_rank=get("kv_lora_rank", 0) or 0,

@@ -29,6 +29,7 @@ class Paths:
     recompute_activation_layers: int | None = None  # first N layers of each chunk; None: all
     fused_linear_cross_entropy: bool = False
     moe_zero_memory: bool = False
+    moe_alltoall_overlap: bool = False  # the alltoall dispatcher's experts run once per local expert
     fused_permute: bool = False
     fused_router: bool = False
     grouped_gemm: bool = False
@@ -71,6 +72,14 @@ def feature_paths(run: Run, enabled: Collection[str], config: Mapping[str, Any])
         recompute_activation_layers=config.get("recompute_activation_function_num_layers"),
         fused_linear_cross_entropy="fused-linear-cross-entropy" in on,
         moe_zero_memory="moe-zero-memory" in on and model.is_moe,
+        # where its pipeline takes the dispatch (features/moe_alltoall_overlap/dispatcher.py why_not): the
+        # alltoall dispatcher, EP > 1, expert TP 1, two or more local experts
+        moe_alltoall_overlap="moe-alltoall-overlap" in on
+        and model.is_moe
+        and model.moe_token_dispatcher_type == "alltoall"
+        and layout.ep > 1
+        and layout.expert_tp == 1
+        and model.num_experts // layout.ep >= 2,
         fused_permute="moe-permute" in on and model.is_moe,
         fused_router="moe-router" in on and model.is_moe,
         grouped_gemm="grouped-gemm" in on and model.is_moe,

@@ -58,6 +58,8 @@ class Model:
     moe_router_enable_expert_bias: bool = False
     moe_aux_loss: bool = False  # a load-balancing loss that saves the router's full scores
     moe_grouped_gemm: bool = False
+    # megatron-core's default; compare's MoE runs take alltoall (workloads/models.py gpt_config)
+    moe_token_dispatcher_type: str = "allgather"
     # MLA
     multi_latent_attention: bool = False
     q_lora_rank: int | None = None
