@@ -40,6 +40,13 @@ KNOWN_MISSES: dict[tuple[str, str, str], tuple[float, str]] = {
     ("compare-plan-llama-tp2-sp-level2", "megatron", "process_peak_bytes"): (0.13, _HEAP),
     ("compare-plan-moe-ep2-dp2-level2", "features", "process_peak_bytes"): (0.13, _HEAP),
     ("compare-plan-moe-level2", "features", "process_peak_bytes"): (0.16, _HEAP),
+    # MoE EP2 x DP2 under Megatron-FSDP (issue 54 item 5, 2026-12-02): the same runs for 1 step peaked at
+    # 586.8 / 602.0 MiB (level 1, the plan 610.5 / 599.3) and 585.5 / 557.2 (level 2, the plan 610.5 / 522.8),
+    # within 6.2%; steps 2-3 added 68-119 MiB (the moe baseline's runtime moved +1.8 MiB only: not _DRIFT)
+    ("compare-plan-moe-ep2-dp2-mfsdp-level1", "megatron", "process_peak_bytes"): (0.15, _HEAP),
+    ("compare-plan-moe-ep2-dp2-mfsdp-level1", "features", "process_peak_bytes"): (0.19, _HEAP),
+    ("compare-plan-moe-ep2-dp2-mfsdp-level2", "megatron", "process_peak_bytes"): (0.13, _HEAP),
+    ("compare-plan-moe-ep2-dp2-mfsdp-level2", "features", "process_peak_bytes"): (0.18, _HEAP),
     # issue 54 item 5's records (HSDP, TP and CP under FSDP), made on 2026-12-02 at 0a799e4: -10.0% to -11.1%
     **{
         (f"compare-plan-llama-{name}-level1", arm, "process_peak_bytes"): (0.12, _DRIFT)
@@ -82,6 +89,7 @@ def test_the_lane_covers_the_presets_and_layouts(cases: list[accuracy.Case]) -> 
         "TP2 DP2 Megatron-FSDP optim_grads_params",  # TP under each path
         "TP2 DP2 FSDP2,",
         "CP2 DP2 Megatron-FSDP optim_grads_params",
+        "DP2 EP2 Megatron-FSDP optim_grads_params",  # MoE: the experts over their expert data-parallel group
     ):
         assert layout in layouts, layout
 
@@ -92,7 +100,11 @@ def test_the_largest_expert_parallel_rank_is_within_the_plans_bound(cases: list[
     worst case). compare-plan-moe-ep2-dp2-level2: megatron's mean 109.7 MiB, the largest rank 127.0 MiB,
     the bound 144.8 MiB."""
     ep = [case for case in cases if case.largest_rank is not None]
-    assert {case.record for case in ep} >= {"compare-plan-moe-ep2-dp2-level2"}
+    assert {case.record for case in ep} >= {
+        "compare-plan-moe-ep2-dp2-level2",
+        "compare-plan-moe-ep2-dp2-mfsdp-level1",
+        "compare-plan-moe-ep2-dp2-mfsdp-level2",
+    }
     for case in ep:
         assert case.largest_rank_bound is not None
         assert case.largest_rank_bound >= case.measured["activations_bytes"] * 1.01, case  # above the mean
