@@ -44,7 +44,7 @@ from mindspeed_like.megatron_version import megatron_core_version
 from mindspeed_like.te_backend.attention_backend import _backend_name, _flash_forward, flash_attention_on
 from mindspeed_like.te_backend.extra_state import TEExtraState
 from mindspeed_like.te_backend.sharding import sharded_tensors
-from mindspeed_like.te_shim import pytorch as te_pytorch
+from mindspeed_like.te_shim import modules as te_pytorch
 from mindspeed_like.toolkit.binding import accepted
 
 MASK_NOT_READ = ("causal", "causal_bottom_right", "no_mask")

@@ -33,7 +33,7 @@ from mindspeed_like.te_backend.initialization import te_initialization
 from mindspeed_like.te_backend.linear import mark_tensor_parallel, parameter_device
 from mindspeed_like.te_backend.refusals import check_config
 from mindspeed_like.te_backend.sharding import dp_cp_group, sharded_tensors
-from mindspeed_like.te_shim import pytorch as te_pytorch
+from mindspeed_like.te_shim import modules as te_pytorch
 
 
 def _expert_groups(pg_collection, tp_group) -> tuple[Any, Any, Any]:

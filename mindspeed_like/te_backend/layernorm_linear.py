@@ -19,7 +19,7 @@ import torch
 
 from mindspeed_like.te_backend.linear import TEColumnParallelLinear
 from mindspeed_like.te_backend.norm import build_norm
-from mindspeed_like.te_shim import pytorch as te_pytorch
+from mindspeed_like.te_shim import modules as te_pytorch
 
 
 class TELayerNormColumnParallelLinear(TEColumnParallelLinear):

@@ -34,7 +34,7 @@ from mindspeed_like.te_backend.extra_state import TEExtraState
 from mindspeed_like.te_backend.initialization import te_initialization
 from mindspeed_like.te_backend.refusals import check_config
 from mindspeed_like.te_backend.sharding import sharded_tensors
-from mindspeed_like.te_shim import pytorch as te_pytorch
+from mindspeed_like.te_shim import modules as te_pytorch
 from mindspeed_like.toolkit.binding import accepted
 
 

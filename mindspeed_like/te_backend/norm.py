@@ -54,7 +54,7 @@ def with_te_extra_state(cls: type, normalization: str) -> type:
     """``cls`` with TE's ``_extra_state`` (one subclass per norm class, made once), registered under
     TE's class for ``normalization`` (``transformer_engine.pytorch.LayerNorm`` / ``RMSNorm``, the
     te-client-module's): megatron's ``TENorm`` returns an instance of TE's, and clients check it."""
-    from mindspeed_like.te_shim import pytorch as te_pytorch
+    from mindspeed_like.te_shim import modules as te_pytorch
 
     te_class = type(f"TE{cls.__name__}", (TEExtraState, cls), {"__module__": __name__})
     getattr(te_pytorch, normalization).register(te_class)

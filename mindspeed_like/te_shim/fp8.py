@@ -11,7 +11,7 @@ any other fp8 name, are refused by name with the alternative.
 
 from __future__ import annotations
 
-from mindspeed_like.te_shim.pytorch import fp8_autocast, fp8_model_init
+from mindspeed_like.te_shim.modules import fp8_autocast, fp8_model_init
 from mindspeed_like.te_shim.refusals import FP8, refused_module_getattr
 
 NO_FP8 = (

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import checkpoint
 from mindspeed_like.kernels.swiglu import swiglu
 from mindspeed_like.te_backend.refusals import refuse
 from mindspeed_like.te_backend.rope import apply_rotary_pos_emb
-from mindspeed_like.te_shim.pytorch import (
+from mindspeed_like.te_shim.modules import (
     DotProductAttention,
     LayerNorm,
     LayerNormLinear,
