@@ -6,38 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from mindspeed_like.te_shim import modules
 from mindspeed_like.te_shim.layers import LayerNormMLP, MultiheadAttention, TransformerLayer
-from mindspeed_like.te_shim.modules import (
-    DotProductAttention,
-    GroupedLinear,
-    LayerNorm,
-    LayerNormLinear,
-    Linear,
-    RMSNorm,
-    _refused_getattr,
-    autocast,
-    fp8_autocast,
-    fp8_model_init,
-    quantized_model_init,
-)
+from mindspeed_like.te_shim.modules import *  # noqa: F403 - its __all__: TE's layer modules and autocasts
 
 
 def __getattr__(name: str) -> Any:
-    return _refused_getattr(name)
+    return modules._refused_getattr(name)
 
 
-__all__ = [
-    "DotProductAttention",
-    "GroupedLinear",
-    "LayerNorm",
-    "LayerNormLinear",
-    "LayerNormMLP",
-    "Linear",
-    "MultiheadAttention",
-    "RMSNorm",
-    "TransformerLayer",
-    "autocast",
-    "fp8_autocast",
-    "fp8_model_init",
-    "quantized_model_init",
-]
+__all__ = [*modules.__all__, "LayerNormMLP", "MultiheadAttention", "TransformerLayer"]
