@@ -697,7 +697,7 @@ def test_a_module_boundary_unsets_megatrons_microbatch_calculator() -> None:
             calculator.unset_num_microbatches_calculator()
 
 
-def test_passed_in_keeps_each_pieces_own_node_ids() -> None:
+def test_passed_in_keeps_each_pieces_own_node_ids(tmp_path: Path) -> None:
     """`run.py --passed-in` without --rank-skips-of: a piece runs the node ids its paths would collect."""
     from mindspeed_like.testing.megatron_unit.run import passed_in_piece
 
@@ -710,10 +710,13 @@ def test_passed_in_keeps_each_pieces_own_node_ids() -> None:
         "tests/unit_tests/dist_checkpointing/test_layer_wise_optimizer.py::T::t[1-1]",
         "tests/unit_tests/dist_checkpointing/models/test_d.py::t",
     ]
+    for node_id in ids:  # piece_args globs the checkout's test_optimizer*.py
+        (tmp_path / node_id.split("::")[0]).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / node_id.split("::")[0]).touch()
     pieces = ["transformer", "transformer/moe", "optimizer"]
-    assert passed_in_piece(ids, "transformer", pieces) == [ids[0]]
-    assert passed_in_piece(ids, "transformer", ["transformer"]) == ids[:2]
-    assert passed_in_piece(ids, "transformer/moe", pieces) == [ids[1]]
-    assert passed_in_piece(ids, "optimizer", pieces) == ids[2:5]
-    assert passed_in_piece(ids, "dist_checkpointing/test_layer_wise_optimizer.py", pieces) == [ids[5]]
-    assert passed_in_piece(ids, "dist_checkpointing", pieces) == ids[5:]
+    assert passed_in_piece(tmp_path, ids, "transformer", pieces) == [ids[0]]
+    assert passed_in_piece(tmp_path, ids, "transformer", ["transformer"]) == ids[:2]
+    assert passed_in_piece(tmp_path, ids, "transformer/moe", pieces) == [ids[1]]
+    assert passed_in_piece(tmp_path, ids, "optimizer", pieces) == ids[2:5]
+    assert passed_in_piece(tmp_path, ids, "dist_checkpointing/test_layer_wise_optimizer.py", pieces) == [ids[5]]
+    assert passed_in_piece(tmp_path, ids, "dist_checkpointing", pieces) == ids[5:]

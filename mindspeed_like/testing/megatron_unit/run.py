@@ -54,28 +54,21 @@ def piece_args(unit: Path, piece: str, pieces: list[str]) -> list[str]:
     return [str(unit / piece)]
 
 
-def passed_in_piece(node_ids: list[str], piece: str, pieces: list[str]) -> list[str]:
-    """The node ids (``tests/unit_tests/...``) a piece's pytest paths collect (:func:`piece_args`)."""
-    unit = "tests/unit_tests/"
+def passed_in_piece(root: Path, node_ids: list[str], piece: str, pieces: list[str]) -> list[str]:
+    """The node ids (``tests/unit_tests/...`` under the checkout ``root``) that the piece's pytest
+    paths (:func:`piece_args`: files or folders, and ``--ignore=`` folders) collect."""
+    args = piece_args(root / "tests" / "unit_tests", piece, pieces)
+    ignored = [Path(a.split("=", 1)[1]) for a in args if a.startswith("--ignore=")]
+    included = [Path(a) for a in args if not a.startswith("--")]
 
-    def file_of(node_id: str) -> str:
-        return node_id.split("::", 1)[0][len(unit) :] if node_id.startswith(unit) else ""
+    def inside(path: Path, folders: list[Path]) -> bool:
+        return any(path == folder or folder in path.parents for folder in folders)
 
-    def under(path: str, prefix: str) -> bool:
-        return path == prefix or path.startswith(prefix.rstrip("/") + "/")
-
-    kept = []
-    for node_id in node_ids:
-        path = file_of(node_id)
-        if piece == "optimizer":
-            inside = (path.startswith("test_optimizer") and "/" not in path) or under(path, "optimizer")
-        else:
-            inside = under(path, piece) and not (
-                piece == "transformer" and "transformer/moe" in pieces and under(path, "transformer/moe")
-            )
-        if inside:
-            kept.append(node_id)
-    return kept
+    return [
+        node_id
+        for node_id in node_ids
+        if inside(root / node_id.split("::", 1)[0], included) and not inside(root / node_id.split("::", 1)[0], ignored)
+    ]
 
 
 def passed_tests(record: Path) -> set[str]:
@@ -162,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             planned = [
                 (piece, ids)
                 for piece, _ in planned
-                if (ids := [str(found.root / t) for t in passed_in_piece(passed, piece, dirs)])
+                if (ids := [str(found.root / t) for t in passed_in_piece(found.root, passed, piece, dirs)])
             ]
         parts, failed = [], False
     for piece, paths in planned:
