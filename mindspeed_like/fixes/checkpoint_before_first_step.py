@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from mindspeed_like.engine import Kind, Patch
+from mindspeed_like.fixes.adam_state_without_step import add_missing_steps
 from mindspeed_like.toolkit.declaration import Feature, always_on
 from mindspeed_like.toolkit.targets import DISTRIB_OPTIMIZER, OPTIMIZER
 
@@ -53,14 +54,6 @@ def _inner_params(inner: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [param for group in inner.param_groups for param in group["params"]]
 
 
-def _first_step(group: dict, param: torch.Tensor) -> torch.Tensor:
-    """The ``step`` torch's Adam/AdamW create at a parameter's first step (``_init_group``)."""
-    if group.get("capturable") or group.get("fused"):
-        return torch.zeros((), dtype=torch.float32, device=param.device)
-    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    return torch.tensor(0.0, dtype=scalar)
-
-
 def initialise_unstepped(optimizer: Any) -> list[torch.Tensor]:
     """If megatron's ``optimizer`` has not stepped (its inner optimizer holds no state), give every
     parameter the state its load initialises (``init_state_fn``) and, for torch's Adam/AdamW, the
@@ -71,42 +64,8 @@ def initialise_unstepped(optimizer: Any) -> list[torch.Tensor]:
         return []
     params = _inner_params(inner)
     init(inner, getattr(optimizer, "config", None))
-    _add_first_steps(inner)
+    add_missing_steps(inner)
     return [param for param in params if param in inner.state]
-
-
-def _add_first_steps(inner: Any) -> None:
-    """torch's Adam/AdamW: every state without a ``step`` gets the first step's (0)."""
-    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if param in inner.state and "step" not in inner.state[param]:
-                    inner.state[param]["step"] = _first_step(group, param)
-
-
-class _InitStateWithStep:
-    """megatron's ``init_state_fn`` for Adam writes ``exp_avg`` / ``exp_avg_sq`` only: the state of
-    TE's or apex's FusedAdam, which keep the step in the param groups. Without them megatron drives
-    torch's Adam/AdamW, whose state must hold a per-parameter ``step``: the next ``optimizer.step()``
-    raised ``KeyError: 'step'``, so did the DistributedOptimizer's ``state_dict`` (megatron's own
-    dist_checkpointing/test_optimizer.py, which initialises the state so before saving). The states
-    it creates get the first step's ``step`` (0), as torch's first step would."""
-
-    def __init__(self, init: Any) -> None:
-        self.init = init
-
-    def __call__(self, opt: Any, config: Any = None) -> Any:
-        result = self.init(opt, config)
-        _add_first_steps(opt)
-        return result
-
-
-def _init_state_fn_with_step(wrapped, instance, args, kwargs):
-    result = wrapped(*args, **kwargs)
-    init = getattr(instance, "init_state_fn", None)
-    if init is not None and not isinstance(init, _InitStateWithStep):
-        instance.init_state_fn = _InitStateWithStep(init)
-    return result
 
 
 def _forget(optimizer: Any, params: list[torch.Tensor]) -> None:
@@ -141,12 +100,6 @@ def _keep_zero_step(instance: Any, result: dict, made: list[torch.Tensor]) -> No
 
 
 PATCHES = [
-    Patch(
-        f"{OPTIMIZER}.MegatronOptimizer.__init__",
-        Kind.WRAP,
-        _init_state_fn_with_step,
-        why="init_state_fn's Adam states get torch's per-parameter step (it wrote FusedAdam's, without one)",
-    ),
     Patch(
         f"{FLOAT16}.sharded_state_dict",
         Kind.WRAP,

@@ -10,9 +10,8 @@ every checkpoint format on resume (measured on 0.13-0.19, DP=2, a tiny GPT):
   the sharded state dict to LOAD into fails with ``assert len(steps) == 1``
   (``dp_reshardable``, ``fully_reshardable``, ``fully_sharded_model_space``). Here a fresh
   optimizer reports step 0 for its groups (it has taken no step), through megatron's own code:
-  each parameter gets a transient ``{"step": 0}`` state for the call, removed afterwards. States
-  holding moments but no step (FusedAdam's layout, which megatron's own dist_checkpointing tests
-  write into the optimizer before saving: ``KeyError: 'step'``) get the same transient step 0.
+  each parameter gets a transient ``{"step": 0}`` state for the call, removed afterwards. (States
+  holding moments but no step, FusedAdam's layout, are fix-adam-state-without-step's.)
   A rank whose shard of the optimizer holds no parameter at all (MoE layers on some pipeline
   stages only, ``moe_layer_freq``: the stages without them) has no state to read a step from and
   failed the same assertion at every save. Here it reports the steps this DistributedOptimizer
@@ -79,15 +78,9 @@ def _state_dict_of_fresh_optimizer(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     params = _inner_params(inner)
     if params:
-        # a fresh optimizer: every parameter; else the states holding moments without a step (FusedAdam's
-        # layout, written by megatron's init_state_fn or by a caller: megatron's dist_checkpointing tests
-        # fill exp_avg / exp_avg_sq so). torch's Adam has not stepped them.
-        fresh = len(inner.state) == 0
-        steps = {
-            param: 0.0
-            for param in params
-            if (fresh or inner.state.get(param)) and "step" not in inner.state.get(param, {})
-        }
+        # a fresh optimizer: every parameter (states holding moments without a step, FusedAdam's layout,
+        # get theirs in the inner optimizer's state_dict: fix-adam-state-without-step)
+        steps = {param: 0.0 for param in params} if len(inner.state) == 0 else {}
     else:  # a shard without parameters: the steps this optimizer has taken, under a non-tensor key
         steps = {STEPS_ONLY: float(getattr(instance, "_steps_taken", 0))}
     for key, step in steps.items():

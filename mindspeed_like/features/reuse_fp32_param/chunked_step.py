@@ -36,8 +36,10 @@ elementwise; the bias corrections come from each tensor's own step, read per ten
 counter, which the functional API increments once per call, is reset to its value before the
 step ahead of every batch a parameter is in, so every piece sees the count a full step sees.
 State is created by the optimizer's own ``_init_group`` (lazily, as in ``Adam.step``), so the
-checkpointed state is torch's. Anything else (other optimizer classes, differentiable groups,
-step hooks, a torch without these entry points) takes the shuffling path, which is exact too.
+checkpointed state is torch's. The optimizer's step hooks (torch's global ones, then its own) run
+around the chunked step as torch's ``step`` runs them; a pre-hook that replaces the step's arguments
+gets torch's own step with them. Anything else (other optimizer classes, differentiable groups, a
+torch without these entry points) takes the shuffling path, which is exact too.
 """
 
 from __future__ import annotations
@@ -46,9 +48,12 @@ import contextlib
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
 
 import torch
 from torch.optim import adam as torch_adam
+from torch.optim import optimizer as torch_optimizer
 
 from mindspeed_like.kernels import bf16_residual as kernel
 
@@ -66,11 +71,42 @@ def unsupported(optimizer) -> str | None:
         return "this torch's Adam has no _init_group"
     if "decoupled_weight_decay" not in inspect.signature(torch_adam.adam).parameters:
         return "this torch's functional adam has no decoupled_weight_decay"
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
-        return "the optimizer has step hooks"
+    if not all(hasattr(torch_optimizer, n) for n in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")):
+        return "this torch keeps its optimizer step hooks elsewhere"
+    if not hasattr(type(optimizer).step, "__wrapped__"):
+        return "this torch's Adam.step is not wrapped by its step hooks"
     if any(group.get("differentiable") for group in optimizer.param_groups):
         return "a differentiable param group"
     return None
+
+
+def run_pre_hooks(optimizer) -> tuple[tuple, dict] | None:
+    """torch's step pre-hooks (global, then the optimizer's), run as ``Optimizer.step``'s wrapper runs
+    them; the ``(args, kwargs)`` a hook replaced, or None when none did."""
+    args: tuple = (optimizer,)
+    kwargs: dict = {}
+    replaced = False
+    hooks = chain(torch_optimizer._global_optimizer_pre_hooks.values(), optimizer._optimizer_step_pre_hooks.values())
+    for hook in hooks:
+        result = hook(optimizer, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"a step pre-hook must return None or (new_args, new_kwargs), got {result}")
+            (args, kwargs), replaced = result, True
+    return (args, kwargs) if replaced else None
+
+
+def run_post_hooks(optimizer, args: tuple, kwargs: dict) -> None:
+    """torch's step post-hooks (the optimizer's, then global) and its step bookkeeping, as its wrapper."""
+    optimizer._optimizer_step_code()
+    hooks = chain(optimizer._optimizer_step_post_hooks.values(), torch_optimizer._global_optimizer_post_hooks.values())
+    for hook in hooks:
+        hook(optimizer, args, kwargs)
+
+
+def unhooked_step(optimizer, args: tuple, kwargs: dict) -> Any:
+    """torch's own ``step`` body without its hooks (they ran around the chunked step)."""
+    return type(optimizer).step.__wrapped__(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -178,11 +178,19 @@ def step_with_ready_grads(wrapped, instance, args, kwargs):
         fallback = inner.step
 
         def inner_step(closure=None):  # torch's Adam math chunk by chunk on the split layout
-            if closure is not None or not chunked_step.step(inner, entries, state.batch):
+            if closure is not None:
                 with torch.no_grad():
                     state.to_fp32()
                     return fallback(closure)
-            return None
+            replaced = chunked_step.run_pre_hooks(inner)  # as torch's step runs them, before its body
+            args, kwargs = replaced or ((inner,), {})
+            out = None
+            if replaced is not None or not chunked_step.step(inner, entries, state.batch):
+                with torch.no_grad():
+                    state.to_fp32()
+                    out = chunked_step.unhooked_step(inner, args, kwargs)
+            chunked_step.run_post_hooks(inner, args, kwargs)
+            return out
 
         with chunked_step.replaced_step(inner, inner_step):
             try:

@@ -116,6 +116,28 @@ def test_chunked_step_is_bitwise_with_ties_across_chunk_edges(chunk, monkeypatch
     assert counts == {"chunked": 5, "shuffled": 0}
 
 
+def test_chunked_step_runs_the_optimizers_step_hooks(monkeypatch):
+    """torch's step hooks on the inner optimizer (fix-adam-state-without-step registers one on every
+    torch Adam behind megatron) run once per step around the chunked step, as torch's step runs them."""
+    from mindspeed_like.features.reuse_fp32_param import chunked_step
+
+    chunked, calls = [], []
+    real_step = chunked_step.step
+    monkeypatch.setattr(chunked_step, "step", lambda *a, **k: chunked.append(1) or real_step(*a, **k))
+
+    def prepare(model, opt):
+        inner = W.inner_optimizers(opt)[0].optimizer  # torch's Adam behind megatron's optimizer
+        inner.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+        inner.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+
+    baseline = W.train(False, 3, prepare=prepare, optimizer=dict(optimizer="adam"))
+    assert calls == ["pre", "post"] * 3 and not chunked
+    calls.clear()
+    ours = W.train(True, 3, prepare=prepare, optimizer=dict(optimizer="adam"))
+    assert calls == ["pre", "post"] * 3 and len(chunked) == 3
+    assert W.same(baseline, ours)
+
+
 def _poison_third_step(model, opt, per_step: list) -> None:
     """Step 3's gradient gets an inf (after backward, before the found-inf check); every
     step's (success, masters, weights) is recorded."""
