@@ -107,6 +107,42 @@ def test_a_megatron_bug_fixed_in_a_later_release_is_named() -> None:
     assert reasons.classify_failure(text) == "megatron-fixed-later"
 
 
+# A DTensor over a view at a non-zero offset, deep-copied as megatron's test_dcp_checkpoint_save_and_load
+# deep-copies a Megatron-FSDP model's state dict (one gloo rank, no megatron, no library)
+_DTENSOR_DEEPCOPY = """
+import copy, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+flat = torch.arange(8.0)
+for start in (0, 4):
+    try:
+        copy.deepcopy(DTensor.from_local(flat[start : start + 4], mesh, [Replicate()]))
+        print(start, "copied")
+    except RuntimeError as error:
+        print(start, error)
+dist.destroy_process_group()
+"""
+
+
+def test_torchs_deepcopy_of_a_dtensor_over_an_offset_view_is_its_own_class() -> None:
+    """The torch behaviour the class names, measured on the installed torch: the DTensor over the buffer's
+    start copies, the one past it fails with the message the class is read from. When torch copies both,
+    this fails: the class no longer describes the installed torch and the tests should be run again."""
+    done = subprocess.run([sys.executable, "-c", _DTENSOR_DEEPCOPY], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "0 copied"
+    message = lines[1].removeprefix("4 ")
+    assert message == "Attempted to call copy_() on an invalid python storage."
+    assert reasons.classify_failure(f"E   RuntimeError: {message}") == "torch-dtensor-deepcopy"
+    assert (
+        reasons.classify_failure("E   RuntimeError: Attempted to access the data pointer on an invalid python storage.")
+        == "unknown"
+    )
+
+
 def test_merging_reclassifies_with_the_rows_world_size(tmp_path: Path) -> None:
     from mindspeed_like.testing.megatron_unit.record import merge
 
