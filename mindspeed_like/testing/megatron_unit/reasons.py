@@ -82,15 +82,6 @@ FAILURE_RULES: list[Rule] = [
         "weight equals a plain torch.manual_seed(41) draw; with 42 in both runs the weights are equal",
     ),
     _rule(
-        "fused-adam-state",
-        r"KeyError: 'step'",
-        "the test fills the optimizer state as TE's / apex's FusedAdam holds it: exp_avg and exp_avg_sq and no "
-        "per-parameter 'step' (dist_checkpointing/utils.py setup_model_and_optimizer, the non-distributed "
-        "optimizer); torch's Adam, megatron's optimizer without TE or apex, holds a 'step' in every non-empty "
-        "state and reads it when the checkpoint is loaded (Adam.__setstate__). A state torch's Adam made itself "
-        "always has its step",
-    ),
-    _rule(
         "megatron-fixed-later",
         r"'FileSystemWriter' object has no attribute 'metadata_path'",
         "megatron's own bug, fixed in a later release: 0.16.1's remove_sharded_tensors renames "
