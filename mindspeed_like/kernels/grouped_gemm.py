@@ -42,6 +42,16 @@ Backends (``mindspeed_like.kernels.backend.backend_for``):
   GEMM shape it sees, and MoE's token counts are new every step); the results are bitwise the
   unpadded GEMM's.
 - ``reference``: plain eager per-expert matmuls and a ``cat`` under autograd (the oracle).
+
+``gmm_experts(a, weights, batch_sizes, trans_b)``: the same op over a list of per-expert 2-D
+weights (TE's ``GroupedLinear`` layout: one parameter per expert), bitwise
+``gmm(a, torch.stack(weights), ...)`` but without a stacked copy kept to backward: autograd saves
+``a`` and the weights themselves; the loop reads each weight directly, and where a kernel takes one
+``[E, ...]`` tensor (``torch._grouped_mm``, ``npu_grouped_matmul``) a stack is made for that call
+only, holding the experts with rows (the other slots are never read; keeping them keeps the group
+count, which torch's CUDA kernel uses to pick its tile, so the numbers are the whole stack's). An
+expert without rows costs no GEMM and gets an exact zero gradient. Measured (tests/kernels): the
+stacked path kept ``E x N x K`` bytes more per call.
 """
 
 from __future__ import annotations
@@ -106,16 +116,46 @@ def _mat(b_e: torch.Tensor, trans_b: bool) -> torch.Tensor:
     return b_e.t() if trans_b else b_e
 
 
+# ``b`` below is either one ``[E, K, N]`` tensor (``gmm``) or the experts' own 2-D weights in a list
+# (``gmm_experts``): ``b[e]`` is expert e's matrix either way. A list is stacked only where one tensor
+# is needed (torch._grouped_mm, npu_grouped_matmul), transiently (:func:`_stacked`).
+_uninitialized = torch.empty  # the transient stack's allocation (tests fill it to prove slots unread)
+
+
+def _upcast(b, counts: list[int]):
+    """``b`` in fp32 (:func:`fp32_compute`): a list's experts with rows only (the others are never read)."""
+    if isinstance(b, torch.Tensor):
+        return b.float()
+    return [w.float() if c else w for w, c in zip(b, counts)]
+
+
+def _stacked(b, counts: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """``b`` as one ``[E, ...]`` tensor: itself, or a new one holding the experts with rows, for this
+    call only. The slots of experts without rows are left unwritten: no GEMM reads them (zero rows),
+    and keeping every expert's slot keeps the group count, so the kernel (whose tile choice reads the
+    mean rows per group on CUDA) runs exactly as on the whole stack."""
+    if isinstance(b, torch.Tensor):
+        return b
+    first = b[0]
+    out = _uninitialized((len(b), *first.shape), dtype=dtype, device=first.device)
+    for e, (w, count) in enumerate(zip(b, counts)):
+        if count:
+            out[e].copy_(w)
+    return out
+
+
 def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
     """torch._grouped_mm's CPU/CUDA kernels need fp32/bf16 and 16-byte aligned row strides."""
+    return all(_grouped_mm_fits(t) and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _grouped_mm_fits(t: torch.Tensor) -> bool:
+    """:func:`_grouped_mm_ok` but for the data's address: a new stack of ``t``-like matrices (aligned)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    for t in tensors:
-        if t.dtype not in _GROUPED_MM_DTYPES or t.device.type not in ("cpu", "cuda"):
-            return False
-        if any((s * t.element_size()) % 16 for s in t.shape[-2:]) or t.data_ptr() % 16:
-            return False
-    return True
+    if t.dtype not in _GROUPED_MM_DTYPES or t.device.type not in ("cpu", "cuda"):
+        return False
+    return not any((s * t.element_size()) % 16 for s in t.shape[-2:])
 
 
 def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
@@ -127,12 +167,13 @@ def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
 
 def _forward_portable(a, b, counts, trans_b, engine):
     if fp32_compute(a):
-        return _forward_portable(a.float(), b.float(), counts, trans_b, engine).to(a.dtype)
+        return _forward_portable(a.float(), _upcast(b, counts), counts, trans_b, engine).to(a.dtype)
     if (buckets := row_buckets(a, counts)) is not None:
         return buckets.unpad(_forward_portable(buckets.pad(a), b, buckets.padded, trans_b, engine))
     if engine == "grouped_mm":
+        b = _stacked(b, counts, a.dtype)
         return torch._grouped_mm(a, b.transpose(1, 2) if trans_b else b, offs=_offsets(counts, a.device))
-    n = b.shape[1] if trans_b else b.shape[2]
+    n = b[0].shape[0] if trans_b else b[0].shape[1]
     out = torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)
     start = 0
     for e, count in enumerate(counts):
@@ -144,12 +185,13 @@ def _forward_portable(a, b, counts, trans_b, engine):
 
 def _grad_a_portable(grad, b, counts, trans_b, engine):
     if fp32_compute(grad):
-        return _grad_a_portable(grad.float(), b.float(), counts, trans_b, engine).to(grad.dtype)
+        return _grad_a_portable(grad.float(), _upcast(b, counts), counts, trans_b, engine).to(grad.dtype)
     if (buckets := row_buckets(grad, counts)) is not None:
         return buckets.unpad(_grad_a_portable(buckets.pad(grad), b, buckets.padded, trans_b, engine))
     if engine == "grouped_mm":
+        b = _stacked(b, counts, grad.dtype)
         return torch._grouped_mm(grad, b if trans_b else b.transpose(1, 2), offs=_offsets(counts, grad.device))
-    k = b.shape[2] if trans_b else b.shape[1]
+    k = b[0].shape[1] if trans_b else b[0].shape[0]
     grad_a = torch.empty(grad.shape[0], k, dtype=grad.dtype, device=grad.device)
     start = 0
     for e, count in enumerate(counts):
@@ -259,41 +301,98 @@ def _npu_group_list(counts: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device)
 
 
+def _npu_forward(a, b, group_list, trans_b):
+    from mindspeed_like.kernels.backends.npu import torch_npu
+
+    weight = b.transpose(1, 2) if trans_b else b
+    (out,) = torch_npu().npu_grouped_matmul(
+        [a], [weight], bias=None, group_list=group_list, split_item=2, group_type=0, group_list_type=0
+    )
+    return out
+
+
+def _npu_grad_a(grad, b, group_list, trans_b):
+    from mindspeed_like.kernels.backends.npu import torch_npu
+
+    weight_t = b if trans_b else b.transpose(1, 2)  # [E, N, K]
+    (grad_a,) = torch_npu().npu_grouped_matmul(
+        [grad], [weight_t], bias=None, group_list=group_list, split_item=2, group_type=0, group_list_type=0
+    )
+    return grad_a
+
+
+def _npu_grad_b(a, grad, group_list, trans_b):
+    from mindspeed_like.kernels.backends.npu import torch_npu
+
+    x, y = (grad, a) if trans_b else (a, grad)  # dB = x^T y per group of tokens
+    (grad_b,) = torch_npu().npu_grouped_matmul(
+        [x.t()], [y], bias=None, group_list=group_list, split_item=3, group_type=2, group_list_type=0
+    )
+    return grad_b
+
+
 class _NpuGmm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, counts, trans_b, accumulate_into):
-        from mindspeed_like.kernels.backends.npu import torch_npu
-
         group_list = _npu_group_list(counts, a.device)
         ctx.save_for_backward(a, b, group_list)
         ctx.counts, ctx.trans_b, ctx.accumulate_into = counts, trans_b, accumulate_into
-        weight = b.transpose(1, 2) if trans_b else b
-        (out,) = torch_npu().npu_grouped_matmul(
-            [a], [weight], bias=None, group_list=group_list, split_item=2, group_type=0, group_list_type=0
-        )
-        return out
+        return _npu_forward(a, b, group_list, trans_b)
 
     @staticmethod
     def backward(ctx, grad):
-        from mindspeed_like.kernels.backends.npu import torch_npu
-
-        npu = torch_npu()
         a, b, group_list = ctx.saved_tensors
         grad = grad.contiguous()
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            weight_t = b if ctx.trans_b else b.transpose(1, 2)  # [E, N, K]
-            (grad_a,) = npu.npu_grouped_matmul(
-                [grad], [weight_t], bias=None, group_list=group_list, split_item=2, group_type=0, group_list_type=0
-            )
+            grad_a = _npu_grad_a(grad, b, group_list, ctx.trans_b)
         if ctx.needs_input_grad[1]:
-            x, y = (grad, a) if ctx.trans_b else (a, grad)  # dB = x^T y per group of tokens
-            (grad_b,) = npu.npu_grouped_matmul(
-                [x.t()], [y], bias=None, group_list=group_list, split_item=3, group_type=2, group_list_type=0
-            )
+            grad_b = _npu_grad_b(a, grad, group_list, ctx.trans_b)
             if ctx.accumulate_into is not None:
                 grad_b = _fused_accumulation(ctx.accumulate_into, b, a, grad, ctx.counts, ctx.trans_b, grad_b)
         return grad_a, grad_b, None, None, None
+
+
+# ------------------------------------------------------------------ the experts' own weights
+
+
+class _ExpertsGmm(torch.autograd.Function):
+    """``gmm`` over the experts' own 2-D weights (``weights[e]`` is ``b[e]``), keeping no stack of them:
+    it saves ``a`` and the weights themselves (parameters: alive anyway), stacks (torch._grouped_mm,
+    npu_grouped_matmul) or loops over the experts with rows inside forward and backward only, and gives
+    each weight its slice of the same weight-gradient computation as ``gmm`` (zeros for an expert
+    without rows). Results are bitwise ``gmm(a, torch.stack(weights), ...)``'s: the same kernels on
+    the same operands."""
+
+    @staticmethod
+    def forward(ctx, a, counts, trans_b, engine, *weights):
+        ctx.save_for_backward(a, *weights)
+        ctx.counts, ctx.trans_b, ctx.engine = counts, trans_b, engine
+        if engine == "npu":
+            group_list = _npu_group_list(counts, a.device)
+            return _npu_forward(a, _stacked(list(weights), counts, a.dtype), group_list, trans_b)
+        return _forward_portable(a, list(weights), counts, trans_b, engine)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, *weights = ctx.saved_tensors
+        counts, trans_b = ctx.counts, ctx.trans_b
+        grad = grad.contiguous()
+        grad_a = grad_b = None
+        if ctx.engine == "npu":
+            group_list = _npu_group_list(counts, a.device)
+            if ctx.needs_input_grad[0]:
+                grad_a = _npu_grad_a(grad, _stacked(weights, counts, grad.dtype), group_list, trans_b)
+            if any(ctx.needs_input_grad[4:]):
+                grad_b = _npu_grad_b(a, grad, group_list, trans_b)
+        else:
+            engine = ctx.engine if _grouped_mm_ok(grad) else "loop"
+            if ctx.needs_input_grad[0]:
+                grad_a = _grad_a_portable(grad, weights, counts, trans_b, engine)
+            if any(ctx.needs_input_grad[4:]):
+                grad_b = _grad_b_portable(a, grad, counts, trans_b, engine)
+        grads_b = [None] * len(weights) if grad_b is None else list(grad_b.unbind(0))
+        return grad_a, None, None, None, *grads_b
 
 
 # ------------------------------------------------------------------ entry points
@@ -351,3 +450,54 @@ def gmm(
     elif engine == "grouped_mm" and not _grouped_mm_ok(a, b):
         raise ValueError("gmm: torch._grouped_mm does not support these tensors (fp32/bf16, 16-byte row strides)")
     return _PortableGmm.apply(a, b, counts, trans_b, engine, accumulate_into)
+
+
+def check_experts_args(a: torch.Tensor, weights: Sequence[torch.Tensor], counts: list[int], trans_b: bool) -> None:
+    """Raise ValueError naming what is wrong with a ``gmm_experts`` call and how to fix it."""
+    if not weights:
+        raise ValueError("gmm_experts: no weights; pass one 2-D weight per expert")
+    first = weights[0]
+    for e, w in enumerate(weights):
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise ValueError(f"gmm_experts: weight {e} must be a 2-D tensor, got {getattr(w, 'shape', type(w))}")
+        if w.shape != first.shape or w.dtype != first.dtype or w.device != first.device:
+            raise ValueError(
+                f"gmm_experts: every expert's weight must match weight 0 ({tuple(first.shape)}, {first.dtype}, "
+                f"{first.device}); weight {e} is {tuple(w.shape)}, {w.dtype}, {w.device}"
+            )
+    check_gmm_args(a, first.expand(len(weights), *first.shape), counts, trans_b)
+
+
+def gmm_experts(
+    a: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    batch_sizes: torch.Tensor | Sequence[int],
+    trans_b: bool = False,
+    *,
+    engine: str | None = None,
+) -> torch.Tensor:
+    """``gmm(a, torch.stack(weights), batch_sizes, trans_b)``, bitwise, without a stacked copy of the
+    weights kept for backward (what a module holding one parameter per expert, as TE's
+    ``GroupedLinear`` does, needs): autograd keeps ``a`` and the weights themselves; a stack is made
+    for one kernel call at a time where the kernel takes one tensor, holding only the experts with
+    rows. An expert without rows costs no GEMM and gets an exact zero gradient. ``engine`` as for
+    :func:`gmm`."""
+    counts = counts_of(batch_sizes)
+    weights = list(weights)
+    check_experts_args(a, weights, counts, trans_b)
+    backend = backend_for(a)
+    if backend == "reference":
+        pieces = torch.split(a, counts, dim=0)
+        return torch.cat([p @ _mat(weights[e], trans_b) for e, p in enumerate(pieces)], dim=0)
+    if backend == "npu":
+        if len(counts) > MAX_NPU_GROUPS:
+            raise ValueError(f"gmm: npu_grouped_matmul takes at most {MAX_NPU_GROUPS} groups, got {len(counts)}")
+        return _ExpertsGmm.apply(a, counts, trans_b, "npu", *weights)
+    shape_ok = _grouped_mm_ok(a) and _grouped_mm_fits(weights[0])  # gmm's choice on a (new, aligned) stack
+    if engine is None:
+        engine = "grouped_mm" if shape_ok else "loop"
+    elif engine not in ("grouped_mm", "loop"):
+        raise ValueError(f"gmm: unknown engine {engine!r}; choose 'grouped_mm' or 'loop'")
+    elif engine == "grouped_mm" and not shape_ok:
+        raise ValueError("gmm: torch._grouped_mm does not support these tensors (fp32/bf16, 16-byte row strides)")
+    return _ExpertsGmm.apply(a, counts, trans_b, engine, *weights)

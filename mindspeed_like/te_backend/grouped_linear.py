@@ -10,9 +10,12 @@ sizes are divided by the expert-TP size and the GEMMs communicate nothing; this 
 same, so it never communicates. megatron-core 0.17+ has no other grouped expert path (GroupedMLP
 was deleted), so this is also how those releases get grouped experts without TE.
 
-The GEMM is :func:`mindspeed_like.kernels.grouped_gemm.gmm` (the grouped-gemm feature's kernel:
-``torch._grouped_mm`` / an ``mm`` loop into one buffer on CPU, ``npu_grouped_matmul`` on NPU) on
-the stacked expert weights. ``sharded_state_dict`` is megatron's for its TE grouped linears: one
+The GEMM is :func:`mindspeed_like.kernels.grouped_gemm.gmm_experts` (the grouped-gemm feature's
+kernel: ``torch._grouped_mm`` / an ``mm`` loop into one buffer on CPU, ``npu_grouped_matmul`` on NPU)
+on the experts' own weights: autograd keeps the weights themselves, not a stacked copy of them (a
+stack is made for one kernel call at a time where the kernel takes one tensor), and an expert
+without rows costs no GEMM (moe-alltoall-overlap calls the module once per local expert).
+``sharded_state_dict`` is megatron's for its TE grouped linears: one
 sharded tensor per expert under the module prefix with the expert axis as an offset (or
 ``{expert}.``-prefixed singleton shards), replica ids over the expert data-parallel group,
 ``_extra_state``, ``_extra_state1``, ... per expert; the keys are those of SequentialMLP's
@@ -27,7 +30,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, _initialize_affine_weight_gpu
 
-from mindspeed_like.kernels.grouped_gemm import gmm
+from mindspeed_like.kernels.grouped_gemm import gmm_experts
 from mindspeed_like.te_backend.extra_state import TEExtraState, holds_nothing
 from mindspeed_like.te_backend.initialization import te_initialization
 from mindspeed_like.te_backend.linear import mark_tensor_parallel, parameter_device
@@ -157,7 +160,7 @@ class TEGroupedLinear(TEExtraState, torch.nn.Module):
             raise ValueError(f"{type(self).__name__}: {len(counts)} m_splits for {self.num_gemms} GEMMs")
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        out = gmm(rows, torch.stack(self.weights()), counts, trans_b=True)
+        out = gmm_experts(rows, self.weights(), counts, trans_b=True)  # keeps no stack of the weights
         if self.use_bias and not self.skip_bias_add:
             per_row = torch.repeat_interleave(torch.stack(self.biases()), torch.tensor(counts), dim=0)
             out = out + per_row.to(out.dtype)

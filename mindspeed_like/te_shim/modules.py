@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from mindspeed_like.kernels.flash_attention import CAUSAL, Band, flash_attention
-from mindspeed_like.kernels.grouped_gemm import gmm
+from mindspeed_like.kernels.grouped_gemm import gmm_experts
 from mindspeed_like.kernels.rmsnorm import rms_norm
 from mindspeed_like.te_backend.extra_state import TEExtraState
 from mindspeed_like.te_backend.refusals import refuse
@@ -428,8 +428,9 @@ class GroupedLinear(_TEModule):
         if len(counts) != self.num_gemms:
             raise ValueError(f"GroupedLinear: {len(counts)} m_splits for {self.num_gemms} GEMMs")
         shape = inp.shape
-        weights = torch.stack([getattr(self, f"weight{i}") for i in range(self.num_gemms)])
-        out = gmm(inp.reshape(-1, shape[-1]), weights, counts, trans_b=True).view(*shape[:-1], self.out_features)
+        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]  # no stacked copy kept
+        out = gmm_experts(inp.reshape(-1, shape[-1]), weights, counts, trans_b=True)
+        out = out.view(*shape[:-1], self.out_features)
         biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
         if self.use_bias and not self.return_bias:
             out = out + torch.repeat_interleave(torch.stack(biases), torch.tensor(counts), dim=0).view_as(out)

@@ -115,6 +115,21 @@ class GroupedGemmOps:
                 return gmm(a, b, batch_sizes, trans_b, accumulate_into=owner)
         return gmm(a, b, batch_sizes, trans_b, accumulate_into=owner)
 
+    def gmm_experts(self, a, weights, batch_sizes, trans_b=False):
+        """``gmm(a, torch.stack(weights), ...)`` keeping no stacked copy for backward (per-expert
+        parameters: SequentialMLP's on megatron-core 0.17+); no main_grad fusion (one per expert)."""
+        from mindspeed_like.kernels.backend import backend_for, force_backend
+        from mindspeed_like.kernels.grouped_gemm import MAX_NPU_GROUPS, gmm_experts
+
+        if backend_for(a) == "npu" and len(weights) > MAX_NPU_GROUPS:
+            self.fall_back(
+                f"npu_grouped_matmul takes at most {MAX_NPU_GROUPS} groups; {len(weights)} experts use the portable "
+                "loop"
+            )
+            with force_backend("portable"):
+                return gmm_experts(a, weights, batch_sizes, trans_b)
+        return gmm_experts(a, weights, batch_sizes, trans_b)
+
 
 def ours_installed() -> bool:
     """Whether megatron's grouped GEMM is ours: ``grouped_gemm_util.ops`` is our op (megatron-core

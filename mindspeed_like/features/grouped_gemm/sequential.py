@@ -13,7 +13,7 @@ Target, and why it is the right symbol:
   this method (split tokens per expert, call each expert, ``cat``). When its config has
   ``moe_grouped_gemm=True`` the wrapper makes ONE call of the first expert's ``MLP.forward`` for
   all tokens, with that expert's two linears shadowed (on the instance, for the call) by grouped
-  linears: fc1 is ``gmm(x, stack(fc1 weights), tokens_per_expert)``, fc2 the same with the fc2
+  linears: fc1 is ``gmm_experts(x, fc1 weights, tokens_per_expert)``, fc2 the same with the fc2
   weights. Everything between them is megatron's own activation code of the installed version
   (per-token probs included), and any wrapper stacked on ``MLP.forward`` (fused-swiglu's kernel,
   recompute-activation-function's recompute) runs exactly as for one expert: only the two matmuls
@@ -22,10 +22,11 @@ Target, and why it is the right symbol:
 The expert linears of ``SequentialMLP`` do no communication of their own (megatron's
 ``explicit_expert_comm``: the dispatcher moves tokens; at TP=1 without EP the collectives are
 identities), so each is one matmul with the expert's local weight shard, and the grouped GEMM is
-the same math (parity tested against megatron's loop). The local experts' weights are stacked
-for each call (``[E, out, in]``, kept for backward): one transient copy of the layer's local
-expert weights, the price of keeping megatron's per-expert parameters (and so its checkpoints
-and DDP buckets) unchanged.
+the same math (parity tested against megatron's loop). The GEMM takes the experts' own weights
+(``GroupedGemmOps.gmm_experts``): autograd keeps them as they are, no stacked ``[E, out, in]``
+copy (one is made for one kernel call at a time where the kernel takes one tensor), so
+megatron's per-expert parameters (and so its checkpoints and DDP buckets) stay unchanged at no
+memory cost.
 
 Handed back to megatron's loop, logged once (an error under ``--strict``): fp8/fp4 (per-expert
 padding and quantization), biases on the expert linears, ``moe_apply_probs_on_input``, expert
@@ -45,21 +46,20 @@ from mindspeed_like.toolkit.fallback import Fallback
 
 
 class GroupedLinear(torch.nn.Module):
-    """An expert linear's stand-in for one grouped call: ``x -> (gmm(x, weights, counts), None)``.
+    """An expert linear's stand-in for one grouped call: ``x -> (gmm_experts(x, weights, counts), None)``.
 
     An ``nn.Module`` because megatron-core 0.17+ calls its linears through
     ``typed_torch.apply_module``, which refuses anything else."""
 
-    def __init__(self, gmm, weights: list[torch.Tensor], counts: torch.Tensor) -> None:
+    def __init__(self, gmm_experts, weights: list[torch.Tensor], counts: torch.Tensor) -> None:
         super().__init__()
-        self._gmm = gmm
+        self._gmm_experts = gmm_experts
         self._weights = weights
         self._counts = counts
 
     def forward(self, hidden_states: torch.Tensor):
-        stacked = torch.stack(self._weights)  # [E, out, in]: megatron's weight layout
-        shape = hidden_states.shape
-        output = self._gmm(hidden_states.reshape(-1, shape[-1]), stacked, self._counts, trans_b=True)
+        shape = hidden_states.shape  # each weight [out, in]: megatron's layout, no stacked copy kept
+        output = self._gmm_experts(hidden_states.reshape(-1, shape[-1]), self._weights, self._counts, trans_b=True)
         return output.reshape(*shape[:-1], output.shape[-1]), None
 
 
@@ -91,7 +91,7 @@ def unsupported(module) -> str | None:
 class SequentialExpertsForward:
     """Wrapper of ``SequentialMLP.forward`` (megatron-core 0.17+): see the module docstring.
 
-    gmm: ``GroupedGemmOps.gmm``-like callable (backend choice, NPU group limit).
+    gmm_ops: ``GroupedGemmOps`` (its ``gmm_experts``: backend choice, NPU group limit).
     accumulate_main_grad: ``--gemm-gradient-accumulation-fusion`` (not available here: logged).
     """
 
@@ -121,8 +121,8 @@ class SequentialExpertsForward:
         lead = experts[0]
         shadow = lead.__dict__  # found before nn.Module.__getattr__ looks in _modules
         saved = {name: shadow[name] for name in ("linear_fc1", "linear_fc2") if name in shadow}
-        shadow["linear_fc1"] = GroupedLinear(self.gmm_ops.gmm, [e.linear_fc1.weight for e in experts], counts)
-        shadow["linear_fc2"] = GroupedLinear(self.gmm_ops.gmm, [e.linear_fc2.weight for e in experts], counts)
+        shadow["linear_fc1"] = GroupedLinear(self.gmm_ops.gmm_experts, [e.linear_fc1.weight for e in experts], counts)
+        shadow["linear_fc2"] = GroupedLinear(self.gmm_ops.gmm_experts, [e.linear_fc2.weight for e in experts], counts)
         try:
             output, _ = lead(hidden, probs)
         finally:
