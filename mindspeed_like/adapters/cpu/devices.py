@@ -12,7 +12,8 @@ smallest enclosing functions (nested helpers are covered by their enclosing func
 * ``tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.forward/backward``:
   the SP all-gather buffers;
 * ``tensor_parallel.mappings._gather_along_last_dim / _gather_along_first_dim /
-  _reduce_scatter_along_first_dim``: collective outputs (TP/SP);
+  _reduce_scatter_along_first_dim``: collective outputs (TP/SP); ``_gather_along_first_dim`` with
+  uneven ``output_split_sizes`` on gloo (which refuses uneven all-gather lists): ``uneven_gather``;
 * ``tensor_parallel.mappings._AllToAll.forward``, ``tensor_parallel.utils`` 1-D split/gather;
 * ``models.gpt.gpt_model.GPTModel._preprocess`` (optional: not in every version),
   ``RotaryEmbedding.__init__``: rotary buffers; the "move ``inv_freq`` to
@@ -50,6 +51,7 @@ that is neither adapted nor declared in ``not_adapted``):
 from __future__ import annotations
 
 from mindspeed_like.adapters.cpu.host_view import run_on_host
+from mindspeed_like.adapters.cpu.uneven_gather import gather_along_first_dim
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.targets import CORE
 
@@ -79,7 +81,12 @@ PATCHES = [
         "SP all-gather buffer on torch.cuda.current_device()",
     ),
     on_host("tensor_parallel.mappings._gather_along_last_dim", "output on torch.cuda.current_device()"),
-    on_host("tensor_parallel.mappings._gather_along_first_dim", "output on torch.cuda.current_device()"),
+    Patch(
+        f"{CORE}.tensor_parallel.mappings._gather_along_first_dim",
+        Kind.WRAP,
+        gather_along_first_dim,
+        why="output on torch.cuda.current_device(); uneven pieces (output_split_sizes) gathered padded on gloo",
+    ),
     on_host("tensor_parallel.mappings._reduce_scatter_along_first_dim", "output on torch.cuda.current_device()"),
     on_host("tensor_parallel.mappings._AllToAll.forward", "output on torch.cuda.current_device()"),
     on_host("tensor_parallel.utils.split_tensor_into_1d_equal_chunks", "chunk on torch.cuda.current_device()"),
