@@ -108,6 +108,17 @@ def _megatron_fsdp_buffer_roles() -> dict[str, str]:
     }
 
 
+def _megatron_fsdp_gathered(params: Sequence[torch.Tensor], role: dict[int, str]) -> set[int]:
+    """The storages of Megatron-FSDP's gathered units: a DTensor parameter's ``orig_param`` (the module's
+    own parameter) whose storage is none of the buffers is an all-gathered bucket, what ``mindspeed-like
+    plan`` counts as "FSDP: unsharded units in flight", not model state. megatron-core 0.16.1 has freed them
+    when the step starts; 0.19.2 keeps the unit outside Megatron-FSDP's units (embedding, output layer,
+    final norm) gathered from the first forward on, and the optimizer walk reached it through
+    ``orig_param`` and counted it as optimizer state."""
+    originals = [getattr(p, "orig_param", None) for p in params]
+    return {pointer for pointer in _storages(t for t in originals if t is not None) if pointer not in role}
+
+
 def _data_parallel_buffers(models: Sequence[torch.nn.Module]) -> dict[str, list[torch.Tensor]]:
     """The tensors of Megatron-FSDP's buffers, by kind (empty for DDP and torch FSDP2, whose
     state is the parameters' own storages or their DTensor shards)."""
@@ -129,11 +140,13 @@ def state_bytes(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer) -
     optimizer over all of them). Sharded data parallelism counts this rank's shards: DTensor
     parameters by their local shard, Megatron-FSDP's buffers by their kind, which wins over where
     a tensor is found (during a step Megatron-FSDP's module parameters are views of its fp32 master
-    shard: optimizer state, not weights)."""
+    shard: optimizer state, not weights). Megatron-FSDP's gathered units are no kind of state (see
+    :func:`_megatron_fsdp_gathered`)."""
     models = [model] if isinstance(model, torch.nn.Module) else list(model)
     params = [p for m in models for p in m.parameters()]
     buffers = _data_parallel_buffers(models)
     role = {pointer: kind for kind, tensors in buffers.items() for pointer in _storages(tensors)}
+    gathered = _megatron_fsdp_gathered(params, role)
 
     def of_kind(kind: str, found: dict[int, int]) -> dict[int, int]:
         return {k: v for k, v in found.items() if role.get(k, kind) == kind}
@@ -149,7 +162,7 @@ def state_bytes(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer) -
     state = {
         k: v
         for k, v in _storages([*_optimizer_tensors(optimizer), *buffers["optimizer"]]).items()
-        if k not in weights and k not in grads
+        if k not in weights and k not in grads and k not in gathered
     }
     return {"weights": sum(weights.values()), "gradients": sum(grads.values()), "optimizer": sum(state.values())}
 

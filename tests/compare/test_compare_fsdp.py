@@ -225,3 +225,24 @@ def test_megatron_fsdp_buffers_count_by_kind_even_where_a_parameter_views_them()
     moments = torch.optim.Adam(model.parameters())
     moments.state[model.weight] = {"exp_avg": torch.zeros(10), "exp_avg_sq": torch.zeros(10)}
     assert state_bytes(model, moments) == {"weights": 20, "gradients": 40, "optimizer": 40 + 80}
+
+
+def test_megatron_fsdp_gathered_unit_is_no_state():
+    """megatron-core 0.19 keeps the unit outside Megatron-FSDP's units gathered between steps; the
+    optimizer's parameters reach its bucket through ``orig_param``. It is the plan's unsharded unit in
+    flight, not optimizer state (counted there it made megatron's optimizer 6.59 B/param at DP=2, not 6.0);
+    a module parameter that views a buffer keeps that buffer's kind."""
+    from types import SimpleNamespace
+
+    from mindspeed_like.compare.measure import state_bytes
+
+    group = SimpleNamespace(model_weight_buffer=SimpleNamespace(data=torch.zeros(10, dtype=torch.bfloat16)))
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(group.model_weight_buffer.data[:5].clone())  # a shard's own storage
+    model.weight.orig_param = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))  # the gathered bucket
+    model.param_and_grad_buffer = SimpleNamespace(parameter_groups=[group])
+    adam = torch.optim.Adam(model.parameters())
+    adam.state[model.weight] = {"exp_avg": torch.zeros(5)}
+    assert state_bytes(model, adam) == {"weights": 20 + 10, "gradients": 0, "optimizer": 20}
+    model.weight.orig_param = torch.nn.Parameter(group.model_weight_buffer.data)  # unsharded: the buffer itself
+    assert state_bytes(model, adam) == {"weights": 20 + 10, "gradients": 0, "optimizer": 20}

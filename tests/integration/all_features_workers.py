@@ -37,7 +37,7 @@ def accelerations() -> list:
 def acts_with_installed_megatron(feature) -> bool:
     """Whether switching ``feature`` on changes anything with the installed megatron-core: it has a
     patch whose declared versions include it, or an ``activate``. (megatron-fsdp-lean-state acts on
-    0.16 only; on the version lane's 0.13 and 0.19 it has nothing to apply.)"""
+    0.16 and 0.19; on the version lane's 0.13 it has nothing to apply.)"""
     from mindspeed_like.testing.declarations import declared_patches
 
     return feature.activate is not None or bool(declared_patches(feature.name, **feature.switch_on))

@@ -1,4 +1,9 @@
-"""The wrappers of megatron-fsdp-lean-state, and why each target is the right one (megatron-core 0.16.1).
+"""The wrappers of megatron-fsdp-lean-state, and why each target is the right one.
+
+Two layouts of Megatron-FSDP's buffers are served, each by its own patches (``versions=`` in
+``__init__``): megatron-core 0.16 (below) and 0.19 (after it).
+
+megatron-core 0.16.1:
 
 * ``mcore_fsdp_adapter.FullyShardedDataParallel.__init__``: where Megatron-FSDP's buffers are sized
   from the ``DistributedDataParallelConfig``. For a bf16 model (``config.bf16``) with a sharding
@@ -24,6 +29,25 @@
     before it looks at ``.decoupled_grad``: the grad norm is 0 and clipping never acts. This
     optimizer's ``get_main_grads_for_grad_norm`` (wrapped: only optimizers built here) reads the
     decoupled gradients' local shards instead, with megatron's own filters.
+
+megatron-core 0.19.2 reworked the buffers around a ``MixedPrecisionPolicy`` read from three
+``DistributedDataParallelConfig`` fields, and wired Megatron-FSDP to the precision-aware optimizer
+itself. Megatron's own options now do the buffer side and both links, so the wrappers only set them:
+
+* ``FullyShardedDataParallel.__init__`` (same target): the copy of the config carries
+  ``megatron_fsdp_main_params_dtype=None`` (no main-weight buffer: ``_init_distributed_params``
+  registers the bf16 weight shard as the optimizer's parameter; ``preserve_fp32_weights`` is gone),
+  ``megatron_fsdp_main_grads_dtype=bfloat16`` (the gradient buffer; 0.19's default None already means
+  the parameters' dtype, ``grad_reduce_in_fp32`` is not read by Megatron-FSDP any more) and
+  ``megatron_fsdp_use_decoupled_grad=True`` (``update_main_grads`` hands the gradients over as
+  ``.decoupled_grad``: 0.16's missing buffer link, now megatron's option).
+* ``get_megatron_optimizer`` (same target, same precision-aware ``OptimizerConfig``). The grad norm
+  needs no wrapper: 0.19's ``_filter_grads_for_norm`` reads ``.decoupled_grad`` of a Megatron-FSDP
+  parameter under the precision-aware optimizer. What stays ours is that the Adam keeps the masters:
+  over Megatron-FSDP, 0.19 turns TE FusedAdam's ``master_weights`` off after building it (its masters
+  are Megatron-FSDP's fp32 main-weight buffer there); without that buffer the Adam's remainders are
+  the masters, so for optimizers built here ``master_weights`` is set back where megatron cleared it
+  (TE's FusedAdam only: without TE megatron runs our Adam through torch's branch and leaves it alone).
 """
 
 from __future__ import annotations
@@ -44,7 +68,15 @@ GRADS_FOR_NORM = "megatron.core.optimizer.optimizer.MegatronOptimizer.get_main_g
 MARK = "_mindspeed_lean_state"
 """Set on a FullyShardedDataParallel built with the lean buffers (its optimizer must keep the masters)."""
 
-LEAN_DDP = {"preserve_fp32_weights": False, "grad_reduce_in_fp32": False}
+LEAN_DDP = (("preserve_fp32_weights", False), ("grad_reduce_in_fp32", False))
+"""megatron-core 0.16's fields: no main-weight buffer, gradient buffers in the parameters' dtype."""
+LEAN_DDP_MIXED_PRECISION = (
+    ("megatron_fsdp_main_params_dtype", None),
+    ("megatron_fsdp_main_grads_dtype", torch.bfloat16),
+    ("megatron_fsdp_use_decoupled_grad", True),
+)
+"""megatron-core 0.19's fields (its MixedPrecisionPolicy): no main-weight buffer, bf16 gradient
+buffers, gradients handed to the optimizer as ``.decoupled_grad``."""
 LEAN_OPTIMIZER = {
     "use_precision_aware_optimizer": True,
     "main_grads_dtype": torch.bfloat16,
@@ -69,9 +101,13 @@ def unsupported_reason(config, ddp_config) -> str | None:
 
 @dataclass(frozen=True)
 class LeanBuffers:
-    """Wrapper of ``FullyShardedDataParallel.__init__``: lean buffers for a bf16 model."""
+    """Wrapper of ``FullyShardedDataParallel.__init__``: lean buffers for a bf16 model.
+
+    changes: the ``DistributedDataParallelConfig`` fields that make them on this release
+    (:data:`LEAN_DDP` or :data:`LEAN_DDP_MIXED_PRECISION`)."""
 
     fall_back: Fallback
+    changes: tuple[tuple[str, object], ...] = LEAN_DDP
 
     def __call__(self, wrapped, instance, args, kwargs):
         call = Call(wrapped, args, kwargs)
@@ -82,7 +118,7 @@ class LeanBuffers:
         if reason is not None:
             self.fall_back(reason)
             return wrapped(*args, **kwargs)
-        result = call(ddp_config=dataclasses.replace(ddp_config, **LEAN_DDP))
+        result = call(ddp_config=dataclasses.replace(ddp_config, **dict(self.changes)))
         setattr(instance, MARK, True)
         return result
 
@@ -113,7 +149,14 @@ _LEAN_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 
 @dataclass(frozen=True)
 class LeanOptimizer:
-    """Wrapper of ``get_megatron_optimizer``: the precision-aware optimizer over lean chunks."""
+    """Wrapper of ``get_megatron_optimizer``: the precision-aware optimizer over lean chunks.
+
+    link_buffer: set the buffer's ``use_precision_aware_optimizer`` (megatron-core 0.16, where nothing
+    else does; 0.19's buffer reads ``megatron_fsdp_use_decoupled_grad`` from its config).
+    keep_masters: give the Adam back the ``master_weights`` megatron clears over Megatron-FSDP (0.19)."""
+
+    link_buffer: bool = True
+    keep_masters: bool = False
 
     def __call__(self, wrapped, instance, args, kwargs):
         call = Call(wrapped, args, kwargs)
@@ -124,11 +167,17 @@ class LeanOptimizer:
         if not all(marked):
             raise ConfigError("megatron-fsdp-lean-state: some model chunks were built without it; build all alike")
         config = lean_config(call["config"])
-        for chunk in chunks:
-            chunk.param_and_grad_buffer.use_precision_aware_optimizer = True  # megatron-core never sets it
+        if self.link_buffer:
+            for chunk in chunks:
+                chunk.param_and_grad_buffer.use_precision_aware_optimizer = True  # megatron-core never sets it
         optimizer = call(config=config)
         for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
             _LEAN_OPTIMIZERS.add(inner)
+            adam = getattr(inner, "optimizer", None)
+            if self.keep_masters and getattr(adam, "master_weights", None) is False:
+                # megatron 0.19 clears it over Megatron-FSDP (its masters would be the main-weight buffer,
+                # absent here): the Adam's remainders are the masters
+                adam.master_weights = True
         return optimizer
 
 
