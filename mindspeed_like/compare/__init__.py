@@ -147,6 +147,13 @@ def _check_pipeline(args: argparse.Namespace) -> None:
         )
 
 
+def _expert_data_parallel_size(args: argparse.Namespace) -> int | None:
+    """TP x CP x DP / (expert TP x EP) with compare's expert TP (TP, megatron's default); None where EP does
+    not divide it (refused elsewhere)."""
+    ranks = args.data_parallel_size * args.context_parallel_size
+    return ranks // args.expert_model_parallel_size if ranks % args.expert_model_parallel_size == 0 else None
+
+
 def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
     """Megatron-LM's validate_args checks of --use-torch-fsdp2 and --use-megatron-fsdp (quoted), the
     options that act only with one of them, the Megatron-FSDP strategy refused on this release, and the
@@ -171,6 +178,7 @@ def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
         dp_cp=args.data_parallel_size * args.context_parallel_size,
         ep=args.expert_model_parallel_size,
         overlap_grad_reduce=False,  # compare's workers run megatron's default (no --overlap-grad-reduce)
+        expert_dp=_expert_data_parallel_size(args),
     )
     if refusal:
         raise ConfigError(f"compare: {refusal}")

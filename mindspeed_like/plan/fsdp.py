@@ -93,18 +93,35 @@ def hybrid_groups(run: Run, expert: bool = False) -> tuple[int, int]:
     DP x CP group (``get_dp_group``: the hybrid group) and keeps the weights and gradients in the
     intra-instance ``hsdp_wbuf`` / ``hsdp_gbuf`` (param_and_grad_buffer.py, "the weight and gradient
     memory footprint is similar to not sharding on DP-Outer"), so only the masters and the moments
-    shrink by N. An expert's parameters under HSDP: the adapter builds no expert mesh, its buffers get
-    no process group and shard over the default (world) group (read in 0.16.1, not run: compare and the
-    plan refuse HSDP at EP > 1, where that is not a replica of anything)."""
+    shrink by N. An expert's parameters under HSDP, where megatron-core builds an expert mesh for it
+    (0.17.1-0.19.2: ``_init_dist_index``'s ``expt_device_mesh`` over the intra-instance expert data-parallel
+    group, ``hybrid_fsdp_expt_group`` the whole expert data-parallel group): the same split of their
+    expert data-parallel group (:func:`group_size`), its N instances replicas. Where it builds none
+    (0.16.1: the expert group is None and a collective runs over the world), HSDP at EP > 1 is refused
+    (``fixes/megatron_fsdp_hsdp_experts.py``; :func:`hybrid_sharding_refusal`), and at EP 1 that group is
+    the world: the experts shard over every rank."""
     lay = run.layout
     whole = group_size(run, expert)
     if lay.fsdp != MEGATRON_FSDP or lay.optimizer_instances <= 1:
         return whole, whole
-    if expert:
+    if expert and not _expert_mesh_under_hsdp():
         world = lay.world_size
         return world, world
-    inner = lay.dp * lay.cp // lay.optimizer_instances
-    return inner, (lay.dp * lay.cp if lay.outer_sharding == "optim" else inner)
+    inner = whole // lay.optimizer_instances
+    return inner, (whole if lay.outer_sharding == "optim" else inner)
+
+
+def _expert_mesh_under_hsdp() -> bool:
+    """Whether megatron-core builds Megatron-FSDP's expert mesh under hybrid sharding: the installed release's
+    source says (fixes/megatron_fsdp_hsdp_experts.py; one without Megatron-FSDP's adapter is planned as the
+    newest layout); predicting a record of another release (``megatron_code.as_measured_on``), 0.17 and
+    later build it (read in 0.17.1, 0.18.2 and 0.19.2), 0.16 not (read in 0.16.1)."""
+    from mindspeed_like.fixes.megatron_fsdp_hsdp_experts import expert_mesh_under_hsdp
+    from mindspeed_like.plan import megatron_code
+
+    if megatron_code._recent:
+        return megatron_code.release().release >= (0, 17)
+    return expert_mesh_under_hsdp() is not False
 
 
 def hybrid_sharding_refusal(
@@ -116,9 +133,11 @@ def hybrid_sharding_refusal(
     dp_cp: int,
     ep: int,
     overlap_grad_reduce: bool,
+    expert_dp: int | None = None,
 ) -> str | None:
     """Why megatron (or this library's fix) refuses a Megatron-FSDP HSDP layout, or None: the words
-    of the check that refuses it, and what to change."""
+    of the check that refuses it, and what to change. ``expert_dp``: the expert data-parallel size (TP x
+    CP x DP / (expert TP x EP)), which the instances must divide too."""
     if instances < 1:
         return f"--num-distributed-optimizer-instances must be 1 or more, got {instances}"
     if outer != "no_shard" and not (megatron_fsdp and instances > 1):
@@ -132,6 +151,12 @@ def hybrid_sharding_refusal(
             "initialize_model_parallel asserts 'Data parallel size should be divisible by partial DistOpt shard "
             "factor'"
         )
+    if expert_dp is not None and expert_dp % instances:
+        return (
+            f"--num-distributed-optimizer-instances {instances} does not divide the expert data-parallel size "
+            f"({expert_dp}: TP x CP x DP / (expert TP x EP)): megatron-core's initialize_model_parallel asserts "
+            "'Expert data parallel size should be divisible by partial DistOpt shard factor'"
+        )
     if not megatron_fsdp or instances == 1:
         return None
     if outer == "optim" and strategy != "optim_grads_params":
@@ -140,12 +165,13 @@ def hybrid_sharding_refusal(
             '"optim" option is only supported when --data-parallel-sharding-strategy is "optim_grads_params"\'; use '
             "optim_grads_params"
         )
-    if ep > 1:
-        return (
-            f"--num-distributed-optimizer-instances {instances} with --expert-model-parallel-size {ep}: megatron-core"
-            "'s Megatron-FSDP builds no expert mesh under hybrid sharding (mcore_fsdp_adapter._init_dist_index), so "
-            "the experts' buffers would be sharded over every rank; use EP 1, or one instance"
-        )
+    from mindspeed_like.fixes.megatron_fsdp_hsdp_experts import refusal as experts_refusal
+    from mindspeed_like.plan import megatron_code
+
+    # where the release (the installed one, or a record's the plan predicts) builds no expert mesh under HSDP
+    refused = experts_refusal(instances, ep, _expert_mesh_under_hsdp(), str(megatron_code.release() or ""))
+    if refused:
+        return refused
     from mindspeed_like.fixes.megatron_fsdp_hsdp_grad_reduce import DELAYED, NO_OVERLAP
 
     if strategy in DELAYED and not overlap_grad_reduce:
