@@ -50,6 +50,16 @@ Megatron-LM core_v0.16.1's pretrain_gpt.py on 4 gloo ranks (PP 2 x DP 2, ``optim
    under PP with overlap (logged); then each stage reduces in its own last backward and both print the
    distributed optimizer's digits.
 
+6. Virtual pipeline stages (``--num-layers-per-virtual-pipeline-stage`` /
+   ``--num-virtual-stages-per-pipeline-rank``): each model chunk is a Megatron-FSDP wrapper of its own and
+   trains as the distributed optimizer does (PP 2 x VPP 2 x DP 2, every strategy, fp32 and bf16: the same
+   digits, docs/features/fsdp.md). But megatron-core's distributed optimizer names each Megatron-FSDP
+   parameter by its path within its chunk, the same in every chunk (``decoder.layers.0...``), and its
+   fsdp_dtensor state dict stops at the first save ("Parameter names conflict between model chunks: ...
+   Ensure that each model chunk has unique parameter names.", ``DistributedOptimizer._param_name``, any
+   device): the run trained up to its first save and died there. Megatron-LM's argument validation lets it
+   through; the validate_args hook refuses ``--save`` there, with megatron's words and the ways out.
+
 With these, PP 2 x DP 2 (two microbatches a step) prints the distributed optimizer's lm loss and grad
 norm at every digit, fp32 and bf16, for ``optim``, ``optim_grads`` and ``optim_grads_params`` (also with
 ``--overlap-grad-reduce --overlap-param-gather``), and resumes exactly (docs/features/fsdp.md).
@@ -68,6 +78,7 @@ import torch
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.argument_changes import say_adjusted
 from mindspeed_like.toolkit.declaration import Feature, always_on
+from mindspeed_like.toolkit.errors import ConfigError
 
 NAME = "fix-megatron-fsdp-pipeline"
 VERSIONS = ">=0.14"
@@ -233,6 +244,33 @@ def global_layer_names(wrapped, instance, args, kwargs):
     return state_dict
 
 
+def _virtual_stages(args) -> bool:
+    return getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None or (
+        (getattr(args, "num_virtual_stages_per_pipeline_rank", None) or 1) > 1
+    )
+
+
+SAVE_WITH_VIRTUAL_STAGES = (
+    "fix-megatron-fsdp-pipeline: --use-megatron-fsdp with virtual pipeline stages ({flag}) and --save {save}: "
+    "megatron-core's distributed optimizer names each parameter by its path within its model chunk, the same in "
+    "every chunk, and stops at the first save (DistributedOptimizer._param_name: 'Parameter names conflict "
+    "between model chunks: ... Ensure that each model chunk has unique parameter names.'), after the iterations "
+    "before it. Train without --save, or drop {flag} (--pipeline-model-parallel-size alone saves and resumes "
+    "under Megatron-FSDP), or use --use-distributed-optimizer without --use-megatron-fsdp (--ckpt-format torch_dist)"
+)
+
+
+def refuse_saving_virtual_stages(args) -> None:
+    """Refuse ``--save`` for Megatron-FSDP with virtual pipeline stages (megatron stops at the first save)."""
+    if getattr(args, "use_megatron_fsdp", False) and getattr(args, "save", None) and _virtual_stages(args):
+        flag = (
+            f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}"
+            if getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
+            else f"--num-virtual-stages-per-pipeline-rank {args.num_virtual_stages_per_pipeline_rank}"
+        )
+        raise ConfigError(SAVE_WITH_VIRTUAL_STAGES.format(flag=flag, save=args.save))
+
+
 @contextlib.contextmanager
 def reduce_on_every_stages_last_backward(args) -> Iterator[None]:
     """validate_args hook: ``--no-align-grad-reduce`` for Megatron-FSDP under PP with overlapped reduction.
@@ -243,7 +281,9 @@ def reduce_on_every_stages_last_backward(args) -> Iterator[None]:
     overlaps, and its hooks reduce what waits for the last microbatch (``optim`` / ``no_shard``, and HSDP's
     outer all-reduce) only outside ``no_sync``: those stages never reduced them. Megatron-LM PP 2 x DP 2,
     ``optim --overlap-grad-reduce``, micro-batch 1: grad norm 1.569 against the distributed optimizer's 1.488.
-    Without alignment every stage's last backward runs outside ``no_sync``, as on the first stage."""
+    Without alignment every stage's last backward runs outside ``no_sync``, as on the first stage.
+    Also refuses ``--save`` with virtual pipeline stages (item 6 of the module's docstring)."""
+    refuse_saving_virtual_stages(args)
     if (
         getattr(args, "use_megatron_fsdp", False)
         and (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
@@ -304,7 +344,8 @@ FEATURE = Feature(
     summary="--use-megatron-fsdp with --pipeline-model-parallel-size > 1 runs: the mesh of each stage, a viewless "
     "stage output, the tied embedding's gradient shard all-reduced in place (megatron stopped at each); fsdp_dtensor "
     "checkpoints name layers by their global index (each stage wrote its own from 0: the stages overwrote each other); "
-    "Megatron-LM's align_grad_reduce off where Megatron-FSDP overlaps (the stages past the first never reduced)",
+    "Megatron-LM's align_grad_reduce off where Megatron-FSDP overlaps (the stages past the first never reduced); "
+    "--save with virtual pipeline stages refused at argument validation (megatron-core stops at the first save)",
     patches=PATCHES,
     enabled=always_on,
     validate_args_hook=reduce_on_every_stages_last_backward,
