@@ -116,7 +116,7 @@ TEST_VERSIONS ?= 0.13.1 0.19.2
 # which do not touch megatron-core), the DistributedOptimizer resume in each version's formats, and the
 # plan's byte counts against each version's real model, schedule functions and report_theoretical_memory.
 VERSION_TESTS ?= tests/features tests/adapters tests/fixes tests/integration tests/config tests/engine tests/te_backend tests/te_shim \
-	tests/reliability/test_distopt_checkpoint_resume.py tests/plan
+	tests/reliability/test_distopt_checkpoint_resume.py tests/plan tests/fsdp/test_megatron_fsdp_hsdp_experts.py
 VERSION_PYTEST_ARGS ?= -q -p no:cacheprovider
 
 .venv-mc%/.installed: pyproject.toml setup.py
