@@ -274,7 +274,7 @@ MOE_EP2 = [
 ]
 VPP2 = [*PP2, "--num-layers-per-virtual-pipeline-stage", "1"]  # two model chunks of one layer on each stage
 TP2_CP2_EP2 = ["--tensor-model-parallel-size", "2", *CP2, "--sequence-parallel", *MOE_EP2]  # MoE with TP: SP
-OPTIM_OVERLAP = [
+MEGATRON_LM_OPTIM_OVERLAP = [  # Megatron-LM flags (OPTIM_OVERLAP above: _train cases)
     *("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--overlap-grad-reduce"),
     *("--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"),
 ]
@@ -300,11 +300,11 @@ MEGATRON_LM_LAYOUTS = {
     "megatron-fsdp-pp2-bf16": (MEGATRON_FSDP, ["--use-distributed-optimizer"], [*PP2, "--bf16"]),
     "megatron-fsdp-pp2-cp2": (MEGATRON_FSDP, ["--use-distributed-optimizer"], [*PP2[:4], *CP2]),  # DP 1
     "megatron-fsdp-pp2-ep2": (MEGATRON_FSDP, ["--use-distributed-optimizer"], [*PP2, *MOE_EP2]),  # EP inside DP 2
-    "megatron-fsdp-pp2-optim-overlap": (OPTIM_OVERLAP, ["--use-distributed-optimizer"], PP2),
+    "megatron-fsdp-pp2-optim-overlap": (MEGATRON_LM_OPTIM_OVERLAP, ["--use-distributed-optimizer"], PP2),
     # virtual pipeline stages: each rank's two model chunks are two Megatron-FSDP wrappers
     "megatron-fsdp-pp2-vpp2": (MEGATRON_FSDP, ["--use-distributed-optimizer"], VPP2),
     "megatron-fsdp-pp2-vpp2-bf16": (MEGATRON_FSDP, ["--use-distributed-optimizer"], [*VPP2, "--bf16"]),
-    "megatron-fsdp-pp2-vpp2-optim-overlap": (OPTIM_OVERLAP, ["--use-distributed-optimizer"], VPP2),
+    "megatron-fsdp-pp2-vpp2-optim-overlap": (MEGATRON_LM_OPTIM_OVERLAP, ["--use-distributed-optimizer"], VPP2),
 }
 
 
