@@ -5,7 +5,10 @@ process groups in ``mcore_fsdp_adapter.FullyShardedDataParallel._init_dist_index
 hybrid branch hands ``FSDPDistributedIndex`` no expert device mesh (only the non-hybrid branch builds one), so
 its expert data-parallel group is None there, and a collective given ``group=None`` runs over the default
 group: the whole world. At expert-parallel size > 1 the ranks of one EP group hold different experts, so the
-experts' buffers would be reduced and gathered with other experts' ranks. megatron-core 0.17.1, 0.18.2 and
+experts' buffers would be reduced and gathered with other experts' ranks: it trains, silently wrong (measured
+without this refusal, 4 gloo ranks, the tests' tiny MoE GPT at DP 4 in 2 instances x EP 2: grad norm 0.810438 at
+step 1 against the distributed optimizer's 0.808926 with the same instances, loss 5.543507 at step 2 against
+5.543381). megatron-core 0.17.1, 0.18.2 and
 0.19.2 build the expert mesh under HSDP (``_get_hsdp_tp_mesh(outer, intra-instance expert DP, expert TP,
 ep_size=...)`` and ``hybrid_fsdp_expt_group``; read in all three): on 0.19.2 the layout trains as one instance
 does (tests/fsdp/test_megatron_fsdp_hsdp_experts.py).
