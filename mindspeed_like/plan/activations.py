@@ -3,7 +3,8 @@
 What autograd keeps is a list of tensors per op, and each is counted once by its storage (as
 ``SavedBytesMeter`` counts them: a view of a saved storage adds nothing). The rows below are the
 tensors megatron-core 0.13-0.19 saves on the paths this library runs without TransformerEngine
-(the te-backend under megatron's TE spec, and the local spec: the same saves but for MoE experts),
+(the te-backend under megatron's TE spec, and the local spec: the same saves; the te-backend's grouped
+experts keep their own weights, no stacked copy, as GroupedMLP's views do),
 read off the real model with a saved-tensor hook per module and written as shapes (where
 releases differ, the installed megatron-core's code decides: ``megatron_code``):
 
@@ -484,7 +485,6 @@ def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[S
     m, lay = run.model, run.layout
     p, t, tsp = dims.p, dims.t, dims.tsp
     k, experts = m.moe_router_topk, m.num_experts
-    local = experts // lay.ep
     fm = m.moe_ffn_hidden_size // lay.expert_tp
     rows_r = int(t * k * run.moe_rows_factor)  # routed rows on this rank (1: balanced routing, the mean rank)
     probs = FP32 if m.moe_router_dtype in ("fp32", "fp64") else p
@@ -517,7 +517,6 @@ def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[S
             Saved("moe", "experts: routing probs of the rows", probs * rows_r, feature="moe-zero-memory"),
         ]
     else:
-        stacked = run.transformer_impl == "transformer_engine"
         out += [
             Saved("moe", "experts: routing probs of the rows", probs * rows_r),
             Saved("moe", "experts: fc1 input rows", p * rows_r * dims.h),
@@ -529,28 +528,6 @@ def moe_layer(run: Run, paths: Paths, dims: Dims, layer_in_chunk: int) -> list[S
         else:
             out.append(
                 _swiglu_halves("moe", "experts: SwiGLU halves", p * rows_r * fm, 1, " and the probs-weighted output")
-            )
-        if stacked and paths.moe_alltoall_overlap:
-            # the feature runs the experts once per local expert (its chunk's rows); each call's grouped
-            # linears stack every local expert's weights and save the copy (compare, moe EP2 x DP2 level 1:
-            # four [4, 1408, 256] and four [4, 256, 704] copies a layer)
-            out.append(
-                Saved(
-                    "moe",
-                    "experts: stacked fc1 / fc2 weights of the grouped GEMM (te-backend), one copy per local "
-                    "expert's chunk",
-                    p * local * 3 * fm * dims.h,
-                    count=local,
-                    feature="moe-alltoall-overlap",
-                )
-            )
-        elif stacked:
-            out.append(
-                Saved(
-                    "moe",
-                    "experts: stacked fc1 / fc2 weights of the grouped GEMM (te-backend)",
-                    p * local * 3 * fm * dims.h,
-                )
             )
         act = _activation_output(paths, layer_in_chunk, p * rows_r * fm, "experts")
         out.append(Saved("moe", act.what, act.bytes, feature=act.feature))

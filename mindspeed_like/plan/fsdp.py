@@ -226,18 +226,16 @@ def gathered(run: Run, param: Param) -> bool:
 
 def _saved_whole(run: Run, paths: Paths | None, param: Param) -> bool:
     """Whether autograd saves a view of ``param`` itself (so that its gathered bucket stays alive to the
-    unit's backward). An expert's weights on the TE spec are not: the te-backend's grouped linear stacks
-    them into a new tensor and its grouped GEMM saves that copy (activations.py's "stacked fc1 / fc2
-    weights" row), and moe-zero-memory saves no expert weight; the gathered expert bucket is freed after
-    the unit's forward (compare's saved-tensor breakdown, moe EP2 x DP2 under Megatron-FSDP: the saved
-    expert weights are the [4, 1408, 256] / [4, 256, 704] stacked copies, none in a bucket). The local
-    spec's experts (GroupedMLP / SequentialMLP) multiply by views of their parameters, so their bucket is
-    kept (read in megatron-core 0.16.1, not measured under Megatron-FSDP)."""
+    unit's backward). Every expert's weight is (the te-backend's grouped GEMM keeps the experts' own
+    weights, as the local spec's GroupedMLP / SequentialMLP keep views of theirs: read in the code, not
+    measured under Megatron-FSDP with expert data parallelism), but under moe-zero-memory, which saves
+    no expert weight. Until the te-backend's grouped linear stopped stacking the weights into a new
+    tensor for its GEMM, the TE spec's experts saved that copy instead and their bucket was freed after
+    the unit's forward (compare, moe EP2 x DP2 under Megatron-FSDP, expert DP 1: the saved expert
+    weights were [4, 1408, 256] / [4, 256, 704] stacked copies, none in a bucket)."""
     if not param.expert:
         return True
-    if paths is not None and paths.moe_zero_memory:
-        return False
-    return run.transformer_impl != "transformer_engine"
+    return not (paths is not None and paths.moe_zero_memory)
 
 
 def gathered_unit_bytes(run: Run, chunks: list[list[Param]]) -> tuple[int, str]:
@@ -296,10 +294,10 @@ def saved_gathered_bytes(run: Run, params: list[Param], paths: Paths | None = No
       the largest rank (megatron-core 0.16 releases them lazily from the second step on; one rank of two
       held one layer's, the other both). A layer's experts are a bucket of their own (their own
       parameter group): counted only where they are gathered (:func:`gathered`: not at expert
-      data-parallel size 1) and autograd saves them (:func:`_saved_whole`: not the TE spec's stacked
-      grouped GEMM). compare's moe EP2 x DP2 (expert DP 1): the saved gathered storages were the dense
-      buckets only (332,800 bytes each); counting each layer's experts (4,325,376 bytes) besides their
-      stacked copies put megatron's arm 18% above the measured mean rank."""
+      data-parallel size 1) and autograd saves them (:func:`_saved_whole`: not under moe-zero-memory).
+      compare's moe EP2 x DP2 (expert DP 1): the saved gathered storages were the dense buckets only
+      (332,800 bytes each); counting each layer's experts (4,325,376 bytes) there put megatron's arm 18%
+      above the measured mean rank."""
     lay = run.layout
     p = BYTES[run.precision.params]
     if lay.fsdp == MEGATRON_FSDP and lay.sharding_strategy == "optim_grads_params":

@@ -382,11 +382,12 @@ def _moe_fsdp(extra: str, capsys) -> tuple[dict, list]:
 @pytest.mark.parametrize(
     ("extra", "experts_gathered", "experts_saved"),
     [
-        # expert DP 1: the experts' buffer is not sharded, never gathered; the TE spec's grouped GEMM saves a
-        # stacked copy of their weights (counted with the MoE layer), not the parameters
+        # expert DP 1: the experts' buffer is not sharded, never gathered (their weights are saved as they are,
+        # counted as weights)
         ("--data-parallel-size 2 --expert-model-parallel-size 2", False, False),
-        ("--data-parallel-size 4 --expert-model-parallel-size 2", True, False),  # expert DP 2: gathered
-        # the local spec's experts use their weights as they are: the gathered bucket is kept to backward
+        # expert DP 2: gathered, and the grouped GEMM keeps the weights themselves (the TE spec's te-backend, as
+        # the local spec's experts): the gathered bucket is kept to backward
+        ("--data-parallel-size 4 --expert-model-parallel-size 2", True, True),
         ("--data-parallel-size 4 --expert-model-parallel-size 2 --transformer-impl local", True, True),
     ],
 )
@@ -394,8 +395,9 @@ def test_megatron_fsdp_keeps_an_experts_bucket_only_where_gathered_and_saved(
     extra: str, experts_gathered: bool, experts_saved: bool, capsys
 ) -> None:
     """compare, moe EP2 x DP2 (expert DP 1) optim_grads_params, saved tensors by storage: each layer's dense
-    bucket (332,800 bytes) kept from forward to backward, no expert bucket; the stacked expert weights
-    [4, 1408, 256] / [4, 256, 704] are new tensors. Counting the experts there put megatron's arm 18% over."""
+    bucket (332,800 bytes) kept from forward to backward, no expert bucket (measured when the te-backend's
+    grouped GEMM still saved stacked [4, 1408, 256] / [4, 256, 704] copies of the expert weights). Counting
+    the experts there put megatron's arm 18% over."""
     out, params = _moe_fsdp(extra, capsys)
     layer = [p for p in params if p.name.startswith("decoder.layers.0.")]
     dense = 2 * sum(p.numel for p in layer if not p.expert)
@@ -406,20 +408,15 @@ def test_megatron_fsdp_keeps_an_experts_bucket_only_where_gathered_and_saved(
     assert out["fsdp_in_flight_bytes"] == rest + dense + (experts if experts_gathered else 0)
 
 
-def test_moe_alltoall_overlap_keeps_a_stacked_copy_of_the_experts_per_local_expert() -> None:
-    """moe-alltoall-overlap runs the TE spec's grouped experts once per local expert; each call stacks
-    every local expert's weights and saves the copy (compare, moe EP2 x DP2 level 1: four [4, 1408, 256] and
-    four [4, 256, 704] a layer; the plan had counted one and was 34% under). Not at EP 1 (the feature stands
-    aside) nor on megatron's arm: one copy."""
+def test_grouped_experts_keep_no_stacked_copy_of_their_weights() -> None:
+    """The te-backend's grouped GEMM keeps the experts' own weights for backward (kernels/grouped_gemm.py's
+    gmm_experts): no stacked-weights row on either arm, with moe-alltoall-overlap's per-local-expert calls
+    (EP 2) or without (EP 1). Before, each call saved a stacked copy (compare, moe EP2 x DP2 level 1: four
+    [4, 1408, 256] and four [4, 256, 704] a layer); the experts' rows are the same on both arms."""
     argv = "--preset moe --num-layers 2 --hidden-size 256 --seq-length 256 --micro-batch-size 2".split()
     argv += ["--data-parallel-size", "2", "--optimization-level", "1"]
-    copy = 2 * 4 * 3 * 704 * 256  # bf16, 4 local experts at EP 2: fc1 (2 x 704 rows) and fc2 (704) of hidden 256
-
-    def stacked(ep: int, arm: str) -> list[tuple[int, int, str | None]]:
+    for ep in (1, 2):
         pred = cli.predict_argv([*argv, "--expert-model-parallel-size", str(ep)])
-        rows = getattr(pred, arm).stages[0].chunk_rows[0]["layer 0"]
-        return [(r.bytes, r.count, r.feature) for r in rows if "stacked" in r.what]
-
-    assert stacked(2, "features") == [(copy, 4, "moe-alltoall-overlap")]
-    assert stacked(2, "megatron") == [(copy, 1, None)]
-    assert stacked(1, "features") == [(2 * copy, 1, None)]  # all 8 experts local, one grouped call
+        for arm in ("features", "megatron"):
+            rows = getattr(pred, arm).stages[0].chunk_rows[0]["layer 0"]
+            assert [r.what for r in rows if "stacked" in r.what] == [], (ep, arm)
