@@ -252,10 +252,21 @@ def _check(
     if not 0 < topk <= logits.shape[1]:
         raise ValueError(f"topk_routing: topk={topk} must be in [1, {logits.shape[1]}] (the number of experts)")
     if group_topk:
-        if not num_groups or logits.shape[1] % num_groups or topk % group_topk:
+        # what megatron's group_limited_topk can compute (its TransformerConfig asserts the first two; torch's
+        # topk the third): equal groups, at most num_groups kept, each group scored by its top topk // group_topk
+        # experts (rounded down as megatron does: topk need not be a multiple of group_topk, e.g. 8 groups,
+        # 3 kept, top-4, as megatron's TestGroupLimitedRouter runs it)
+        experts = logits.shape[1]
+        if (
+            not num_groups
+            or experts % num_groups
+            or not 0 < group_topk <= num_groups
+            or (topk // group_topk > experts // num_groups)
+        ):
             raise ValueError(
-                f"topk_routing: group-limited routing needs num_groups dividing the {logits.shape[1]} experts and "
-                f"group_topk dividing topk; got num_groups={num_groups}, group_topk={group_topk}, topk={topk}"
+                f"topk_routing: group-limited routing needs num_groups dividing the {experts} experts, "
+                f"0 < group_topk <= num_groups and topk // group_topk <= experts per group; got "
+                f"num_groups={num_groups}, group_topk={group_topk}, topk={topk}"
             )
 
 

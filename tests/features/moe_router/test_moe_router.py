@@ -33,6 +33,10 @@ COMBOS = [
     ("sigmoid", False, (4, 2), False, 2.5, 4),
     ("sigmoid", False, (4, 2), True, 2.5, 4),
     ("sigmoid", False, (8, 4), True, None, 8),
+    # topk not a multiple of group_topk (megatron's TestGroupLimitedRouter: 16 experts, 8 groups, 3 kept, top-4;
+    # each group scored by its top 4 // 3 = 1 expert)
+    ("softmax", False, (8, 3), False, None, 4),
+    ("sigmoid", False, (8, 3), True, 2.5, 4),
 ]
 IDS = [
     f"{sf}{'-pre' if pre else ''}{f'-g{g[0]}k{g[1]}' if g else ''}{'-bias' if b else ''}{f'-x{s}' if s else ''}-top{k}"
@@ -261,7 +265,11 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="topk=17"):
         kernel.topk_routing(logits, 17)
     with pytest.raises(ValueError, match="group-limited"):
-        kernel.topk_routing(logits, 3, num_groups=4, group_topk=2)
+        kernel.topk_routing(logits, 3, num_groups=5, group_topk=2)  # 5 groups do not split 16 experts
+    with pytest.raises(ValueError, match="group-limited"):
+        kernel.topk_routing(logits, 4, num_groups=4, group_topk=5)  # more groups kept than exist
+    with pytest.raises(ValueError, match="group-limited"):
+        kernel.topk_routing(logits, 4, num_groups=8, group_topk=1)  # a group's top 4 of its 2 experts
     with pytest.raises(ValueError, match="2D"):
         kernel.topk_routing(logits.view(2, 4, 16), 2)
 
