@@ -37,7 +37,7 @@ import contextlib
 import math
 import struct
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType, ModuleType
 
@@ -262,3 +262,18 @@ __all__ = [
     "KernelBackend",
     "run_with_backend",
 ]
+
+
+def saved_storages(fn: Callable[[], object]) -> tuple[object, dict[int, int]]:
+    """``fn()``'s result and the storages autograd keeps from it to backward, unique by address:
+    {address: bytes} (what a kernel's "saves no stacked copy" claim is checked on)."""
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, kept

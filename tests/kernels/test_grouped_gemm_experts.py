@@ -22,6 +22,7 @@ from mindspeed_like.kernels import grouped_gemm as gg
 from mindspeed_like.kernels.backend import force_backend
 from mindspeed_like.kernels.grouped_gemm import gmm, gmm_experts
 from mindspeed_like.testing.npu_emulator import emulated_torch_npu
+from mindspeed_like.testing.parity import saved_storages
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (name, counts, K, N): zero-row experts, one expert with all rows (moe-alltoall-overlap's per-chunk
@@ -129,20 +130,6 @@ def test_bf16_host_paths_are_bitwise_the_stacked_gmm(bf16_gemms, decision, engin
         assert torch.equal(w.grad, old.grad)
 
 
-def _saved_storages(fn):
-    """Storages autograd keeps from ``fn()`` to backward, unique by address: {address: bytes}."""
-    kept: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, kept
-
-
 @pytest.mark.parametrize("engine", ["grouped_mm", "loop"])
 def test_keeps_only_the_rows_and_the_weights_themselves(engine):
     """The saved set is ``a`` and the parameters' own storages; the stacked path keeps a new
@@ -151,12 +138,12 @@ def test_keeps_only_the_rows_and_the_weights_themselves(engine):
     a0, w0, grad = _inputs(counts, k, n, torch.float32, True, 7)
     a, weights = _leaves(a0, w0)
     own = {w.untyped_storage().data_ptr() for w in weights} | {a.untyped_storage().data_ptr()}
-    out, kept = _saved_storages(lambda: gmm_experts(a, weights, counts, True, engine=engine))
+    out, kept = saved_storages(lambda: gmm_experts(a, weights, counts, True, engine=engine))
     assert set(kept) <= own and a.untyped_storage().data_ptr() in kept
     out.backward(grad)
     a_old, w_old = _leaves(a0, w0)
     old_own = {w.untyped_storage().data_ptr() for w in w_old} | {a_old.untyped_storage().data_ptr()}
-    _, kept_old = _saved_storages(lambda: gmm(a_old, torch.stack(w_old), counts, True, engine=engine))
+    _, kept_old = saved_storages(lambda: gmm(a_old, torch.stack(w_old), counts, True, engine=engine))
     assert sum(b for p, b in kept_old.items() if p not in old_own) == len(counts) * n * k * 4
 
 

@@ -14,22 +14,14 @@ import torch
 
 from mindspeed_like.kernels.grouped_gemm import gmm
 from mindspeed_like.testing import init_parallel, tiny_gpt
+from mindspeed_like.testing.parity import saved_storages
 
 COUNTS = [([5, 0, 11, 0], "list"), ([0, 0, 16, 0], "tensor")]  # the second: one chunk of moe-alltoall-overlap
 
 
 def _saved(module, x, counts):
     """The module's output and {storage address: bytes} of what autograd keeps to backward."""
-    kept: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = module(x, counts)
-    return out, kept
+    return saved_storages(lambda: module(x, counts))
 
 
 def _stacked_path(x, weights, biases, counts):
