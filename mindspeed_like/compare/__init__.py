@@ -147,13 +147,6 @@ def _check_pipeline(args: argparse.Namespace) -> None:
         )
 
 
-def _expert_data_parallel_size(args: argparse.Namespace) -> int | None:
-    """TP x CP x DP / (expert TP x EP) with compare's expert TP (TP, megatron's default); None where EP does
-    not divide it (refused elsewhere)."""
-    ranks = args.data_parallel_size * args.context_parallel_size
-    return ranks // args.expert_model_parallel_size if ranks % args.expert_model_parallel_size == 0 else None
-
-
 def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
     """Megatron-LM's validate_args checks of --use-torch-fsdp2 and --use-megatron-fsdp (quoted), the
     options that act only with one of them, the Megatron-FSDP strategy refused on this release, and the
@@ -167,7 +160,7 @@ def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
             f"compare: --data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} acts with "
             "--use-megatron-fsdp; give both"
         )
-    from mindspeed_like.plan.fsdp import hybrid_sharding_refusal
+    from mindspeed_like.plan.fsdp import expert_data_parallel_size, hybrid_sharding_refusal
 
     instances = getattr(args, "num_distributed_optimizer_instances", 1)
     refusal = hybrid_sharding_refusal(
@@ -178,7 +171,13 @@ def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
         dp_cp=args.data_parallel_size * args.context_parallel_size,
         ep=args.expert_model_parallel_size,
         overlap_grad_reduce=False,  # compare's workers run megatron's default (no --overlap-grad-reduce)
-        expert_dp=_expert_data_parallel_size(args),
+        expert_dp=expert_data_parallel_size(  # compare's expert TP is megatron's default, TP
+            tp=args.tensor_model_parallel_size,
+            cp=args.context_parallel_size,
+            dp=args.data_parallel_size,
+            expert_tp=args.tensor_model_parallel_size,
+            ep=args.expert_model_parallel_size,
+        ),
     )
     if refusal:
         raise ConfigError(f"compare: {refusal}")

@@ -124,6 +124,13 @@ def _expert_mesh_under_hsdp() -> bool:
     return expert_mesh_under_hsdp() is not False
 
 
+def expert_data_parallel_size(*, tp: int, cp: int, dp: int, expert_tp: int, ep: int) -> int | None:
+    """megatron's expert data-parallel size, TP x CP x DP / (expert TP x EP), or None where it does not
+    divide (megatron's initialize_model_parallel refuses that layout)."""
+    ranks, experts = tp * cp * dp, expert_tp * ep
+    return ranks // experts if ranks % experts == 0 else None
+
+
 def hybrid_sharding_refusal(
     *,
     megatron_fsdp: bool,

@@ -814,15 +814,9 @@ def check_recompute(recompute: Recompute, num_layers: int, pp: int) -> None:
             raise ConfigError("plan: --recompute-num-layers is for --recompute-granularity full (megatron refuses it)")
 
 
-def _expert_data_parallel_size(layout: Layout) -> int | None:
-    """TP x CP x DP / (expert TP x EP), or None where it does not divide (refused below)."""
-    ranks, experts = layout.tp * layout.cp * layout.dp, layout.expert_tp * layout.ep
-    return ranks // experts if ranks % experts == 0 else None
-
-
 def check(model: Model, layout: Layout) -> None:
     """What megatron would refuse later, refused here with the fix."""
-    from mindspeed_like.plan.fsdp import hybrid_sharding_refusal
+    from mindspeed_like.plan.fsdp import expert_data_parallel_size, hybrid_sharding_refusal
 
     refusal = hybrid_sharding_refusal(
         megatron_fsdp=layout.fsdp == "megatron_fsdp",
@@ -832,7 +826,9 @@ def check(model: Model, layout: Layout) -> None:
         dp_cp=layout.dp * layout.cp,
         ep=layout.ep,
         overlap_grad_reduce=layout.overlap_grad_reduce,
-        expert_dp=_expert_data_parallel_size(layout),
+        expert_dp=expert_data_parallel_size(
+            tp=layout.tp, cp=layout.cp, dp=layout.dp, expert_tp=layout.expert_tp, ep=layout.ep
+        ),
     )
     if refusal:
         raise ConfigError(f"plan: {refusal}")
