@@ -42,6 +42,13 @@ def _package_info_path() -> str | None:
     return None
 
 
+def core_file(relative: str) -> str | None:
+    """The path of ``megatron/core/<relative>`` (``/``-separated) that ``import megatron.core`` would load,
+    found without importing megatron; None where megatron-core is not found."""
+    info = _package_info_path()
+    return None if info is None else os.path.join(os.path.dirname(info), *relative.split("/"))
+
+
 def megatron_core_version() -> Version | None:
     """None when megatron-core cannot be found at all."""
     path = _package_info_path()

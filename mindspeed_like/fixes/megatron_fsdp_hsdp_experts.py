@@ -38,7 +38,7 @@ from mindspeed_like.toolkit.errors import ConfigError
 NAME = "fix-megatron-fsdp-hsdp-experts"
 VERSIONS = ">=0.14"
 TARGET = "megatron.core.distributed.fsdp.mcore_fsdp_adapter.FullyShardedDataParallel.__init__"
-ADAPTER = os.path.join("distributed", "fsdp", "mcore_fsdp_adapter.py")
+ADAPTER = "distributed/fsdp/mcore_fsdp_adapter.py"
 """The adapter's file below megatron-core's package directory."""
 HAS_IT = "0.17 or later"
 """The releases that build the expert mesh under HSDP (read in 0.17.1, 0.18.2 and 0.19.2; trained on 0.19.2)."""
@@ -87,14 +87,12 @@ def expert_mesh_under_hsdp(core_dir: str | None = None) -> bool | None:
     read from ``mcore_fsdp_adapter.py`` without importing megatron (``core_dir``: megatron-core's package
     directory, default the one ``import megatron.core`` would load). None where the file or its hybrid
     ``FSDPDistributedIndex`` call is not found (no Megatron-FSDP in that release, or a layout not read here)."""
-    if core_dir is None:
-        from mindspeed_like.megatron_version import _package_info_path
+    if core_dir is not None:
+        return _read(os.path.join(core_dir, *ADAPTER.split("/")))
+    from mindspeed_like.megatron_version import core_file
 
-        info = _package_info_path()
-        if info is None:
-            return None
-        core_dir = os.path.dirname(info)
-    return _read(os.path.join(core_dir, ADAPTER))
+    path = core_file(ADAPTER)
+    return None if path is None else _read(path)
 
 
 def _version() -> str:

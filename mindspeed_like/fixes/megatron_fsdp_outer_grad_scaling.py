@@ -22,7 +22,6 @@ megatron-core 0.16.1 has no helper buffer (its outer sharding measured right: do
 from __future__ import annotations
 
 import functools
-import os
 
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.binding import Call
@@ -33,7 +32,7 @@ VERSIONS = ">=0.17"
 """Read in 0.17.1, 0.18.2 and 0.19.2 (the same helper, built without the factor); run on 0.19.2."""
 MODULE = "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"
 TARGET = f"{MODULE}._create_hfsdp_helper_buffer"
-SOURCE = os.path.join("distributed", "fsdp", "src", "megatron_fsdp", "param_and_grad_buffer.py")
+SOURCE = "distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py"
 
 
 @functools.cache
@@ -48,10 +47,10 @@ def _defines_helper(path: str) -> bool:
 def has_helper_buffers() -> bool:
     """Whether the installed megatron-core's Megatron-FSDP builds outer-DP helper buffers (read from its source,
     without importing megatron; the tests' skip)."""
-    from mindspeed_like.megatron_version import _package_info_path
+    from mindspeed_like.megatron_version import core_file
 
-    info = _package_info_path()
-    return info is not None and _defines_helper(os.path.join(os.path.dirname(info), SOURCE))
+    path = core_file(SOURCE)
+    return path is not None and _defines_helper(path)
 
 
 def keep_the_scaling_factor(wrapped, instance, args, kwargs):

@@ -14,10 +14,9 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
-import os
 from collections.abc import Callable, Iterator
 
-from mindspeed_like.megatron_version import _package_info_path
+from mindspeed_like.megatron_version import core_file
 
 _recent: list = []  # the release (a Version) while predicting what a 0.16-0.19 run measured (:func:`as_measured_on`)
 
@@ -69,11 +68,11 @@ def as_measured_in(name: str) -> contextlib.AbstractContextManager[None]:
 @functools.cache
 def _tree(relative: str) -> ast.Module | None:
     """The parsed ``megatron/core/<relative>`` that ``import megatron.core`` would load."""
-    info = _package_info_path()
-    if info is None:
+    path = core_file(relative)
+    if path is None:
         return None
     try:
-        with open(os.path.join(os.path.dirname(info), *relative.split("/")), encoding="utf-8") as handle:
+        with open(path, encoding="utf-8") as handle:
             return ast.parse(handle.read())
     except (OSError, SyntaxError, ValueError):
         return None
