@@ -18,6 +18,14 @@ no ``cp_rank``/``cp_size`` (its callers pass the arguments before them), and the
 0.13's thd positions. Before 0.16 both are ``@experimental_fn``: megatron raises
 ``ExperimentalNotEnabledError`` unless ``config.ENABLE_EXPERIMENTAL``, and their replacements there keep
 that gate.
+
+``fusions.fused_pad_routing_map.fused_pad_routing_map`` (0.13-0.19): the alltoall and flex dispatchers
+pad each expert's tokens to the quantization alignment with it under ``moe_router_padding_for_quantization``
+when ``moe_permute_fusion`` and ``config.ENABLE_EXPERIMENTAL`` are on (otherwise megatron's unfused
+``pad_routing_map``); a Triton kernel on the GPU. Replaced by the same contract in torch operations
+(``kernels/pad_routing_map.py``: a new int32 map, the input unwritten). megatron's unit test
+``test_router_padding_for_fp8_forward_backward[True-True-*]`` reached it at level 1, where the host serves
+``moe_permute_fusion``, and stopped there.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from collections.abc import Callable
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.kernels.indices_multihot import indices_to_multihot
 from mindspeed_like.kernels.mla_yarn_rope import mla_rope_kv, mla_rope_q
+from mindspeed_like.kernels.pad_routing_map import pad_routing_map
 
 MLA_ROPE = "megatron.core.fusions.fused_mla_yarn_rope_apply"
 
@@ -35,6 +44,11 @@ MLA_ROPE = "megatron.core.fusions.fused_mla_yarn_rope_apply"
 def fused_indices_to_multihot(indices, probs_indices, num_of_local_experts):
     """megatron's ``fused_indices_to_multihot`` (same arguments), computed by torch operations."""
     return indices_to_multihot(indices, probs_indices, num_of_local_experts)
+
+
+def fused_pad_routing_map(routing_map, pad_multiple):
+    """megatron's ``fused_pad_routing_map`` (same arguments), computed by torch operations."""
+    return pad_routing_map(routing_map, pad_multiple)
 
 
 def _experimental(fn: Callable) -> Callable:
@@ -67,6 +81,12 @@ PATCHES = [
         Kind.REPLACE,
         fused_indices_to_multihot,
         why="a Triton kernel on device='cuda' (needs a GPU); the flex dispatcher's only path",
+    ),
+    Patch(
+        "megatron.core.fusions.fused_pad_routing_map.fused_pad_routing_map",
+        Kind.REPLACE,
+        fused_pad_routing_map,
+        why="a Triton kernel (needs a GPU); the dispatchers' padding path under moe_permute_fusion",
     ),
     *_mla_rope("fused_apply_mla_rope_for_q", mla_rope_q),
     *_mla_rope("fused_apply_mla_rope_for_kv", mla_rope_kv),
