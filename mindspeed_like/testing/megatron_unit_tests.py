@@ -226,6 +226,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
             )
 
 
+def rank_report(config: pytest.Config, data: dict) -> pytest.TestReport:
+    """A rank's serialized report as this session's: a skip's ``(path, line, reason)`` comes back from JSON
+    as a list, which pytest's short summary of skips asserts is a tuple (a rerun by node id with ``-rs``
+    stopped in ``_folded_skips`` after the test had run)."""
+    report = config.hook.pytest_report_from_serializable(config=config, data=data)
+    if isinstance(report.longrepr, list):
+        report.longrepr = tuple(report.longrepr)
+    return report
+
+
 def _final(reports: list[pytest.TestReport], world_size: int) -> tuple[str, str | None, str]:
     """A test's outcome, class and reason from its phase reports."""
     for report in reports:
@@ -473,7 +483,7 @@ def pytest_runtestloop(session: pytest.Session) -> Any:
                 data["location"] = item.location
                 data.pop("_rank", None)
                 data.pop("_harness", None)
-                reports.append(config.hook.pytest_report_from_serializable(config=config, data=data))
+                reports.append(rank_report(config, data))
             needed = _wanted_size(reports, state, size)
             if needed:
                 bigger = reasons.launch_size(needed, state.sizes)

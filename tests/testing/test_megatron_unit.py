@@ -756,3 +756,19 @@ def test_passed_in_keeps_each_pieces_own_node_ids(tmp_path: Path) -> None:
     assert passed_in_piece(tmp_path, ids, "optimizer", pieces) == ids[2:5]
     assert passed_in_piece(tmp_path, ids, "dist_checkpointing/test_layer_wise_optimizer.py", pieces) == [ids[5]]
     assert passed_in_piece(tmp_path, ids, "dist_checkpointing", pieces) == ids[5:]
+
+
+def test_a_ranks_skip_comes_back_as_pytests_own_skip(pytestconfig) -> None:
+    """A skip's longrepr crosses JSON as a list; pytest's short summary of skips (``-rs``) asserts a tuple."""
+    from _pytest.terminal import _folded_skips
+
+    from mindspeed_like.testing.megatron_unit_tests import rank_report
+
+    data = {
+        "$report_type": "TestReport", "nodeid": "t.py::test", "location": ("t.py", 3, "test"), "keywords": {},
+        "outcome": "skipped", "longrepr": ["t.py", 4, "Skipped: megatron-unit triton-kernel-no-gpu: ..."],
+        "when": "call", "sections": [], "duration": 0.0, "user_properties": [],
+    }  # fmt: skip
+    report = rank_report(pytestconfig, json.loads(json.dumps(data)))
+    assert report.skipped and report.longrepr == ("t.py", 4, "Skipped: megatron-unit triton-kernel-no-gpu: ...")
+    assert _folded_skips(Path.cwd(), [report]) == [(1, "t.py", 4, "Skipped: megatron-unit triton-kernel-no-gpu: ...")]
