@@ -24,7 +24,7 @@ Megatron-FSDP (``--use-megatron-fsdp``; megatron-core 0.14+ vendors it under
 * ``utils.GlobalMemoryBuffer.get_tensor``: megatron-FSDP's own scratch buffers (the double buffer);
 * ``uneven_dtensor.validate_uneven_dtensor``: a boundary check moved with ``.cuda()`` before its
   all-reduce (checkpoints);
-* ``mcore_fsdp_adapter._get_rng_state_dict`` / ``_load_rng_state_dict``: the RNG state of an
+* ``mcore_fsdp_adapter._get_rng_state_dict`` / ``_load_rng_state_dict`` (0.16+): the RNG state of an
   ``fsdp_dtensor`` checkpoint (the "cuda" generator is the host's);
 * ``transformer.fsdp_dtensor_checkpoint.validate_loaded_state_dict``: its mesh on "cuda";
 * ``fully_shard.fully_shard_model``: megatron-FSDP's own ``fully_shard`` API (its mesh on "cuda");
@@ -56,8 +56,6 @@ PATCHES = [
         for target, why in (
             (f"{ADAPTER}.FullyShardedDataParallel.__init__", "device cuda:{torch.cuda.current_device()}"),
             (f"{ADAPTER}.FullyShardedDataParallel._init_dist_index", "DeviceMesh.from_group(..., 'cuda')"),
-            (f"{ADAPTER}._get_rng_state_dict", "torch.cuda.get_rng_state() in fsdp_dtensor checkpoints"),
-            (f"{ADAPTER}._load_rng_state_dict", "torch.cuda.set_rng_state() in fsdp_dtensor checkpoints"),
             (f"{MFSDP}.megatron_fsdp.MegatronFSDP.__init__", "device cuda:{torch.cuda.current_device()}"),
             (f"{MFSDP}.megatron_fsdp.MegatronFSDP._init_fsdp_param_and_grad_buffer", "torch.cuda.Stream()"),
             (f"{BUFFER}.GradReducePipeline.__init__", "torch.cuda.Stream()"),
@@ -69,6 +67,15 @@ PATCHES = [
             (f"{MFSDP}.utils.GlobalMemoryBuffer.get_tensor", "scratch buffer on torch.cuda.current_device()"),
             (f"{MFSDP}.uneven_dtensor.validate_uneven_dtensor", "boundary check moved with .cuda()"),
             (f"{MFSDP}.fully_shard.fully_shard_model", "init_device_mesh('cuda', ...)"),
+        )
+    ],
+    # megatron-core 0.16+: the RNG state an fsdp_dtensor checkpoint carries (0.14 and 0.15 have neither
+    # function: the CPU adapter failed to apply there with a PatchTargetError)
+    *[
+        on_host(f"{ADAPTER}.{name}", why, versions=">=0.16")
+        for name, why in (
+            ("_get_rng_state_dict", "torch.cuda.get_rng_state() in fsdp_dtensor checkpoints"),
+            ("_load_rng_state_dict", "torch.cuda.set_rng_state() in fsdp_dtensor checkpoints"),
         )
     ],
     # megatron-core 0.19: the double buffer's limit and its max-pool allocator
