@@ -22,14 +22,19 @@ SAVE_AFTER = 3
 STRATEGY = dict(data_parallel_sharding_strategy="optim_grads_params")
 
 
-def _model(bf16: bool):
+# The tiny MoE GPT of hsdp_expert_workers.py (4 experts, top-2, alltoall, TE spec) without its dropout: this
+# API-level checkpoint holds the model and optimizer only (Megatron-LM saves the RNG states beside them).
+MOE = dict(transformer_impl="transformer_engine", num_moe_experts=4)
+
+
+def _model(bf16: bool, model: dict | None = None):
     from megatron.core import tensor_parallel
 
     from mindspeed_like.testing import tiny_gpt
 
     torch.manual_seed(1234)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    return tiny_gpt(bf16=bf16, share_embeddings_and_output_weights=False)
+    return tiny_gpt(bf16=bf16, share_embeddings_and_output_weights=False, **(model or {}))
 
 
 _state = fsdp_dtensor_state
@@ -51,9 +56,10 @@ def load(model, optimizer, ckpt_dir: str) -> None:
     optimizer.load_state_dict(raw["optimizer"])
 
 
-def _setup(without: tuple[str, ...]):
+def _setup(without: tuple[str, ...], layout: dict | None = None):
     """``without``: names of fix-megatron-fsdp-dtensor-checkpoint's wrappers left out (the fix's test);
-    a spawned process ends with its test, so nothing is put back."""
+    a spawned process ends with its test, so nothing is put back. ``layout``: ``ep`` and ``instances``
+    (``num_distributed_optimizer_instances``), 1 each by default."""
     import mindspeed_like
     from mindspeed_like import runtime
     from mindspeed_like.fixes import megatron_fsdp_dtensor_checkpoint as fix
@@ -62,7 +68,8 @@ def _setup(without: tuple[str, ...]):
     mindspeed_like.configure(device="cpu")
     if without:
         runtime.ENGINE.apply(fix.NAME, [p for p in fix.PATCHES if p.new.__name__ not in without])
-    init_parallel(seed=1234)
+    layout = layout or {}
+    init_parallel(ep=layout.get("ep", 1), seed=1234, num_distributed_optimizer_instances=layout.get("instances", 1))
 
 
 def _data():
@@ -71,29 +78,54 @@ def _data():
     return make_batches(STEPS, 4, 32, 256, seed=7)  # global batch 4 at every DP size
 
 
-def _train(bf16: bool, steps: int, data, on_optimizer=None, on_step=None) -> list[float]:
+def _train(
+    bf16: bool,
+    steps: int,
+    data,
+    on_optimizer=None,
+    on_step=None,
+    model: dict | None = None,
+    layout: dict | None = None,
+) -> dict[str, list[float]]:
+    """``{"losses": [...], "grad_norms": [...]}``: each step's loss (averaged over the data-parallel ranks)
+    and the grad norm megatron's optimizer computed (``optimizer.step()``'s second value)."""
+    from hsdp_expert_workers import _record_grad_norms
+
     from mindspeed_like.testing.training import train_steps
 
     dp = torch.distributed.get_world_size()
-    return train_steps(
-        _model(bf16),
+    norms: list[float] = []
+    record = _record_grad_norms(norms)
+
+    def prepare(wrapped, optimizer):
+        if on_optimizer is not None:
+            on_optimizer(wrapped, optimizer)
+        record(wrapped, optimizer)
+
+    options = dict(STRATEGY, num_distributed_optimizer_instances=(layout or {}).get("instances", 1))
+    losses = train_steps(
+        _model(bf16, model),
         steps,
         lr=1e-2,
         micro_batch_size=4 // dp,
         data=data,
         data_parallel="megatron_fsdp",
-        ddp_options=STRATEGY,
+        ddp_options=options,
         finalize_grads=True,
-        on_optimizer=on_optimizer,
+        on_optimizer=prepare,
         on_step=on_step,
     )
+    return {"losses": losses, "grad_norms": norms}
 
 
-def save_midway(bf16: bool, ckpt_dir: str, without: tuple[str, ...] = ()) -> list[float]:
-    """``STEPS`` steps straight, saving after ``SAVE_AFTER``; returns the losses."""
+def save_midway(
+    bf16: bool, ckpt_dir: str, without: tuple[str, ...] = (), model: dict | None = None, layout: dict | None = None
+) -> dict[str, list[float]]:
+    """``STEPS`` steps straight, saving after ``SAVE_AFTER``; returns the losses and grad norms. ``model``:
+    ``tiny_gpt`` overrides (``MOE``); ``layout``: as ``_setup``'s."""
     from mindspeed_like.testing import destroy_parallel
 
-    _setup(without)
+    _setup(without, layout)
     held: dict = {}
 
     def keep(model, optimizer):
@@ -104,18 +136,27 @@ def save_midway(bf16: bool, ckpt_dir: str, without: tuple[str, ...] = ()) -> lis
             save(held["model"], held["optimizer"], ckpt_dir)
 
     try:
-        return _train(bf16, STEPS, _data(), keep, maybe_save)
+        return _train(bf16, STEPS, _data(), keep, maybe_save, model, layout)
     finally:
         destroy_parallel()
 
 
-def resume(bf16: bool, ckpt_dir: str, without: tuple[str, ...] = ()) -> list[float]:
+def resume(
+    bf16: bool, ckpt_dir: str, without: tuple[str, ...] = (), model: dict | None = None, layout: dict | None = None
+) -> dict[str, list[float]]:
     """A fresh model and optimizer load the checkpoint and take the remaining steps."""
     from mindspeed_like.testing import destroy_parallel
 
-    _setup(without)
+    _setup(without, layout)
     try:
-        return _train(bf16, STEPS - SAVE_AFTER, _data()[SAVE_AFTER:], lambda m, o: load(m, o, ckpt_dir))
+        return _train(
+            bf16,
+            STEPS - SAVE_AFTER,
+            _data()[SAVE_AFTER:],
+            lambda m, o: load(m, o, ckpt_dir),
+            model=model,
+            layout=layout,
+        )
     finally:
         destroy_parallel()
 
@@ -128,8 +169,8 @@ def empty_load(bf16: bool, ckpt_dir: str, without: tuple[str, ...] = ()) -> dict
     _setup(without)
     os.makedirs(ckpt_dir, exist_ok=True)
     try:
-        plain = _train(bf16, 3, _data())
-        built = _train(bf16, 3, _data(), lambda m, o: _state(m, o, loading=True))
+        plain = _train(bf16, 3, _data())["losses"]
+        built = _train(bf16, 3, _data(), lambda m, o: _state(m, o, loading=True))["losses"]
     finally:
         destroy_parallel()
     return {"plain": plain, "empty_load": built}

@@ -22,6 +22,20 @@ def test_resume_prints_the_straight_runs_iterations(precision, tmp_path):
     assert resumed == straight
 
 
+MOE_EP2 = [
+    *("--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2"),
+    *("--moe-token-dispatcher-type", "alltoall"),
+    "--disable-bias-linear",  # megatron's experts with swiglu: "Bias is not supported for weighted swiglu fusion"
+]
+
+
+def test_moe_resume_at_ep2_prints_the_straight_runs_iterations(tmp_path):
+    """DP 2 x EP 2 on 2 ranks (expert DP 1), fp32: Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` saves each
+    EP rank's experts under their global index (``handle_experts_in_state_dict``), so the resume loads its own."""
+    straight, resumed, _ = megatron_lm.straight_and_resumed(2, [*MEGATRON_FSDP, *MOE_EP2], str(tmp_path / "ckpt"))
+    assert resumed == straight
+
+
 def test_load_of_a_directory_without_a_checkpoint_changes_nothing(tmp_path):
     extra = [*MEGATRON_FSDP, "--bf16", "--train-iters", "3"]
     plain = megatron_lm.printed(megatron_lm.torchrun(2, megatron_lm.launcher(), extra))
