@@ -98,7 +98,7 @@ def feature_paths(run: Run, enabled: Collection[str], config: Mapping[str, Any])
 
 
 def _lean_state_acts() -> bool:
-    """megatron-fsdp-lean-state's patches apply to the megatron-core release predicted (0.16; elsewhere
+    """megatron-fsdp-lean-state's layouts apply to the megatron-core release predicted (0.16-0.19; on 0.13-0.15
     Megatron-FSDP keeps its own buffers): the installed one, or a record's (:func:`megatron_code.release`)."""
     from mindspeed_like.features.megatron_fsdp_lean_state import acts_on
     from mindspeed_like.plan import megatron_code

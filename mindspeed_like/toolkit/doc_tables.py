@@ -535,6 +535,39 @@ def compare_table(recs: Records, name: str) -> list[str]:
     return out
 
 
+LEAN_STATE_RELEASES = (
+    "compare-plan-llama-dp2-mfsdp-level2",
+    "lean-state-compare-llama-dp2-mfsdp-level2-mc0.17",
+    "lean-state-compare-llama-dp2-mfsdp-level2-mc0.18",
+    "lean-state-compare-llama-dp2-mfsdp-level2-mc0.19",
+)
+"""megatron-fsdp-lean-state's compare records, one per megatron-core release it serves (the same command)."""
+
+
+@table("megatron_fsdp_lean_state_releases")
+def _megatron_fsdp_lean_state_releases(recs: Records) -> list[str]:
+    """Per release: compare's model state a rank (the most of the ranks), megatron's arm and the features
+    arm, in bytes and in bytes a parameter (the weights are the bf16 shard: one byte a parameter at DP=2)."""
+    lines = []
+    for name in LEAN_STATE_RELEASES:
+        record = recs[name]
+        by_metric = {row["metric"]: row for row in record["rows"] if "metric" in row}
+        state, weights = by_metric["model_state_bytes"], by_metric["weights_bytes"]["megatron"]
+        lines.append(
+            (
+                record["versions"]["megatron_core"],
+                f"{state['megatron']:,}",
+                f"{state['features']:,}",
+                f"{weights:,}",
+                f"{state['megatron'] / weights:.2f}",
+                f"{state['features'] / weights:.2f}",
+                f"{state['ratio']:.2f}x",
+            )
+        )
+    header = ("megatron-core", "megatron B", "lean B", "weights B (1 a param)", "megatron B/param", "lean B/param")
+    return markdown((*header, "ratio"), lines)
+
+
 def _moe_results(record: str) -> Renderer:
     def render(recs: Records) -> list[str]:
         return columns_table(

@@ -36,8 +36,9 @@ def accelerations() -> list:
 
 def acts_with_installed_megatron(feature) -> bool:
     """Whether switching ``feature`` on changes anything with the installed megatron-core: it has a
-    patch whose declared versions include it, or an ``activate``. (megatron-fsdp-lean-state acts on
-    0.16 and 0.19; on the version lane's 0.13 it has nothing to apply.)"""
+    patch whose declared versions include it, or an ``activate``. (megatron-fsdp-lean-state has a patch on
+    every release: on 0.16-0.19 its layouts, on the version lane's 0.13 the wrapper that says, once, that
+    custom_fsdp has no layout; these runs build no FSDP wrapper, so it says nothing here.)"""
     from mindspeed_like.testing.declarations import declared_patches
 
     return feature.activate is not None or bool(declared_patches(feature.name, **feature.switch_on))

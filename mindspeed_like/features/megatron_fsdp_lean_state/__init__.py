@@ -14,11 +14,15 @@ parameter. With this feature, under bf16 only:
 
 (2 + 2 + 2 + 4) / DP = 10 / DP bytes a parameter: 5.0 at DP 2 where megatron-core 0.16 holds 9.0
 (0.19, whose gradient buffers are already in the parameters' dtype: 8.0). Every piece is megatron's own
-option; megatron-core 0.16.1 leaves two links of it unwired (made here), 0.19.2 has them as options,
-and the Adam is ours where TE's FusedAdam is absent (precision-aware-optimizer). Targets: ``state.py``.
+option; megatron-core 0.16.1 leaves two links of it unwired (made here), 0.17.1 the same two (its buffers'
+dtypes are options there), 0.18.2 and 0.19.2 have them as options, and the Adam is ours where
+TE's FusedAdam is absent (precision-aware-optimizer). Releases with a Megatron-FSDP but no layout read and
+run here (0.13-0.15) say so once when its wrapper is built. Targets: ``state.py``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.features.megatron_fsdp_lean_state import state as s
@@ -26,23 +30,64 @@ from mindspeed_like.toolkit.declaration import Context, Feature, Flag
 
 NAME = "megatron-fsdp-lean-state"
 PRESERVE_FP32_WEIGHTS = ">=0.16,<0.17"
-"""0.16's layout (read and measured on 0.16.1): ``preserve_fp32_weights`` / ``grad_reduce_in_fp32`` and
-two links made here."""
+"""0.16's layout (read and measured on 0.16.1): ``preserve_fp32_weights`` / ``grad_reduce_in_fp32`` and two
+links made here."""
+MAIN_PARAMS_DTYPE = ">=0.17,<0.18"
+"""0.17's layout (read and measured on 0.17.1): ``megatron_fsdp_main_params_dtype`` /
+``megatron_fsdp_main_grads_dtype`` with ``grad_reduce_in_fp32`` off, and 0.16's two links."""
+DECOUPLED_GRAD = ">=0.18,<0.19"
+"""0.18's layout (read and measured on 0.18.2): 0.19's three options with ``grad_reduce_in_fp32`` off."""
 MIXED_PRECISION_POLICY = ">=0.19"
 """0.19's layout (read and measured on 0.19.2): ``megatron_fsdp_main_params_dtype`` /
 ``megatron_fsdp_main_grads_dtype`` / ``megatron_fsdp_use_decoupled_grad``."""
-VERSIONS = (PRESERVE_FP32_WEIGHTS, MIXED_PRECISION_POLICY)
-"""The releases whose Megatron-FSDP buffers and optimizer path were read and measured: 0.13 has no
-Megatron-FSDP; 0.14, 0.15, 0.17 and 0.18 were not read (not installed here). Elsewhere the patches are not
-applied and Megatron-FSDP keeps its own buffers."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one range of releases is made lean: the ``DistributedDataParallelConfig`` fields set on the
+    wrapper's copy, whether the buffer's ``use_precision_aware_optimizer`` link is made here
+    (``link_buffer``), whether the grad norm is read from the decoupled gradients here (``grad_norm``),
+    and whether the Adam's ``master_weights`` is set back where megatron clears it (``keep_masters``)."""
+
+    versions: str
+    ddp_changes: tuple[tuple[str, object], ...]
+    link_buffer: bool
+    grad_norm: bool
+    keep_masters: bool
+
+
+LAYOUTS = (
+    Layout(PRESERVE_FP32_WEIGHTS, s.LEAN_DDP, link_buffer=True, grad_norm=True, keep_masters=False),
+    Layout(MAIN_PARAMS_DTYPE, s.LEAN_DDP_MAIN_PARAMS_DTYPE, link_buffer=True, grad_norm=True, keep_masters=False),
+    Layout(DECOUPLED_GRAD, s.LEAN_DDP_DECOUPLED_GRAD, link_buffer=False, grad_norm=False, keep_masters=True),
+    Layout(MIXED_PRECISION_POLICY, s.LEAN_DDP_MIXED_PRECISION, link_buffer=False, grad_norm=False, keep_masters=True),
+)
+VERSIONS = tuple(layout.versions for layout in LAYOUTS)
+"""The releases whose Megatron-FSDP buffers and optimizer path were read and measured."""
+NO_LAYOUT = (
+    (s.CUSTOM_FSDP_INIT, "<0.14", s.NO_LAYOUT_CUSTOM_FSDP),
+    (s.FSDP_INIT, ">=0.14,<0.16", s.NO_LAYOUT_NOT_RUN),
+)
+"""Where Megatron-FSDP exists but no layout is served: its wrapper, the releases and the line a wrapper built
+with the feature on says once (``state.NoLayout``). 0.13's ``custom_fsdp`` does not run on a CPU host; 0.14.0's
+and 0.15.3's buffers read as 0.16's, but their Megatron-FSDP does not build with torch 2.13 (its mesh code
+reads ``_MeshEnv.child_to_root_mapping``, gone from torch), megatron's own arm included, so nothing was
+measured there."""
+
+
+def layout_of(release: object) -> Layout | None:
+    """The layout of megatron-core ``release`` (a Version), None where none was read."""
+    from packaging.specifiers import SpecifierSet
+
+    if release is None:
+        return None
+    return next((layout for layout in LAYOUTS if release in SpecifierSet(layout.versions)), None)
 
 
 def acts_on(release: object) -> bool:
     """Whether megatron-core ``release`` (a Version; None: none installed) is in one of :data:`VERSIONS`
     (for tools that predict a run without applying the patches: ``mindspeed-like plan``)."""
-    from packaging.specifiers import SpecifierSet
-
-    return release is not None and any(release in SpecifierSet(v) for v in VERSIONS)
+    return layout_of(release) is not None
 
 
 def acts_with_installed_megatron() -> bool:
@@ -54,40 +99,49 @@ def acts_with_installed_megatron() -> bool:
 
 def patches(ctx: Context) -> list[Patch]:
     fall_back = ctx.fallback(NAME, instead="keeping Megatron-FSDP's own buffers")
-    layouts = (
-        (PRESERVE_FP32_WEIGHTS, s.LEAN_DDP, s.LeanOptimizer(link_buffer=True)),
-        (MIXED_PRECISION_POLICY, s.LEAN_DDP_MIXED_PRECISION, s.LeanOptimizer(link_buffer=False, keep_masters=True)),
-    )
     out = []
-    for versions, ddp_changes, optimizer in layouts:
+    for layout in LAYOUTS:
         out += [
             Patch(
                 s.FSDP_INIT,
                 Kind.WRAP,
-                s.LeanBuffers(fall_back, ddp_changes),
+                s.LeanBuffers(fall_back, layout.ddp_changes),
                 why="no fp32 main-weight buffer, bf16 gradient buffers (bf16 runs under Megatron-FSDP)",
-                versions=versions,
+                versions=layout.versions,
                 after=("cpu-adapter",),  # the host twin builds the wrapper from the config handed on here
                 before=("fix-megatron-fsdp-no-shard",),  # its refusal comes first
             ),
             Patch(
                 s.GET_OPTIMIZER,
                 Kind.WRAP,
-                optimizer,
+                s.LeanOptimizer(link_buffer=layout.link_buffer, keep_masters=layout.keep_masters),
                 why="the precision-aware optimizer (remainder masters, bf16 moments) over the lean buffers",
-                versions=versions,
+                versions=layout.versions,
                 before=("precision-check",),  # the run's precision is checked first
             ),
         ]
-    out.append(  # 0.19 reads .decoupled_grad of Megatron-FSDP parameters itself
-        Patch(
-            s.GRADS_FOR_NORM,
-            Kind.WRAP,
-            s.grads_for_norm,
-            versions=PRESERVE_FP32_WEIGHTS,
-            why="the grad norm of a lean optimizer reads its decoupled gradients (megatron reads .grad, None)",
+        if layout.grad_norm:  # 0.18+ read .decoupled_grad of Megatron-FSDP parameters themselves
+            out.append(
+                Patch(
+                    s.GRADS_FOR_NORM,
+                    Kind.WRAP,
+                    s.grads_for_norm,
+                    versions=layout.versions,
+                    why="the grad norm of a lean optimizer reads its decoupled gradients (megatron reads .grad, None)",
+                )
+            )
+    for target, versions, line in NO_LAYOUT:
+        order = {"after": ("cpu-adapter",), "before": ("fix-megatron-fsdp-no-shard",)} if target == s.FSDP_INIT else {}
+        out.append(
+            Patch(
+                target,
+                Kind.WRAP,
+                s.NoLayout(fall_back, line.format(release=ctx.megatron_version)),
+                versions=versions,
+                why="no lean layout for this release's Megatron-FSDP: said once when its wrapper is built",
+                **order,
+            )
         )
-    )
     return out
 
 
@@ -112,10 +166,17 @@ FEATURE = Feature(
 )
 
 __all__ = [
+    "DECOUPLED_GRAD",
     "FEATURE",
+    "LAYOUTS",
+    "MAIN_PARAMS_DTYPE",
     "MIXED_PRECISION_POLICY",
+    "NAME",
+    "NO_LAYOUT",
     "PRESERVE_FP32_WEIGHTS",
     "VERSIONS",
+    "Layout",
     "acts_on",
     "acts_with_installed_megatron",
+    "layout_of",
 ]

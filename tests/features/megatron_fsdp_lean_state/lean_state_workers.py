@@ -143,3 +143,89 @@ def resume(ckpt_dir: str, lean: bool) -> list[float]:
         return _train(CKPT_STEPS - SAVE_AFTER, _data()[SAVE_AFTER:], load)["losses"]
     finally:
         destroy_parallel()
+
+
+# -- releases without a lean layout (0.13's custom_fsdp, 0.14's and 0.15's Megatron-FSDP)
+
+BUILDS = 2
+
+
+def wrapper_class():
+    """The installed release's Megatron-FSDP wrapper and the DistributedDataParallelConfig field that
+    selects it (0.13: ``custom_fsdp``, ``use_custom_fsdp``; 0.14+: ``mcore_fsdp_adapter``, ``use_megatron_fsdp``)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    if "use_megatron_fsdp" in DistributedDataParallelConfig.__dataclass_fields__:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        return FullyShardedDataParallel, "use_megatron_fsdp"
+    from megatron.core.distributed.custom_fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel, "use_custom_fsdp"
+
+
+def build_wrappers(lean: bool, strict: bool = False, builds: int = BUILDS) -> dict:
+    """Build the release's Megatron-FSDP wrapper ``builds`` times over the tiny bf16 GPT with the feature
+    ``lean`` or not; returns what the "mindspeed_like" logger said (``before``: before any build), the
+    feature's fallback reasons, and
+    for each build the exception that stopped it (None: built), FeatureUnsupported's message under strict.
+
+    megatron's own constructor may stop after the feature's line on this host (0.13: custom_fsdp is not
+    adapted to a CPU host; 0.14/0.15: their mesh code reads what torch 2.13 no longer has): that is
+    recorded, not raised, since the line is what this run checks."""
+    import logging
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    import mindspeed_like
+    from mindspeed_like.testing import destroy_parallel, init_parallel
+    from mindspeed_like.toolkit.errors import FeatureUnsupported
+    from mindspeed_like.toolkit.fallback import fell_back
+
+    said: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler = Collect(level=logging.DEBUG)
+    logger = logging.getLogger("mindspeed_like")
+    logger.addHandler(handler)
+    mindspeed_like.configure(device="cpu", megatron_fsdp_lean_state=lean, strict=strict)
+    init_parallel(seed=1234)
+    cls, field = wrapper_class()
+    before = list(said)  # configured, megatron's wrapper imported, nothing built yet
+    stopped: list = []
+    try:
+        for _ in range(builds):
+            ddp_config = DistributedDataParallelConfig(
+                use_distributed_optimizer=True, data_parallel_sharding_strategy="optim_grads_params", **{field: True}
+            )
+            try:
+                model = _model()
+                cls(model.config, ddp_config, model)
+                stopped.append(None)
+            except FeatureUnsupported as error:
+                stopped.append(f"FeatureUnsupported: {error}")
+            except Exception as error:  # megatron's own constructor on this host, after the line
+                stopped.append(f"{type(error).__name__}: {error}"[:300])
+    finally:
+        logger.removeHandler(handler)
+        destroy_parallel()
+    return {"before": before, "said": said, "fell_back": fell_back(), "stopped": stopped}
+
+
+NO_LAYOUT_CASES = ((True, False), (False, False), (True, True))
+"""(lean, strict): the feature on, off, and on under --strict."""
+
+
+def no_layout_cases() -> dict:
+    """:func:`build_wrappers` for each of :data:`NO_LAYOUT_CASES` in one process, from a fresh start each
+    (``mindspeed_like.reset()``: no patch, no line logged yet)."""
+    import mindspeed_like
+
+    out = {}
+    for lean, strict in NO_LAYOUT_CASES:
+        mindspeed_like.reset()
+        out[(lean, strict)] = build_wrappers(lean, strict)
+    return out

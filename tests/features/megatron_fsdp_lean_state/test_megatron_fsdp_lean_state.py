@@ -17,9 +17,11 @@ import torch
 from packaging.specifiers import SpecifierSet
 
 from mindspeed_like.features.megatron_fsdp_lean_state import (
+    LAYOUTS,
     MIXED_PRECISION_POLICY,
     acts_on,
     acts_with_installed_megatron,
+    layout_of,
 )
 from mindspeed_like.features.megatron_fsdp_lean_state import state as s
 from mindspeed_like.megatron_version import megatron_core_version
@@ -30,16 +32,16 @@ MEGATRON_019 = megatron_core_version() in SpecifierSet(MIXED_PRECISION_POLICY)
 
 pytestmark = pytest.mark.skipif(
     not acts_with_installed_megatron(),
-    reason="megatron-fsdp-lean-state acts on megatron-core 0.16 and 0.19 (0.13 has no Megatron-FSDP; "
-    "0.14, 0.15, 0.17, 0.18 not read)",
+    reason="megatron-fsdp-lean-state acts on megatron-core 0.16+ (0.13-0.15: no layout, said once: test_no_layout.py)",
 )
 
 TIMEOUT = 600
 TARGET = 5.2  # issue 54 item 4: model state a rank, B/param, DP=2 bf16 (megatron's: (2+4+4+8)/2 = 9.0)
 MEGATRON_GRADS = 3.0 if MEGATRON_019 else 2.0
-"""megatron's own gradients at DP=2 as its step starts, B/param: 0.16, the fp32 shard (grad_reduce_in_fp32);
-0.19 no longer reads that field, keeps the shard in the parameters' dtype (bf16: 1) and update_main_grads
-hands the optimizer an fp32 copy of it for the fp32 main weights (2), held until the next zero_grad."""
+"""megatron's own gradients at DP=2 as its step starts, B/param: 0.14-0.18, the fp32 shard
+(grad_reduce_in_fp32, on 0.17 and 0.18 "grandfathered" over megatron_fsdp_main_grads_dtype); 0.19 no
+longer reads that field, keeps the shard in the parameters' dtype (bf16: 1) and update_main_grads hands the
+optimizer an fp32 copy of it for the fp32 main weights (2), held until the next zero_grad."""
 LOSS_TOLERANCE = 1e-2  # bf16 gradients and moments: measured 4e-6 .. 2.7e-3 over 4-6 steps (losses ~5.6)
 
 
@@ -131,21 +133,20 @@ def test_lean_optimizer_config(cpu_config):
 def test_acts_on_the_releases_read():
     from packaging.version import Version
 
-    assert [acts_on(Version(v)) for v in ("0.13.1", "0.16.1", "0.17.1", "0.18.2", "0.19.2")] == [
-        False,
-        True,
-        False,
-        False,
-        True,
-    ]
+    layouts = [layout_of(Version(v)) for v in ("0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2")]
+    assert layouts == [None, None, None, *LAYOUTS]  # 0.13-0.15: no layout, said once (test_no_layout.py)
+    assert [acts_on(Version(v)) for v in ("0.15.3", "0.16.0", "0.19.2", "0.20.0")] == [False, True, True, True]
     assert not acts_on(None)
 
 
 def test_the_buffer_fields_are_the_installed_releases():
     """The DistributedDataParallelConfig fields the wrapper sets exist in the installed megatron-core
-    (dataclasses.replace would raise at the wrapper's first call otherwise; this says which)."""
+    (dataclasses.replace would raise at the wrapper's first call otherwise; this says which), and the
+    layout's gradient field is the one the installed Megatron-FSDP sizes its gradient buffer from."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    changes = s.LEAN_DDP_MIXED_PRECISION if MEGATRON_019 else s.LEAN_DDP
+    changes = dict(layout_of(megatron_core_version()).ddp_changes)
     fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}
-    assert {name for name, _ in changes} <= fields
+    assert set(changes) <= fields
+    assert ("preserve_fp32_weights" in changes) == ("megatron_fsdp_main_params_dtype" not in fields)
+    assert ("megatron_fsdp_use_decoupled_grad" in changes) == ("megatron_fsdp_use_decoupled_grad" in fields)
