@@ -16,21 +16,23 @@
   (``--torch-fsdp2-no-reshard-after-forward``, ZeRO-2) every unit's gathered parameters stay from
   its forward to its backward; the ones autograd saves count where compare's activation probe
   counts them. The root unit is never resharded after forward (FSDP2's rule for the root).
-- **Megatron-FSDP** (``--use-megatron-fsdp``): per parameter group, a model-weight buffer (model
-  dtype), a main-weight buffer (the fp32 masters) and a main-grad buffer (fp32 under
-  ``--accumulate-allreduce-grads-in-fp32``, else the model dtype); ``--data-parallel-sharding-strategy``
-  says which are sharded over DP: ``optim`` the masters (and so Adam's fp32 moments), ``optim_grads``
-  also the gradients, ``optim_grads_params`` also the model-dtype weights (then the TransformerLayers
-  are FSDP units whose buckets are all-gathered for their forward and backward). ``no_shard`` keeps
-  everything whole (refused on megatron-core 0.14-0.18: fixes/megatron_fsdp_no_shard.py). compare's
-  meter counts each buffer by its kind: weights = the model-weight buffer, optimizer = the fp32
-  main-weight buffer (the masters, which the module's parameters view during a step) and Adam's two
-  fp32 moments and step counters (optim_grads_params at bf16: 2/DP + 4/DP + 12/DP bytes a parameter).
-  Measured at DP 2 and 4 (compare's records): every kind within 0.7%. Each group's buffer is padded to a
-  multiple of DP x its rows' width (``build_data_parallel_buffer_index``), which the plan leaves out
-  (0.1-0.7% on compare's tiny models, less on larger ones). The TransformerLayers' gathered buckets
-  stayed alive from their forward to their backward in compare's runs (released lazily from the
-  second step on), so compare's activation probe counts them: the plan counts them there too.
+- **Megatron-FSDP** (``--use-megatron-fsdp``): per parameter group, a model-weight buffer (model dtype), a
+  main-weight buffer (the fp32 masters) and a main-grad buffer (fp32 under
+  ``--accumulate-allreduce-grads-in-fp32`` on megatron-core 0.16-0.18, else the model dtype; 0.19 keeps it in
+  the model dtype whatever that flag says, and every release hands the optimizer a gradient shard cast to the
+  masters' fp32, a copy kept beside a buffer that is not fp32: :func:`megatron_fsdp_grad_dtype`, counted as
+  gradients, as compare's meter counts it); ``--data-parallel-sharding-strategy`` says which are sharded over
+  DP: ``optim`` the masters (and so Adam's fp32 moments), ``optim_grads`` also the gradients,
+  ``optim_grads_params`` also the model-dtype weights (then the TransformerLayers are FSDP units whose buckets
+  are all-gathered for their forward and backward). ``no_shard`` keeps everything whole (refused on
+  megatron-core 0.14-0.18: fixes/megatron_fsdp_no_shard.py). compare's meter counts each buffer by its kind:
+  weights = the model-weight buffer, optimizer = the fp32 main-weight buffer (the masters, which the module's
+  parameters view during a step) and Adam's two fp32 moments and step counters (optim_grads_params at bf16:
+  2/DP + 4/DP + 12/DP bytes a parameter). Measured at DP 2 and 4 (compare's records): every kind within 0.7%.
+  Each group's buffer is padded to a multiple of DP x its rows' width (``build_data_parallel_buffer_index``),
+  which the plan leaves out (0.1-0.7% on compare's tiny models, less on larger ones). The TransformerLayers'
+  gathered buckets stayed alive from their forward to their backward in compare's runs (released lazily from
+  the second step on), so compare's activation probe counts them: the plan counts them there too.
 
 fsdp2-config (this library's, the features arm): ``sharding_size`` (HSDP) shards over the shard group
 instead (``paths.fsdp2_fields``, state.py), a bool ``reshard_after_forward`` acts as the flag does, and
@@ -53,7 +55,7 @@ from dataclasses import dataclass
 
 from mindspeed_like.plan.params import Param
 from mindspeed_like.plan.paths import Paths
-from mindspeed_like.plan.spec import BYTES, Run
+from mindspeed_like.plan.spec import BYTES, Precision, Run
 
 TORCH_FSDP2 = "torch_fsdp2"
 MEGATRON_FSDP = "megatron_fsdp"
@@ -122,6 +124,39 @@ def _expert_mesh_under_hsdp() -> bool:
     if megatron_code._recent:
         return megatron_code.release().release >= (0, 17)
     return expert_mesh_under_hsdp() is not False
+
+
+def megatron_fsdp_grad_dtype(precision: Precision) -> str:
+    """The dtype of Megatron-FSDP's main-grad buffer: where the release sizes it by ``grad_reduce_in_fp32``
+    (0.16-0.18, :func:`megatron_code.megatron_fsdp_grads_follow_grad_reduce_in_fp32`) DDP's grad dtype (fp32
+    under ``--accumulate-allreduce-grads-in-fp32``, Megatron-LM's bf16 default and compare's); where it does not
+    (0.19) the parameters' dtype (``megatron_fsdp_main_grads_dtype`` None, Megatron-LM's ``auto``)."""
+    from mindspeed_like.plan import megatron_code
+
+    if megatron_code.megatron_fsdp_grads_follow_grad_reduce_in_fp32():
+        return precision.grad_dtype
+    return precision.params
+
+
+def megatron_fsdp_copies_grads_for_the_masters(precision: Precision) -> bool:
+    """Whether Megatron-FSDP keeps an fp32 copy of each rank's gradient shard beside its main-grad buffer:
+    ``update_main_grads`` casts the shard to the fp32 masters' dtype (:func:`megatron_code.
+    megatron_fsdp_casts_grads_to_the_masters_dtype`), a new tensor where the buffer is not fp32 (0.19's bf16
+    buffer; 0.16-0.18 without ``--accumulate-allreduce-grads-in-fp32``). Megatron-FSDP's own masters only: the
+    lean state (no main-weight buffer, decoupled gradients) keeps no copy."""
+    from mindspeed_like.plan import megatron_code
+
+    return (
+        megatron_fsdp_grad_dtype(precision) != "fp32" and megatron_code.megatron_fsdp_casts_grads_to_the_masters_dtype()
+    )
+
+
+def megatron_fsdp_keeps_fp32_masters() -> bool:
+    """Whether Megatron-FSDP keeps its main-weight buffer of fp32 masters, fp32 parameters included
+    (:func:`megatron_code.megatron_fsdp_keeps_fp32_masters`: the release's default, every one 0.16-0.19)."""
+    from mindspeed_like.plan import megatron_code
+
+    return megatron_code.megatron_fsdp_keeps_fp32_masters()
 
 
 def expert_data_parallel_size(*, tp: int, cp: int, dp: int, expert_tp: int, ep: int) -> int | None:

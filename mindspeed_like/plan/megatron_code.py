@@ -5,8 +5,10 @@ a decorator, a parameter, a method), not for a version number, and names the cha
 
 The activation rows (activations.py) were read off megatron-core 0.16.1; the differences below were
 found on 0.13.1 and 0.19.2 by listing every storage the parity model saves (shape, dtype, module and
-megatron's line) under each release. Where megatron-core is not found, or a file cannot be read, the
-0.16 behaviour is taken.
+megatron's line) under each release. Megatron-FSDP's model state (state.py) differs too: which dtype its
+main-grad buffer takes and the fp32 copy of the gradient shard it keeps for the masters, read in the 0.16.1,
+0.17.1, 0.18.2 and 0.19.2 wheels (the ``megatron_fsdp_*`` checks at the end). Where megatron-core is not found,
+or a file cannot be read, the 0.16 behaviour is taken.
 """
 
 from __future__ import annotations
@@ -197,3 +199,113 @@ def permute_selects_by_argsort() -> bool:
 
         return _recent[-1] >= Version("0.19")
     return _installed_permute_selects_by_argsort()
+
+
+_ADAPTER = "distributed/fsdp/mcore_fsdp_adapter.py"
+_FSDP_BUFFER = "distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py"
+
+
+def _calls(node: ast.AST, name: str) -> list[ast.Call]:
+    """The calls in ``node`` of a function or method called ``name`` (``f(...)`` or ``x.f(...)``)."""
+    out = []
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            func = n.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called == name:
+                out.append(n)
+    return out
+
+
+def _names_attribute(node: ast.AST, attr: str) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == attr for n in ast.walk(node))
+
+
+@functools.cache
+def _installed_megatron_fsdp_grads_follow_grad_reduce_in_fp32() -> bool:
+    adapter = _class(_ADAPTER, "FullyShardedDataParallel")
+    init = _member(adapter.body, "__init__") if adapter is not None else None
+    if not isinstance(init, ast.FunctionDef):
+        return True  # no Megatron-FSDP adapter (0.13) or not readable: 0.16's
+    policies = _calls(init, "MixedPrecisionPolicy")
+    if policies:
+        # 0.17-0.18: main_grads_dtype=(torch.float32 if ddp_config.grad_reduce_in_fp32 else ...); 0.19: the
+        # ddp_config's megatron_fsdp_main_grads_dtype alone
+        given = [kw.value for call in policies for kw in call.keywords if kw.arg == "main_grads_dtype"]
+        return any(_names_attribute(value, "grad_reduce_in_fp32") for value in given)
+    # 0.16: no policy; ParamAndGradBuffer takes grad_reduce_in_fp32 and sizes the main-grad buffer by it
+    buffer = _class(_FSDP_BUFFER, "ParamAndGradBuffer")
+    buffer_init = _member(buffer.body, "__init__") if buffer is not None else None
+    if not isinstance(buffer_init, ast.FunctionDef):
+        return True
+    return any(a.arg == "grad_reduce_in_fp32" for a in buffer_init.args.args + buffer_init.args.kwonlyargs)
+
+
+def megatron_fsdp_grads_follow_grad_reduce_in_fp32() -> bool:
+    """Whether Megatron-FSDP's main-grad buffer is fp32 where ``DistributedDataParallelConfig.grad_reduce_in_fp32``
+    is set (Megatron-LM's ``--accumulate-allreduce-grads-in-fp32``, its default for bf16; compare sets it), or in
+    the parameters' dtype whatever it says (unless ``megatron_fsdp_main_grads_dtype`` names one). Read in the
+    wheels: 0.16.1's ``ParamAndGradBuffer`` takes ``grad_reduce_in_fp32`` and makes the buffer fp32 by it; 0.17.1
+    and 0.18.2's ``FullyShardedDataParallel.__init__`` builds the ``MixedPrecisionPolicy`` with
+    ``main_grads_dtype=torch.float32 if ddp_config.grad_reduce_in_fp32 else ...`` ("Grandfathered Argument");
+    0.19.2's passes ``ddp_config.megatron_fsdp_main_grads_dtype`` alone, whose default (None, Megatron-LM's
+    ``--megatron-fsdp-main-grads-dtype auto``) is the parameters' dtype. Checked as ``grad_reduce_in_fp32`` read
+    in that keyword, or, with no policy, taken by the buffer. Inside :func:`as_measured_on` the record's
+    release answers (before 0.19)."""
+    if _recent:
+        return _recent[-1].release < (0, 19)
+    return _installed_megatron_fsdp_grads_follow_grad_reduce_in_fp32()
+
+
+@functools.cache
+def _installed_megatron_fsdp_casts_grads_to_the_masters_dtype() -> bool:
+    buffer = _class(_FSDP_BUFFER, "ParamAndGradBuffer")
+    update = _member(buffer.body, "update_main_grads") if buffer is not None else None
+    if not isinstance(update, ast.FunctionDef):
+        return True  # no Megatron-FSDP (0.13) or not readable: 0.16's
+    return any(
+        any(_names_attribute(arg, "dtype") for arg in call.args) and _names_attribute(call.func, "to")
+        for call in _calls(update, "to")
+    )
+
+
+def megatron_fsdp_casts_grads_to_the_masters_dtype() -> bool:
+    """Whether Megatron-FSDP hands its optimizer each gradient shard cast to the fp32 masters' dtype: a new
+    tensor beside the main-grad buffer wherever their dtypes differ, kept (``dist_main_grad``) from one
+    optimizer step to the next. ``ParamAndGradBuffer.update_main_grads`` does ``optimizer_grad =
+    optimizer_grad.to(param.dtype)`` where the group has a main-weight buffer and the gradients are not
+    decoupled (read in 0.16.1, 0.17.1, 0.18.2 and 0.19.2: all of them; ``.to`` of an equal dtype is the
+    tensor itself). Measured on 0.19.2 (compare, llama DP 2 optim_grads_params bf16): the bf16 main-grad
+    shard and its fp32 copy, 2 + 4 bytes an element of the shard. Checked as a ``.to(<x>.dtype)`` call in
+    ``update_main_grads``; inside :func:`as_measured_on`, every release 0.16-0.19."""
+    if _recent:
+        return True
+    return _installed_megatron_fsdp_casts_grads_to_the_masters_dtype()
+
+
+@functools.cache
+def _installed_megatron_fsdp_keeps_fp32_masters() -> bool:
+    config = _class("distributed/distributed_data_parallel_config.py", "DistributedDataParallelConfig")
+    if config is None:
+        return True
+    for name in ("megatron_fsdp_main_params_dtype", "preserve_fp32_weights"):
+        field = _member(config.body, name)
+        if isinstance(field, ast.AnnAssign) and field.value is not None:
+            value = field.value
+            if isinstance(value, ast.Constant):  # preserve_fp32_weights = True / main_params_dtype = None
+                return bool(value.value)
+            return True  # torch.float32
+    return True
+
+
+def megatron_fsdp_keeps_fp32_masters() -> bool:
+    """Whether Megatron-FSDP keeps a main-weight buffer of fp32 masters whatever the parameters' dtype (fp32
+    parameters too) by default: ``DistributedDataParallelConfig.megatron_fsdp_main_params_dtype = torch.float32``
+    (0.17.1, 0.18.2, 0.19.2; Megatron-LM 0.19's ``--megatron-fsdp-main-params-dtype`` default fp32) or
+    ``preserve_fp32_weights = True`` (0.16.1; Megatron-LM core_v0.16.1 does not set it), read as that field's
+    default. Measured: compare, llama DP 2 optim_grads_params ``--fp32`` on 0.16.1 and 0.19.2, optimizer state
+    12 bytes an element of the shard (masters and two moments), as at bf16. Inside :func:`as_measured_on`, every
+    release 0.16-0.19."""
+    if _recent:
+        return True
+    return _installed_megatron_fsdp_keeps_fp32_masters()

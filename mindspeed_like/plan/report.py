@@ -75,7 +75,16 @@ def describe(run: Run) -> list[str]:
         )
     )
     p = run.precision
-    precision = f"precision: {p.params} parameters, {p.grad_dtype} gradients"
+    grads = f"{p.grad_dtype} gradients"
+    if lay.fsdp == "megatron_fsdp":
+        from mindspeed_like.plan import fsdp
+
+        grads = f"{fsdp.megatron_fsdp_grad_dtype(p)} gradients" + (
+            " (and an fp32 copy of the shard for the masters)"
+            if fsdp.megatron_fsdp_copies_grads_for_the_masters(p)
+            else ""
+        )
+    precision = f"precision: {p.params} parameters, {grads}"
     if p.precision_aware_optimizer:
         precision += (
             f", precision-aware optimizer (exp_avg {p.exp_avg}, exp_avg_sq {p.exp_avg_sq}, master {p.main_params})"

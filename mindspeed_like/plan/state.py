@@ -227,18 +227,25 @@ def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
                     p * (sharded if weights_sharded else numel),
                 )
             )
-        g = prec.grad_bytes
+        grad_dtype = fsdp.megatron_fsdp_grad_dtype(prec)
         lines.append(
             Line(
                 "gradients",
-                f"main-grad buffer ({prec.grad_dtype}, {f'1/{group}' if grads_sharded else 'whole'}{replicated})",
-                g * (sharded if grads_sharded else numel),
+                f"main-grad buffer ({grad_dtype}, {f'1/{group}' if grads_sharded else 'whole'}{replicated})",
+                BYTES[grad_dtype] * (sharded if grads_sharded else numel),
             )
         )
+        if fsdp.megatron_fsdp_copies_grads_for_the_masters(prec):
+            # update_main_grads' cast of each gradient shard to the fp32 masters' dtype, kept to the next step
+            # (megatron-core 0.19: the main-grad buffer in the parameters' dtype whatever grad_reduce_in_fp32 says)
+            lines.append(Line("gradients", f"fp32 copy of the gradient shards for the fp32 masters ({part})", 4 * n))
         master = f"main-weight buffer (fp32 masters, {part})"
     if paths.megatron_fsdp_lean_state and lay.fsdp == fsdp.MEGATRON_FSDP:
         return lines[:1] + _lean_state(n, grads_sharded, sharded, numel, group)
-    if prec.params != "fp32" and master:
+    # an fp32 master beside each non-fp32 shard under FSDP2 (megatron's Float16Optimizer; its FP32Optimizer keeps
+    # none); Megatron-FSDP's main-weight buffer whatever the parameters' dtype
+    masters = fsdp.megatron_fsdp_keeps_fp32_masters() if lay.fsdp == fsdp.MEGATRON_FSDP else prec.params != "fp32"
+    if masters and master:
         lines.append(Line("optimizer", master, 4 * n, feature))
     if prec.optimizer == "sgd":
         if prec.sgd_momentum:

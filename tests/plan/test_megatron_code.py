@@ -1,7 +1,9 @@
-"""plan's reading of the installed megatron-core where releases keep different tensors for backward."""
+"""plan's reading of the installed megatron-core where releases keep different tensors for backward, and
+Megatron-FSDP's gradient and master buffers of each release."""
 
 from __future__ import annotations
 
+import pytest
 from packaging.version import Version
 
 from mindspeed_like.megatron_version import megatron_core_version
@@ -19,3 +21,119 @@ def test_the_permute_selection_follows_the_release_a_record_was_measured_on() ->
         assert megatron_code.permute_selects_by_argsort()
     with megatron_code.as_measured_on("0.16.1"):
         assert not megatron_code.permute_selects_by_argsort()
+
+
+def test_megatron_fsdps_gradient_layout_is_read_from_the_installed_code() -> None:
+    """Megatron-FSDP's main-grad buffer follows ``grad_reduce_in_fp32`` up to 0.18 (0.13 has no Megatron-FSDP:
+    0.16's answer) and not from 0.19; every release casts the gradient shard to the masters' dtype and keeps
+    fp32 masters by default."""
+    installed = megatron_core_version()
+    assert megatron_code.megatron_fsdp_grads_follow_grad_reduce_in_fp32() == (
+        installed is None or installed < Version("0.19")
+    )
+    assert megatron_code.megatron_fsdp_casts_grads_to_the_masters_dtype()
+    assert megatron_code.megatron_fsdp_keeps_fp32_masters()
+
+
+@pytest.mark.parametrize(
+    ("release", "fp32_buffer"), [("0.16.1", True), ("0.17.1", True), ("0.18.2", True), ("0.19.2", False)]
+)
+def test_megatron_fsdps_gradient_layout_follows_the_release_a_record_was_measured_on(
+    release: str, fp32_buffer: bool
+) -> None:
+    with megatron_code.as_measured_on(release):
+        assert megatron_code.megatron_fsdp_grads_follow_grad_reduce_in_fp32() == fp32_buffer
+        assert megatron_code.megatron_fsdp_casts_grads_to_the_masters_dtype()
+        assert megatron_code.megatron_fsdp_keeps_fp32_masters()
+
+
+# The shapes of the code the readers look at, one a release (the lines that decide, not megatron's files):
+_BUFFER_016 = """
+class ParamAndGradBuffer:
+    def __init__(self, ddp_config, module, preserve_fp32_weights=True, grad_reduce_in_fp32=True):
+        pass
+
+    def update_main_grads(self):
+        for name, param in self.optimizer_named_parameters:
+            optimizer_grad = gbuf.get_item(item_id, only_shard=True)
+            if group.main_weight_buffer is not None:
+                optimizer_grad = optimizer_grad.to(param.dtype)
+"""
+_BUFFER_017 = """
+class ParamAndGradBuffer:
+    def __init__(self, ddp_config, module, mp_policy):
+        pass
+
+    def update_main_grads(self):
+        for name, param in self.optimizer_named_parameters:
+            optimizer_grad = gbuf.get_item(item_id, only_shard=True)
+            if group.main_weight_buffer is not None and not self.use_decoupled_grad:
+                optimizer_grad = optimizer_grad.to(param.dtype)
+"""
+_ADAPTER_016 = """
+class FullyShardedDataParallel:
+    def __init__(self, config, ddp_config, module):
+        self.ddp_config = ddp_config
+"""
+_ADAPTER_017 = """
+class FullyShardedDataParallel:
+    def __init__(self, config, ddp_config, module):
+        self.mp_policy = MixedPrecisionPolicy(
+            main_params_dtype=ddp_config.megatron_fsdp_main_params_dtype,
+            main_grads_dtype=(
+                torch.float32 if ddp_config.grad_reduce_in_fp32 else ddp_config.megatron_fsdp_main_grads_dtype
+            ),
+        )
+"""
+_ADAPTER_019 = """
+class FullyShardedDataParallel:
+    def __init__(self, config, ddp_config, module):
+        self.mp_policy = MixedPrecisionPolicy(
+            main_params_dtype=ddp_config.megatron_fsdp_main_params_dtype,
+            main_grads_dtype=ddp_config.megatron_fsdp_main_grads_dtype,
+        )
+"""
+_CONFIG_016 = "class DistributedDataParallelConfig:\n    preserve_fp32_weights: bool = True\n"
+_CONFIG_017 = (
+    "class DistributedDataParallelConfig:\n    megatron_fsdp_main_params_dtype: Optional[torch.dtype] = torch.float32\n"
+)
+_CONFIG_NO_MASTERS = (
+    "class DistributedDataParallelConfig:\n    megatron_fsdp_main_params_dtype: Optional[torch.dtype] = None\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("adapter", "buffer", "config", "fp32_buffer", "masters"),
+    [
+        (_ADAPTER_016, _BUFFER_016, _CONFIG_016, True, True),  # 0.16.1: the buffer takes grad_reduce_in_fp32
+        (_ADAPTER_017, _BUFFER_017, _CONFIG_017, True, True),  # 0.17.1, 0.18.2: "Grandfathered Argument"
+        (_ADAPTER_019, _BUFFER_017, _CONFIG_017, False, True),  # 0.19.2: the policy's own field alone
+        (_ADAPTER_019, _BUFFER_017, _CONFIG_NO_MASTERS, False, False),
+    ],
+)
+def test_megatron_fsdps_gradient_layout_is_read_from_each_releases_code_shape(
+    adapter: str, buffer: str, config: str, fp32_buffer: bool, masters: bool, monkeypatch
+) -> None:
+    """The readers on the code shapes of 0.16.1, 0.17.1 / 0.18.2 (wheels read, not installed here) and 0.19.2."""
+    import ast
+
+    files = {
+        "distributed/fsdp/mcore_fsdp_adapter.py": adapter,
+        "distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py": buffer,
+        "distributed/distributed_data_parallel_config.py": config,
+    }
+    monkeypatch.setattr(megatron_code, "_tree", lambda relative: ast.parse(files[relative]))
+    readers = (
+        megatron_code._installed_megatron_fsdp_grads_follow_grad_reduce_in_fp32,
+        megatron_code._installed_megatron_fsdp_casts_grads_to_the_masters_dtype,
+        megatron_code._installed_megatron_fsdp_keeps_fp32_masters,
+    )
+    for reader in readers:
+        reader.cache_clear()
+    try:
+        assert megatron_code.megatron_fsdp_grads_follow_grad_reduce_in_fp32() == fp32_buffer
+        assert megatron_code.megatron_fsdp_casts_grads_to_the_masters_dtype()
+        assert megatron_code.megatron_fsdp_keeps_fp32_masters() == masters
+    finally:
+        for reader in readers:
+            reader.cache_clear()

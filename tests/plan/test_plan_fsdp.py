@@ -10,7 +10,7 @@ import json
 import pytest
 
 from mindspeed_like.features.megatron_fsdp_lean_state import acts_with_installed_megatron
-from mindspeed_like.plan import cli
+from mindspeed_like.plan import cli, megatron_code
 from mindspeed_like.plan.predict import routed_rows_bound
 from mindspeed_like.plan.spec import Layout, Model, Run
 
@@ -51,6 +51,7 @@ def test_torch_fsdp2_shards_weights_gradients_and_optimizer_as_one_over_dp(capsy
     assert four["optimizer"] - steps == (two["optimizer"] - steps) // 2
 
 
+@pytest.mark.parametrize("release", ["0.16.1", "0.19.2"])
 @pytest.mark.parametrize(
     ("strategy", "sharded"),
     [
@@ -59,24 +60,47 @@ def test_torch_fsdp2_shards_weights_gradients_and_optimizer_as_one_over_dp(capsy
         ("optim_grads_params", {"optimizer", "gradients", "weights"}),
     ],
 )
-def test_megatron_fsdp_shards_what_its_strategy_names(strategy: str, sharded: set[str], capsys) -> None:
+def test_megatron_fsdp_shards_what_its_strategy_names(strategy: str, sharded: set[str], release: str, capsys) -> None:
     """The fp32 masters and Adam's moments are sharded by every strategy (optimizer state, as compare's
-    meter counts the main-weight buffer); the fp32 main-grad buffer by optim_grads and
-    optim_grads_params; the bf16 model-weight buffer by optim_grads_params only, so only there does
-    every kind fall as 1/DP."""
+    meter counts the main-weight buffer); the main-grad buffer by optim_grads and optim_grads_params; the
+    bf16 model-weight buffer by optim_grads_params only, so only there does every kind fall as 1/DP. The
+    main-grad buffer is the layout read from the release's code (megatron_code): fp32 where it follows
+    ``grad_reduce_in_fp32`` (0.16-0.18), else bf16 plus the fp32 copy of the rank's gradient shard that
+    ``update_main_grads`` casts for the fp32 masters (0.19: compare measured 2 + 4 bytes an element of the
+    shard, results/mc0.19.2-compare-plan-llama-dp2-mfsdp-level1.json)."""
     params = _state([], 1, capsys)["weights"] // 2
     extra = [*MEGATRON_FSDP, "--data-parallel-sharding-strategy", strategy]
-    two, four = _state(extra, 2, capsys), _state(extra, 4, capsys)
+    with megatron_code.as_measured_on(release):
+        two, four = _state(extra, 2, capsys), _state(extra, 4, capsys)
+        fp32_buffer = megatron_code.megatron_fsdp_grads_follow_grad_reduce_in_fp32()
+        assert megatron_code.megatron_fsdp_casts_grads_to_the_masters_dtype()
+    assert fp32_buffer == (release != "0.19.2")
+    buffer, copy = (4, 0) if fp32_buffer else (2, 4)  # bytes an element of the buffer / of the shard's fp32 copy
     steps = 4 * 64  # Adam's step counters: one fp32 a parameter tensor, on every rank
     assert 0 < two["optimizer"] - 12 * params // 2 <= steps
     assert abs(four["optimizer"] - two["optimizer"] / 2) <= steps
     grads_whole = "gradients" not in sharded
-    assert two["gradients"] == 4 * params // (1 if grads_whole else 2)
-    assert four["gradients"] == (two["gradients"] if grads_whole else two["gradients"] // 2)
+    for dp, state in ((2, two), (4, four)):
+        assert state["gradients"] == buffer * params // (1 if grads_whole else dp) + copy * params // dp
     if "weights" in sharded:
         assert two["weights"] == params and four["weights"] == params // 2  # the bf16 shard
     else:
         assert two["weights"] == four["weights"] == 2 * params  # the bf16 buffer, whole
+
+
+def test_megatron_fsdp_keeps_fp32_masters_of_fp32_parameters(capsys) -> None:
+    """Megatron-FSDP's main-weight buffer is made whatever the parameters' dtype (megatron_code: the default
+    of ``megatron_fsdp_main_params_dtype`` / ``preserve_fp32_weights``): at fp32 a rank holds its fp32 weight
+    shard, an fp32 gradient shard (no copy: the buffer is the masters' dtype), and 12 bytes an element of the
+    shard of optimizer state, as at bf16. Measured by compare (llama DP 2 optim_grads_params --fp32, optimizer
+    9,276,496 bytes on 0.16.1 and 9,276,488 on 0.19.2, weights 3,101,696: 12 / 4 bytes an element)."""
+    fp32 = [a for a in MODEL if a != "--bf16"]
+    argv = [*fp32, *MEGATRON_FSDP, "--data-parallel-sharding-strategy", "optim_grads_params"]
+    assert cli.main([*argv, "--world-size", "2", "--global-batch-size", "2", "--json"]) == 0
+    two = json.loads(capsys.readouterr().out)["per_rank"][0]["megatron"]
+    shard = two["weights_bytes"] // 4  # elements of the rank's shard
+    assert two["gradients_bytes"] == 4 * shard
+    assert 0 < two["optimizer_bytes"] - 12 * shard <= 4 * 64
 
 
 def test_the_unsharded_units_in_flight_are_a_line_of_their_own(capsys) -> None:
@@ -267,7 +291,9 @@ def test_megatron_fsdp_shards_an_experts_parameters_over_its_expert_data_paralle
     params = [p for chunk in stage(run, 0) for p in chunk]
     dense = sum(-(-p.numel // 2) for p in params if not p.expert)
     experts = sum(p.numel for p in params if p.expert)
-    assert experts and grads == 4 * (dense + experts)
+    # an fp32 main-grad buffer (0.16-0.18), or a bf16 one and the fp32 copy of the shard for the masters (0.19)
+    per_element = 4 if megatron_code.megatron_fsdp_grads_follow_grad_reduce_in_fp32() else 2 + 4
+    assert experts and grads == per_element * (dense + experts)
 
 
 @pytest.mark.skipif(
@@ -290,7 +316,9 @@ def test_megatron_fsdp_lean_state_is_the_features_arms_layout_at_level_2(capsys)
     megatron, lean = out["megatron"], out["features"]
     shard = megatron["weights_bytes"]  # bf16 shard: one byte a parameter at DP 2
     assert lean["weights_bytes"] == shard
-    assert megatron["gradients_bytes"] == 2 * shard and lean["gradients_bytes"] == shard
+    # megatron's: an fp32 main-grad shard (0.16-0.18), or a bf16 one and its fp32 copy for the masters (0.19)
+    grads = 2 if megatron_code.megatron_fsdp_grads_follow_grad_reduce_in_fp32() else 1 + 2
+    assert megatron["gradients_bytes"] == grads * shard and lean["gradients_bytes"] == shard
     assert lean["optimizer_bytes"] == 3 * shard
     assert 6 * shard < megatron["optimizer_bytes"] <= 6 * shard + 4 * 64
     assert cli.main([*argv, "--optimization-level", "1"]) == 0
@@ -311,8 +339,13 @@ def test_megatron_fsdp_hsdp_shards_within_an_instance_and_optim_shards_the_maste
     hsdp = [*extra, "--num-distributed-optimizer-instances", "2"]
     assert _state(hsdp, 4, capsys) == two
     outer = _state([*hsdp, "--outer-dp-sharding-strategy", "optim"], 4, capsys)
-    assert outer["weights"] == two["weights"] and outer["gradients"] == two["gradients"]
-    assert outer["optimizer"] == four["optimizer"]
+    assert outer["weights"] == two["weights"] and outer["optimizer"] == four["optimizer"]
+    if megatron_code.megatron_fsdp_grads_follow_grad_reduce_in_fp32():
+        assert outer["gradients"] == two["gradients"]  # the instance's fp32 main-grad shard
+    else:
+        # 0.19: the instance's bf16 main-grad shard (the size of DP 2's bf16 weight shard) and the fp32 copy
+        # update_main_grads casts of the main-grad buffer's shard over the whole DP group (DP 4's copy)
+        assert outer["gradients"] == two["weights"] + (four["gradients"] - four["weights"])
     text = _plan(hsdp, 4, capsys)
     assert "HSDP: 2 instances of 2 ranks" in json.dumps(text)
 
@@ -420,3 +453,33 @@ def test_grouped_experts_keep_no_stacked_copy_of_their_weights() -> None:
         for arm in ("features", "megatron"):
             rows = getattr(pred, arm).stages[0].chunk_rows[0]["layer 0"]
             assert [r.what for r in rows if "stacked" in r.what] == [], (ep, arm)
+
+
+# compare's records of Megatron-FSDP outside the accuracy lane (which holds megatron-core 0.16.1's), each
+# predicted as the release it ran on (megatron_code.as_measured_by): 0.19.2's bf16 main-grad buffer and the fp32
+# copy of its shard (the plan was 33% under on the gradients before it modeled them), fp32 masters of fp32 weights
+RELEASE_RECORDS = (
+    "mc0.19.2-compare-plan-llama-dp2-mfsdp-level1",
+    "mc0.19.2-compare-plan-llama-dp2-mfsdp-optim-level1",
+    "mc0.19.2-compare-plan-llama-dp2-mfsdp-fp32-level1",
+    "mc0.16.1-compare-plan-llama-dp2-mfsdp-fp32-level1",
+    "mc0.19.2-compare-plan-llama-dp4-mfsdp-hsdp2-level1",
+    "mc0.19.2-compare-plan-llama-dp4-mfsdp-hsdp2-outer-optim-level1",
+    "mc0.19.2-compare-plan-moe-ep2-dp2-mfsdp-level1",
+    "hsdp-experts-moe-ep2-dp4-mfsdp-hsdp2-level1-mc0.19.2",
+)
+
+
+@pytest.mark.parametrize("name", RELEASE_RECORDS)
+def test_megatron_fsdp_state_is_what_compare_measured_on_its_release(name: str) -> None:
+    """Weights, gradients and optimizer state, each within 1% of compare's meter (every byte of the live
+    objects; the largest rank), both arms, on whichever megatron-core is installed."""
+    from mindspeed_like.plan import accuracy
+    from mindspeed_like.toolkit import records
+
+    for case in accuracy.cases_of(records.results_dir() / f"{name}.json"):
+        for metric in ("weights_bytes", "gradients_bytes", "optimizer_bytes"):
+            assert abs(case.error(metric)) <= 0.01, (
+                f"{name} {case.arm} {metric}: measured {case.measured[metric]:,.0f}, "
+                f"plan {case.predicted[metric]:,.0f} ({100 * case.error(metric):+.2f}%)"
+            )
