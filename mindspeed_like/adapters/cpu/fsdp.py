@@ -78,8 +78,9 @@ PATCHES = [
             ("_load_rng_state_dict", "torch.cuda.set_rng_state() in fsdp_dtensor checkpoints"),
         )
     ],
-    # megatron-core 0.19: the double buffer's limit and its max-pool allocator
-    on_host(f"{BUFFER}.GradReducePipeline._enforce_double_buffer_limit", "torch.cuda.stream", versions=">=0.19"),
+    # the double buffer's limit (its torch.cuda.stream from megatron-core 0.18.0; 0.17.1's has none) and
+    # 0.19's max-pool allocator
+    on_host(f"{BUFFER}.GradReducePipeline._enforce_double_buffer_limit", "torch.cuda.stream", versions=">=0.18"),
     on_host(f"{BUFFER}.MaxPoolAllocator.allocate", "torch.cuda.synchronize()", versions=">=0.19"),
     on_host(
         "transformer.fsdp_dtensor_checkpoint.validate_loaded_state_dict",
