@@ -31,8 +31,9 @@
   2/DP + 4/DP + 12/DP bytes a parameter). Measured at DP 2 and 4 (compare's records): every kind within 0.7%.
   Each group's buffer is padded to a multiple of DP x its rows' width (``build_data_parallel_buffer_index``),
   which the plan leaves out (0.1-0.7% on compare's tiny models, less on larger ones). The TransformerLayers'
-  gathered buckets stayed alive from their forward to their backward in compare's runs (released lazily from
-  the second step on), so compare's activation probe counts them: the plan counts them there too.
+  gathered buckets are alive again when the forward ends on megatron-core 0.16 and 0.17 (the output layer's
+  all-gather prefetches them), so compare's activation probe counts them and the plan counts them there too;
+  0.18 and 0.19 stop that prefetch from the second step on (:func:`saved_gathered_bytes`).
 
 fsdp2-config (this library's, the features arm): ``sharding_size`` (HSDP) shards over the shard group
 instead (``paths.fsdp2_fields``, state.py), a bool ``reshard_after_forward`` acts as the flag does, and
@@ -332,10 +333,13 @@ def saved_gathered_bytes(run: Run, params: list[Param], paths: Paths | None = No
       only where megatron's own RMSNorm/LayerNorm runs (fused-rmsnorm's kernel saves no weight).
       With reshard_after_forward every unit, the root included, is freed after its forward: none
       (compare's records: exact to the byte both ways).
-    - Megatron-FSDP optim_grads_params: every TransformerLayer's gathered bucket, whole, as measured on
-      the largest rank (megatron-core 0.16 releases them lazily from the second step on; one rank of two
-      held one layer's, the other both). A layer's experts are a bucket of their own (their own
-      parameter group): counted only where they are gathered (:func:`gathered`: not at expert
+    - Megatron-FSDP optim_grads_params, where the release gathers them again at the forward's end
+      (:func:`megatron_code.megatron_fsdp_regathers_the_units_at_the_forward_end`: 0.16, 0.17; the output
+      layer's all-gather prefetches them): every TransformerLayer's gathered bucket, whole, as measured on
+      the largest rank (one rank of two held one layer's, the other both). 0.18 and 0.19 gather the
+      parameters outside the units without prefetch from the second step on: none (compare's llama DP 2 on
+      0.19.2, megatron's arm: 29,248,000 bytes, what ``optim`` keeps). A layer's experts are a bucket of
+      their own (their own parameter group): counted only where they are gathered (:func:`gathered`: not at expert
       data-parallel size 1) and autograd saves them (:func:`_saved_whole`: not under moe-zero-memory).
       compare's moe EP2 x DP2 (expert DP 1): the saved gathered storages were the dense buckets only
       (332,800 bytes each); counting each layer's experts (4,325,376 bytes) there put megatron's arm 18%
@@ -343,6 +347,10 @@ def saved_gathered_bytes(run: Run, params: list[Param], paths: Paths | None = No
     lay = run.layout
     p = BYTES[run.precision.params]
     if lay.fsdp == MEGATRON_FSDP and lay.sharding_strategy == "optim_grads_params":
+        from mindspeed_like.plan import megatron_code
+
+        if not megatron_code.megatron_fsdp_regathers_the_units_at_the_forward_end():
+            return []
         return [
             (u.name, p * sum(q.numel for q in u.params if gathered(run, q) and _saved_whole(run, paths, q)))
             for u in units(run, params)

@@ -309,3 +309,59 @@ def megatron_fsdp_keeps_fp32_masters() -> bool:
     if _recent:
         return True
     return _installed_megatron_fsdp_keeps_fp32_masters()
+
+
+_MEGATRON_FSDP = "distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py"
+
+
+def _marks_pre_backward(node: ast.AST) -> bool:
+    """Whether ``node`` assigns ``<x>._training_state = TrainingState.PRE_BACKWARD``."""
+    return any(
+        isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Attribute) and t.attr == "_training_state" for t in n.targets)
+        and _names_attribute(n.value, "PRE_BACKWARD")
+        for n in ast.walk(node)
+    )
+
+
+@functools.cache
+def _installed_megatron_fsdp_regathers_the_units_at_the_forward_end() -> bool:
+    fsdp = _class(_MEGATRON_FSDP, "MegatronFSDP")
+    if fsdp is None:
+        return True  # no Megatron-FSDP (0.13) or not readable: 0.16's
+    hooks = [n for n in ast.walk(fsdp) if isinstance(n, ast.FunctionDef) and n.name == "_root_pre_backward"]
+    if not hooks:
+        return True
+    for loop in (n for n in ast.walk(hooks[0]) if isinstance(n, ast.For)):
+        over = loop.iter
+        if not (isinstance(over, ast.Call) and isinstance(over.func, ast.Attribute) and over.func.attr == "modules"):
+            continue
+        for statement in loop.body:
+            if not _marks_pre_backward(statement):
+                continue
+            # 0.16/0.17: ``if isinstance(module, tuple(fsdp_unit_modules)): module._training_state = PRE_BACKWARD``;
+            # 0.18/0.19: every submodule, unconditionally
+            return isinstance(statement, ast.If) and bool(_calls(statement.test, "isinstance"))
+    return True
+
+
+def megatron_fsdp_regathers_the_units_at_the_forward_end() -> bool:
+    """Whether, under ``optim_grads_params``, every TransformerLayer's gathered bucket is alive again when a
+    step's forward ends (so the tensors autograd saved from it hold it to the layer's backward), from the
+    second step on. Each unit's bucket is released after its forward; the parameters outside the units
+    (embedding, output layer, final norm: Megatron-FSDP's first bucket) are all-gathered at each of those
+    modules' forward with ``prefetch=True`` where the module is not PRE_BACKWARD, and the prefetch takes
+    the buckets after the first in forward order (up to 500M elements): at the output layer, every layer's.
+    ``_root_pre_backward`` marks PRE_BACKWARD only the FSDP units in 0.16.1 and 0.17.1 (the post-backward hook
+    resets them), so those modules prefetch at every step: True. 0.18.2 and 0.19.2 mark every submodule and the
+    post-backward hook resets only the units' own, so the modules outside the units stay PRE_BACKWARD and
+    gather without prefetch from the second step on: False. Measured: the local-spec tiny GPT at DP 2
+    (saved storages at the third step's forward end: one layer's 82,432-byte bucket alive on 0.17.1, freed
+    on 0.18.2; the output layer's all-gather ``prefetch=True`` at step 3 on 0.17.1, False on 0.18.2), and
+    compare's llama DP 2 optim_grads_params: megatron's arm 32,086,528 bytes of activations on 0.16.1 and
+    0.17.1, 29,248,000 (the layers' buckets, 2,838,528, left out) on 0.18.2 and 0.19.2. Checked as the
+    ``PRE_BACKWARD`` assignment in ``_root_pre_backward``'s loop over ``modules()`` under an ``isinstance``
+    test. Inside :func:`as_measured_on` the record's release answers (before 0.18)."""
+    if _recent:
+        return _recent[-1].release < (0, 18)
+    return _installed_megatron_fsdp_regathers_the_units_at_the_forward_end()

@@ -137,3 +137,39 @@ def test_megatron_fsdps_gradient_layout_is_read_from_each_releases_code_shape(
     finally:
         for reader in readers:
             reader.cache_clear()
+
+
+_ROOT_PRE_BACKWARD_016 = """
+class MegatronFSDP:
+    def _register_fsdp_hooks(self, root_module):
+        def _root_pre_backward(module, *unused):
+            if self.ddp_config.data_parallel_sharding_strategy == "optim_grads_params":
+                for module in root_module.modules():
+                    if isinstance(module, tuple(fsdp_unit_modules)):
+                        module._training_state = TrainingState.PRE_BACKWARD
+"""
+_ROOT_PRE_BACKWARD_018 = """
+class MegatronFSDP:
+    def _register_fsdp_hooks(self, root_module):
+        def _root_pre_backward(module, *unused, skip_backward_hook=False):
+            if self.data_parallel_sharding_strategy == "optim_grads_params":
+                for sub_module in root_module.modules():
+                    sub_module._training_state = TrainingState.PRE_BACKWARD
+"""
+
+
+@pytest.mark.parametrize(("code", "regathers"), [(_ROOT_PRE_BACKWARD_016, True), (_ROOT_PRE_BACKWARD_018, False)])
+def test_megatron_fsdps_forward_end_regather_is_read_from_each_releases_code_shape(
+    code: str, regathers: bool, monkeypatch
+) -> None:
+    """0.16.1 / 0.17.1 mark only the FSDP units PRE_BACKWARD before the backward (the modules outside them
+    keep prefetching at their forward); 0.18.2 / 0.19.2 mark every submodule."""
+    import ast
+
+    monkeypatch.setattr(megatron_code, "_tree", lambda relative: ast.parse(code))
+    reader = megatron_code._installed_megatron_fsdp_regathers_the_units_at_the_forward_end
+    reader.cache_clear()
+    try:
+        assert megatron_code.megatron_fsdp_regathers_the_units_at_the_forward_end() == regathers
+    finally:
+        reader.cache_clear()

@@ -430,8 +430,10 @@ def test_megatron_fsdp_keeps_an_experts_bucket_only_where_gathered_and_saved(
     """compare, moe EP2 x DP2 (expert DP 1) optim_grads_params, saved tensors by storage: each layer's dense
     bucket (332,800 bytes) kept from forward to backward, no expert bucket (measured when the te-backend's
     grouped GEMM still saved stacked [4, 1408, 256] / [4, 256, 704] copies of the expert weights). Counting
-    the experts there put megatron's arm 18% over."""
-    out, params = _moe_fsdp(extra, capsys)
+    the experts there put megatron's arm 18% over. Measured on 0.16.1, predicted as 0.16.1 (0.18 and later keep
+    no layer's bucket to backward: test_megatron_fsdp_keeps_the_layers_gathered_buckets_to_backward_...)."""
+    with megatron_code.as_measured_on("0.16.1"):
+        out, params = _moe_fsdp(extra, capsys)
     layer = [p for p in params if p.name.startswith("decoder.layers.0.")]
     dense = 2 * sum(p.numel for p in layer if not p.expert)
     experts = 2 * sum(p.numel for p in layer if p.expert)
@@ -473,13 +475,40 @@ RELEASE_RECORDS = (
 @pytest.mark.parametrize("name", RELEASE_RECORDS)
 def test_megatron_fsdp_state_is_what_compare_measured_on_its_release(name: str) -> None:
     """Weights, gradients and optimizer state, each within 1% of compare's meter (every byte of the live
-    objects; the largest rank), both arms, on whichever megatron-core is installed."""
+    objects; the largest rank), and the activations (compare's probe of the last step's forward; the mean rank
+    under EP), both arms, on whichever megatron-core is installed."""
     from mindspeed_like.plan import accuracy
     from mindspeed_like.toolkit import records
 
     for case in accuracy.cases_of(records.results_dir() / f"{name}.json"):
-        for metric in ("weights_bytes", "gradients_bytes", "optimizer_bytes"):
+        for metric in ("weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes"):
             assert abs(case.error(metric)) <= 0.01, (
                 f"{name} {case.arm} {metric}: measured {case.measured[metric]:,.0f}, "
                 f"plan {case.predicted[metric]:,.0f} ({100 * case.error(metric):+.2f}%)"
             )
+
+
+@pytest.mark.parametrize(("release", "regathers"), [("0.16.1", True), ("0.19.2", False)])
+def test_megatron_fsdp_keeps_the_layers_gathered_buckets_to_backward_where_the_release_regathers_them(
+    release: str, regathers: bool, capsys
+) -> None:
+    """optim_grads_params: 0.16 and 0.17 gather every layer's bucket again when the forward ends (the output
+    layer's all-gather prefetches them; megatron_code), so the saved tensors hold them to backward: the
+    activations are optim's (which gathers nothing) plus every layer's bucket; 0.18 and 0.19 prefetch nothing
+    there from the second step on: optim's. Measured: compare's llama DP 2, megatron's arm, 32,086,528 bytes on
+    0.16.1 (compare-plan-llama-dp2-mfsdp-level1) and 29,248,000 on 0.19.2
+    (mc0.19.2-compare-plan-llama-dp2-mfsdp-level1), optim's 29,248,000 on both."""
+    argv = "--preset llama --num-layers 2 --hidden-size 256 --seq-length 256 --micro-batch-size 2".split()
+    argv += ["--data-parallel-size", "2", "--use-megatron-fsdp", "--optimization-level", "1"]
+    with megatron_code.as_measured_on(release):
+        arms = {}
+        for strategy in ("optim", "optim_grads_params"):
+            assert cli.main([*argv, "--data-parallel-sharding-strategy", strategy, "--json"]) == 0
+            arms[strategy] = json.loads(capsys.readouterr().out)["per_rank"][0]["megatron"]
+        assert megatron_code.megatron_fsdp_regathers_the_units_at_the_forward_end() == regathers
+    kept = arms["optim_grads_params"]["activations_bytes"] - arms["optim"]["activations_bytes"]
+    whole = arms["optim"]["weights_bytes"]  # optim's bf16 weights, whole: the layers' buckets and the rest
+    if regathers:
+        assert 0.5 * whole < kept < whole
+    else:
+        assert kept == 0
