@@ -53,12 +53,23 @@ Megatron-LM core_v0.16.1's pretrain_gpt.py on 4 gloo ranks (PP 2 x DP 2, ``optim
 6. Virtual pipeline stages (``--num-layers-per-virtual-pipeline-stage`` /
    ``--num-virtual-stages-per-pipeline-rank``): each model chunk is a Megatron-FSDP wrapper of its own and
    trains as the distributed optimizer does (PP 2 x VPP 2 x DP 2, every strategy, fp32 and bf16: the same
-   digits, docs/features/fsdp.md). But megatron-core's distributed optimizer names each Megatron-FSDP
-   parameter by its path within its chunk, the same in every chunk (``decoder.layers.0...``), and its
-   fsdp_dtensor state dict stops at the first save ("Parameter names conflict between model chunks: ...
-   Ensure that each model chunk has unique parameter names.", ``DistributedOptimizer._param_name``, any
-   device): the run trained up to its first save and died there. Megatron-LM's argument validation lets it
-   through; the validate_args hook refuses ``--save`` there, with megatron's words and the ways out.
+   digits, docs/features/fsdp.md). Saving stopped twice, on any device. megatron-core's distributed optimizer
+   names each parameter by its path within its chunk, the same in every chunk (``decoder.layers.0...``), and
+   raised "Parameter names conflict between model chunks: ... Ensure that each model chunk has unique
+   parameter names." (``DistributedOptimizer._param_name``) at the first save, after the iterations before
+   it. With several chunks each name now carries its layer's index in the whole model (``layer_number - 1``,
+   what item 4 writes to the checkpoint; megatron's own ``get_global_unique_param_name`` means the same), the
+   rest of megatron's naming (experts made global) kept. Then Megatron-LM's fsdp_dtensor save and load
+   (``preprocess_fsdp_dtensor_state_dict(args, state_dict, model[0])``) prepare ``state_dict["model"]``
+   with ``model[0]``, where several chunks are ``model0``, ``model1``, ... (a ``KeyError: 'model'``).
+   megatron's preparation now runs once per chunk, with that chunk's model state, the optimizer entries of
+   its parameters under megatron's own names and that chunk as the model, and each result is named by
+   global layer index as in item 4 and merged into ``model`` / ``optimizer``: the checkpoint holds the keys
+   a run without virtual stages writes. After the load megatron hands the model's own state dict back
+   to ``load_state_dict`` (``model``), not the chunks' (``model0``, ...): they are handed back too. The
+   chunks come from ``generate_state_dict(args, model, ...)``, which Megatron-LM calls with the whole list
+   just before, on save and on load. Saved at iteration 3 and resumed (PP 2 x VPP 2 x DP 2,
+   ``optim_grads_params``, dropout 0.1), iterations 4-6 print the uninterrupted run's digits, fp32 and bf16.
 
 With these, PP 2 x DP 2 (two microbatches a step) prints the distributed optimizer's lm loss and grad
 norm at every digit, fp32 and bf16, for ``optim``, ``optim_grads`` and ``optim_grads_params`` (also with
@@ -69,8 +80,10 @@ megatron-core 0.19.2 has the same lines unchanged.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import re
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -88,6 +101,10 @@ HSDP_MESH = f"{ADAPTER}._get_hsdp_tp_mesh"
 FORWARD = "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp.MegatronFSDP.forward"
 EMBEDDING = "megatron.core.distributed.finalize_model_grads._allreduce_embedding_grad"
 CHECKPOINT = "megatron.training.checkpointing.preprocess_fsdp_dtensor_state_dict"
+OPTIMIZER_NAMES = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._param_name"
+STATE_DICT = "megatron.training.checkpointing.generate_state_dict"
+LOAD = "megatron.training.checkpointing._load_base_checkpoint"
+CHUNKS_VERSIONS = ">=0.16"  # read in 0.16.1 (with Megatron-LM core_v0.16.1), 0.17.1 and 0.19.2
 
 
 def stage_ranks(block: int) -> torch.Tensor:
@@ -225,10 +242,150 @@ def _renamed(entries: dict, indices: dict[int, int]) -> dict:
     return {LAYER.sub(lambda m: f"decoder.layers.{indices[int(m.group(1))]}.", key): v for key, v in entries.items()}
 
 
+def _global_name(name: str, indices: dict[int, int]) -> str:
+    """``name`` with a stage-local layer index made global where ``indices`` knows it."""
+    return LAYER.sub(lambda m: f"decoder.layers.{indices.get(int(m.group(1)), int(m.group(1)))}.", name)
+
+
+def chunk_parameter_names(chunk, num_experts) -> dict[str, tuple[str, torch.nn.Parameter]]:
+    """A model chunk's parameters as the distributed optimizer names them with several chunks: the global
+    name (megatron's: the path within the chunk, experts' indices made global; then the layer's index in
+    the whole model) -> (megatron's name, the parameter)."""
+    optimizer = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    named = optimizer.handle_experts_in_state_dict(dict(chunk.named_parameters()), num_experts)
+    indices = _global_layer_indices(chunk)
+    return {_global_name(name, indices): (name, param) for name, param in named.items()}
+
+
+def _num_experts(chunks) -> int | None:
+    return getattr(chunks[0].config, "num_moe_experts", None)
+
+
+def optimizer_names(chunks) -> dict[str, torch.nn.Parameter]:
+    """Every chunk's parameters by their global name; a name in two chunks is megatron's own error."""
+    names: dict[str, torch.nn.Parameter] = {}
+    for chunk in chunks:
+        named = {name: param for name, (_, param) in chunk_parameter_names(chunk, _num_experts(chunks)).items()}
+        common = names.keys() & named.keys()
+        if common:
+            raise ValueError(
+                f"Parameter names conflict between model chunks: {common}. Ensure that each model chunk has "
+                f"unique parameter names ({NAME}: the names carry each layer's index in the whole model)."
+            )
+        names.update(named)
+    return names
+
+
+def unique_names_across_chunks(wrapped, instance, args, kwargs):
+    """``DistributedOptimizer._param_name``: with several model chunks, megatron's mapping (which it builds
+    once, as ``param_to_name``) built from the global names; with one chunk, megatron's own."""
+    chunks = list(getattr(instance, "model_chunks", None) or [])
+    if len(chunks) > 1 and not hasattr(instance, "param_to_name"):
+        instance.param_to_name = {param: name for name, param in optimizer_names(chunks).items()}
+    return wrapped(*args, **kwargs)
+
+
+_CHUNKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model[0] -> the model chunks it stands for in ``preprocess_fsdp_dtensor_state_dict`` (weak references)."""
+CHUNK_KEY = re.compile(r"model\d+")
+
+
+def remember_model_chunks(wrapped, instance, args, kwargs):
+    """``generate_state_dict(args, model, ...)``: Megatron-LM's fsdp_dtensor save and load call it with the
+    whole list of chunks just before ``preprocess_fsdp_dtensor_state_dict(args, state_dict, model[0])``."""
+    model = args[1] if len(args) > 1 else kwargs.get("model")
+    if isinstance(model, (list, tuple)) and len(model) > 1:
+        _CHUNKS[model[0]] = [weakref.ref(chunk) for chunk in model]
+    return wrapped(*args, **kwargs)
+
+
+def _model_chunks(model) -> list | None:
+    refs = _CHUNKS.get(model) if model is not None else None
+    chunks = [ref() for ref in refs] if refs else None
+    return chunks if chunks and all(chunk is not None for chunk in chunks) else None
+
+
+def _merge(into: dict, entries: dict, what: str) -> None:
+    common = into.keys() & entries.keys()
+    if common:
+        raise ValueError(f"{NAME}: two model chunks name the same {what} entries {sorted(common)}")
+    into.update(entries)
+
+
+WRAPPERS = re.compile(r"^(module\.)+")
+
+
+def _chunks_entries(chunk, entries: dict) -> dict[str, str]:
+    """The optimizer's ``entries`` (named as ``unique_names_across_chunks`` names them) of ``chunk``'s
+    parameters: megatron's name within the chunk -> the entry's key. A layer's index goes back to the
+    chunk's own; a name outside the layers is the chunk's where it has that parameter, wrappers aside (the
+    optimizer's chunks and Megatron-LM's differ by one: ``module.module.`` against ``module.``)."""
+    local = {index: position for position, index in _global_layer_indices(chunk).items()}
+    others = {WRAPPERS.sub("", name) for name, _ in chunk.named_parameters() if not LAYER.search(name)}
+    mine = {}
+    for key in entries:
+        layer = LAYER.search(key)
+        if layer is not None and int(layer.group(1)) in local:
+            mine[LAYER.sub(lambda m: f"decoder.layers.{local[int(m.group(1))]}.", key)] = key
+        elif layer is None and WRAPPERS.sub("", key) in others:
+            mine[key] = key
+    return mine
+
+
+def _each_chunk(wrapped, megatron_args, state_dict: dict, chunks: list) -> dict:
+    """megatron's preparation once per chunk (``model{i}``, the optimizer entries of its parameters under
+    megatron's names, the chunk as the model), each result named by global layer index and merged into
+    ``model`` / ``optimizer``."""
+    prepared = {key: value for key, value in state_dict.items() if not CHUNK_KEY.fullmatch(key)}
+    optimizer = state_dict.get("optimizer")
+    parts = ("state", "param_to_group_meta")
+    if optimizer is not None and not all(isinstance(optimizer.get(part), dict) for part in parts):
+        raise ValueError(
+            f"{NAME}: the optimizer's fsdp_dtensor state dict holds {sorted(map(str, optimizer))}, not "
+            f"{list(parts)} (one distributed optimizer over the model chunks)"
+        )
+    model: dict = {}
+    merged: dict = {part: {} for part in parts}
+    claimed: set = set()
+    for i, chunk in enumerate(chunks):
+        if f"model{i}" not in state_dict:
+            continue
+        one = {"model": dict(state_dict[f"model{i}"])}  # megatron deletes FP8 extra states in place
+        if optimizer is not None:
+            one["optimizer"] = copy.copy(optimizer)  # megatron's dict, or fix-megatron-fsdp-dtensor-checkpoint's
+            for part in parts:
+                mine = _chunks_entries(chunk, optimizer[part])
+                one["optimizer"][part] = {name: optimizer[part][key] for name, key in mine.items()}
+                claimed |= set(mine.values())
+            placeholders = getattr(optimizer, "placeholders", None)  # that fix's state of every rank's parameters
+            if isinstance(placeholders, dict):
+                mine = _chunks_entries(chunk, placeholders)
+                one["optimizer"].placeholders = {name: placeholders[key] for name, key in mine.items()}
+        done = wrapped(megatron_args, one, chunk)
+        indices = _global_layer_indices(chunk)
+        _merge(model, {_global_name(key, indices): value for key, value in done["model"].items()}, "model")
+        for part in parts if optimizer is not None else ():
+            entries = {_global_name(key, indices): value for key, value in done["optimizer"][part].items()}
+            _merge(merged[part], entries, f"optimizer {part}")
+    prepared["model"] = model
+    if optimizer is not None:
+        left = [key for part in parts for key in optimizer[part] if key not in claimed]
+        if left:
+            raise ValueError(f"{NAME}: optimizer entries of no model chunk's parameter: {left}")
+        prepared["optimizer"] = {**optimizer, **merged}
+    return prepared
+
+
 def global_layer_names(wrapped, instance, args, kwargs):
-    """megatron's fsdp_dtensor state dict, its layers named by their index in the whole model."""
-    state_dict = wrapped(*args, **kwargs)
+    """megatron's fsdp_dtensor state dict, its layers named by their index in the whole model; with several
+    model chunks, megatron's preparation of each chunk, merged."""
     model = args[2] if len(args) > 2 else kwargs["model"]
+    raw = args[1] if len(args) > 1 else kwargs["raw_state_dict"]
+    chunks = _model_chunks(model)
+    if chunks is not None and "model" not in raw and any(CHUNK_KEY.fullmatch(key) for key in raw):
+        megatron_args = args[0] if args else kwargs["args"]
+        return _each_chunk(wrapped, megatron_args, raw, chunks)
+    state_dict = wrapped(*args, **kwargs)
     indices = _global_layer_indices(model)
     if all(local == index for local, index in indices.items()):
         return state_dict  # the first stage, or no pipeline
@@ -244,6 +401,21 @@ def global_layer_names(wrapped, instance, args, kwargs):
     return state_dict
 
 
+def chunks_handed_back_after_loading(wrapped, instance, args, kwargs):
+    """``_load_base_checkpoint``: megatron puts the model's own state dict back after the fsdp_dtensor load
+    (``state_dict["model"] = raw_model_state_dict``) for ``load_state_dict``; with several chunks the chunks'
+    (``model0``, ...), which the checkpoint holds merged as ``model`` (``global_layer_names``)."""
+    sharded = kwargs.get("sharded_state_dict", args[3] if len(args) > 3 else None)
+    kept = {}
+    if isinstance(sharded, dict) and "_model" in sharded and "model" not in sharded:  # fsdp_dtensor's load
+        kept = {key: value for key, value in sharded.items() if CHUNK_KEY.fullmatch(key)}
+    result = wrapped(*args, **kwargs)
+    if kept and isinstance(result, tuple) and isinstance(result[0], dict):
+        result[0].pop("model", None)
+        result[0].update(kept)
+    return result
+
+
 def _virtual_stages(args) -> bool:
     return getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None or (
         (getattr(args, "num_virtual_stages_per_pipeline_rank", None) or 1) > 1
@@ -251,24 +423,35 @@ def _virtual_stages(args) -> bool:
 
 
 SAVE_WITH_VIRTUAL_STAGES = (
-    "fix-megatron-fsdp-pipeline: --use-megatron-fsdp with virtual pipeline stages ({flag}) and --save {save}: "
-    "megatron-core's distributed optimizer names each parameter by its path within its model chunk, the same in "
-    "every chunk, and stops at the first save (DistributedOptimizer._param_name: 'Parameter names conflict "
-    "between model chunks: ... Ensure that each model chunk has unique parameter names.'), after the iterations "
-    "before it. Train without --save, or drop {flag} (--pipeline-model-parallel-size alone saves and resumes "
+    "fix-megatron-fsdp-pipeline: --use-megatron-fsdp with virtual pipeline stages ({flag}) and --save {save} on "
+    "megatron-core {version}: its distributed optimizer names each parameter by its path within its model chunk, "
+    "the same in every chunk, and stops at the first save (DistributedOptimizer._param_name: 'Parameter names "
+    "conflict between model chunks: ... Ensure that each model chunk has unique parameter names.'), after the "
+    "iterations before it; the fix that names them apart is read for megatron-core {chunks} only. Use such a "
+    "release, or train without --save, or drop {flag} (--pipeline-model-parallel-size alone saves and resumes "
     "under Megatron-FSDP), or use --use-distributed-optimizer without --use-megatron-fsdp (--ckpt-format torch_dist)"
 )
 
 
 def refuse_saving_virtual_stages(args) -> None:
-    """Refuse ``--save`` for Megatron-FSDP with virtual pipeline stages (megatron stops at the first save)."""
+    """Refuse ``--save`` for Megatron-FSDP with virtual pipeline stages where the chunks' names are not made
+    unique (megatron-core before 0.16: megatron stops at the first save); from 0.16 it saves and resumes."""
+    from packaging.specifiers import SpecifierSet
+
+    from mindspeed_like.megatron_version import megatron_core_version
+
+    version = megatron_core_version()
+    if version is None or SpecifierSet(CHUNKS_VERSIONS).contains(version, prereleases=True):
+        return
     if getattr(args, "use_megatron_fsdp", False) and getattr(args, "save", None) and _virtual_stages(args):
         flag = (
             f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}"
             if getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
             else f"--num-virtual-stages-per-pipeline-rank {args.num_virtual_stages_per_pipeline_rank}"
         )
-        raise ConfigError(SAVE_WITH_VIRTUAL_STAGES.format(flag=flag, save=args.save))
+        raise ConfigError(
+            SAVE_WITH_VIRTUAL_STAGES.format(flag=flag, save=args.save, version=version, chunks=CHUNKS_VERSIONS)
+        )
 
 
 @contextlib.contextmanager
@@ -282,7 +465,8 @@ def reduce_on_every_stages_last_backward(args) -> Iterator[None]:
     outer all-reduce) only outside ``no_sync``: those stages never reduced them. Megatron-LM PP 2 x DP 2,
     ``optim --overlap-grad-reduce``, micro-batch 1: grad norm 1.569 against the distributed optimizer's 1.488.
     Without alignment every stage's last backward runs outside ``no_sync``, as on the first stage.
-    Also refuses ``--save`` with virtual pipeline stages (item 6 of the module's docstring)."""
+    Also refuses ``--save`` with virtual pipeline stages where megatron-core is older than the fix for them
+    (item 6 of the module's docstring)."""
     refuse_saving_virtual_stages(args)
     if (
         getattr(args, "use_megatron_fsdp", False)
@@ -335,7 +519,35 @@ PATCHES = [
         optional=True,  # megatron.training: a Megatron-LM checkout (in the wheel from 0.17)
         module="megatron.training.checkpointing",
         versions=VERSIONS,
-        why="fsdp_dtensor named each stage's layers from 0: the stages overwrote each other's layers",
+        why="fsdp_dtensor named each stage's layers from 0 (the stages overwrote each other's layers); with "
+        "several model chunks it prepared model[0]'s state only ('model': a KeyError)",
+    ),
+    Patch(
+        OPTIMIZER_NAMES,
+        Kind.WRAP,
+        unique_names_across_chunks,
+        versions=CHUNKS_VERSIONS,
+        why="the distributed optimizer named each chunk's parameters by their path within the chunk, the same in "
+        "every chunk: 'Parameter names conflict between model chunks' at the first fsdp_dtensor save",
+    ),
+    Patch(
+        STATE_DICT,
+        Kind.WRAP,
+        remember_model_chunks,
+        optional=True,
+        module="megatron.training.checkpointing",
+        versions=CHUNKS_VERSIONS,
+        why="the model chunks behind model[0], for their fsdp_dtensor preparation (Megatron-LM hands it model[0])",
+    ),
+    Patch(
+        LOAD,
+        Kind.WRAP,
+        chunks_handed_back_after_loading,
+        optional=True,
+        after=("fix-fsdp2-resume",),  # independent: that one acts on torch FSDP2 loads only
+        module="megatron.training.checkpointing",
+        versions=CHUNKS_VERSIONS,
+        why="after an fsdp_dtensor load megatron hands load_state_dict the model's own state dict, not the chunks'",
     ),
 ]
 
@@ -345,7 +557,9 @@ FEATURE = Feature(
     "stage output, the tied embedding's gradient shard all-reduced in place (megatron stopped at each); fsdp_dtensor "
     "checkpoints name layers by their global index (each stage wrote its own from 0: the stages overwrote each other); "
     "Megatron-LM's align_grad_reduce off where Megatron-FSDP overlaps (the stages past the first never reduced); "
-    "--save with virtual pipeline stages refused at argument validation (megatron-core stops at the first save)",
+    "with virtual pipeline stages the optimizer names each chunk's parameters by global layer index (megatron "
+    "stopped at the first save: names conflicted between chunks) and fsdp_dtensor prepares every chunk's state, "
+    "not model[0]'s only",
     patches=PATCHES,
     enabled=always_on,
     validate_args_hook=reduce_on_every_stages_last_backward,
