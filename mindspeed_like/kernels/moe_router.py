@@ -361,8 +361,8 @@ def aux_loss_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(routing_map, scores)`` for the load-balancing losses: megatron's unfused
     ``compute_routing_scores_for_aux_loss`` (without the padding mask, applied by the caller).
-    Scores are fp32 for softmax; for sigmoid in fp32 (megatron 0.19) or, with
-    ``sigmoid_in_fp32=False``, in the logits' dtype (megatron up to 0.18)."""
+    Scores are fp32 for softmax; for sigmoid in fp32 (megatron 0.17-0.19) or, with
+    ``sigmoid_in_fp32=False``, in the logits' dtype (megatron up to 0.16)."""
     _check(logits, topk, score_function, None, None)
     if backend_for(logits) == "reference":
         return aux_loss_scores_reference(logits, topk, score_function)

@@ -26,14 +26,17 @@ Targets, and why each is the right symbol:
 - ``...moe.router.TopKRouter.compute_routing_scores_for_aux_loss`` (WRAP, 0.13): the 0.13 form
   of the aux-loss scores (a method returning ``(scores, map)``).
 
-Megatron changed the rounding of the unfused path between releases (0.14-0.16 round the scores
-to the logits' dtype after each step, 0.19 keeps fp32 until the end and sorts top-k only when
-autograd is on); 0.17 and 0.18 were not available to read here, so the wrapper reads the layout
-from the installed function's source (:func:`routing_layout`) rather than from a version table.
+Megatron changed the rounding of the unfused path between releases (0.14-0.17 round the scores
+to the logits' dtype after each step, 0.18 and 0.19 keep fp32 until the end and sort top-k only
+when autograd is on; the aux-loss sigmoid is in the logits' dtype up to 0.16 and in fp32 from 0.17,
+spelled ``logits.to(torch.float32)`` in 0.17.1 and ``logits.float()`` in 0.18.2 / 0.19.2), so the
+wrapper reads the layout from the installed function's source (:func:`routing_layout`) rather than
+from a version table.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 from dataclasses import dataclass
@@ -56,19 +59,49 @@ def routing_layout(function) -> RoutingLayout:
     """How the installed megatron rounds its unfused routing (what our kernel must reproduce).
 
     Read from the source of megatron's own functions: ``probs = probs.type_as(logits)`` once at the
-    end (0.19) vs ``.type_as(logits)`` after the score function (0.13-0.16); ``sorted=
-    torch.is_grad_enabled()`` (0.19); the aux-loss sigmoid of ``logits.float()`` (0.19). Without
-    readable source: the newest layout."""
+    end (0.18, 0.19) vs ``.type_as(logits)`` after the score function (0.13-0.17); ``sorted=
+    torch.is_grad_enabled()`` (0.18, 0.19); the aux-loss sigmoid of the logits made fp32 first
+    (:func:`_sigmoid_of_fp32_logits`: 0.17-0.19). Without readable source: the newest layout."""
     try:
         source = inspect.getsource(inspect.unwrap(function))
         aux_source = inspect.getsource(inspect.getmodule(inspect.unwrap(function)))
     except (OSError, TypeError):
         return RoutingLayout(True, True, True)
-    aux = aux_source[aux_source.find("def compute_routing_scores_for_aux_loss") :]
     return RoutingLayout(
         fp32_intermediates="probs = probs.type_as(logits)" in source,
         unsorted_without_grad="sorted=torch.is_grad_enabled()" in source,
-        aux_sigmoid_in_fp32="torch.sigmoid(logits.float())" in aux.split("\ndef ", 1)[0],
+        aux_sigmoid_in_fp32=_sigmoid_of_fp32_logits(aux_source, "compute_routing_scores_for_aux_loss"),
+    )
+
+
+def _is_fp32_cast(node: ast.AST) -> bool:
+    """``x.float()``, ``x.to(torch.float32)``, ``x.to(dtype=torch.float32)`` or ``x.type(torch.float32)``."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return False
+    if node.func.attr == "float":
+        return not node.args and not node.keywords
+    if node.func.attr not in ("to", "type"):
+        return False
+    dtypes = [*node.args[:1], *(k.value for k in node.keywords if k.arg == "dtype")]
+    return any(isinstance(d, ast.Attribute) and d.attr == "float32" for d in dtypes)
+
+
+def _sigmoid_of_fp32_logits(module_source: str, function: str) -> bool:
+    """Whether ``function`` in megatron's module takes ``torch.sigmoid`` of its logits cast to fp32 first
+    (0.17.1: ``torch.sigmoid(logits.to(torch.float32))``, 0.18.2 and 0.19.2: ``torch.sigmoid(logits.float())``)
+    rather than in the logits' dtype (``torch.sigmoid(logits)``, 0.14-0.16). Read with ``ast``, so the spelling
+    of the cast does not matter; a module without the function: the newest layout (fp32)."""
+    tree = ast.parse(module_source)
+    node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function), None)
+    if node is None:
+        return True
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "sigmoid"
+        and n.args
+        and _is_fp32_cast(n.args[0])
+        for n in ast.walk(node)
     )
 
 

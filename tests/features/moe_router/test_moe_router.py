@@ -209,6 +209,43 @@ def test_aux_loss_scores_bitwise_equal_to_megatron(score_function, dtype):
         assert _bits_equal(a, b), name
 
 
+_AUX_016 = """
+def compute_routing_scores_for_aux_loss(logits, topk, score_function, fused=False, padding_mask=None):
+    if score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+"""
+
+
+@pytest.mark.parametrize(
+    ("cast", "in_fp32"),
+    [
+        ("logits", False),  # 0.14-0.16
+        ("logits.to(torch.float32)", True),  # 0.17.1
+        ("logits.float()", True),  # 0.18.2, 0.19.2
+        ("logits.to(dtype=torch.float32)", True),
+        ("logits.to(torch.bfloat16)", False),
+    ],
+)
+def test_aux_loss_sigmoid_precision_is_read_from_each_releases_spelling(cast, in_fp32):
+    """The aux-loss sigmoid's precision from megatron's code whatever the cast's spelling (0.17.1 wrote
+    ``logits.to(torch.float32)``, read as the logits' dtype before, so its bf16 sigmoid scores differed)."""
+    from mindspeed_like.features.moe_router.routing import _sigmoid_of_fp32_logits
+
+    source = _AUX_016.replace("torch.sigmoid(logits)", f"torch.sigmoid({cast})")
+    assert _sigmoid_of_fp32_logits(source, "compute_routing_scores_for_aux_loss") is in_fp32
+
+
+def test_aux_loss_sigmoid_precision_of_the_installed_release():
+    from megatron.core.transformer.moe import moe_utils
+    from packaging.version import Version
+
+    from mindspeed_like.megatron_version import megatron_core_version
+
+    if not hasattr(moe_utils, "compute_routing_scores_for_aux_loss"):
+        pytest.skip("megatron-core 0.13: the aux-loss scores are a TopKRouter method (sigmoid in the logits' dtype)")
+    assert _layout().aux_sigmoid_in_fp32 is (megatron_core_version() >= Version("0.17"))
+
+
 @pytest.mark.parametrize("drop_policy", ["probs", "position"])
 @pytest.mark.parametrize("pad_to_capacity", [False, True], ids=["drop", "pad"])
 @pytest.mark.parametrize("combo", [COMBOS[0], COMBOS[11]], ids=[IDS[0], IDS[11]])
