@@ -188,16 +188,17 @@ def _installed_permute_selects_by_argsort() -> bool:
 
 def permute_selects_by_argsort() -> bool:
     """Whether megatron's dropless ``moe_utils.permute`` selects the rows by a stable argsort of the
-    flattened [experts x tokens] routing map (0.19.2: a fixed-shape selection, CUDA-graph safe), and
-    not by ``masked_select`` (0.13.1, 0.16.1). The probs are then gathered by advanced indexing with a
-    slice of that argsort, which keeps the WHOLE int64 experts x tokens argsort for backward (measured:
-    12,288 B a layer at 8 experts x 192 tokens, beside the 3,072 B of row indices), where 0.16 keeps the
-    bool routing map, the probs and the row indices. Checked as ``masked_select`` absent from
-    ``permute``. Inside :func:`as_measured_on` the record's release answers (0.19 and later)."""
+    flattened [experts x tokens] routing map (0.17.1, 0.18.2, 0.19.2: a fixed-shape selection, CUDA-graph
+    safe; the same lines in the three), and not by ``masked_select`` (0.13.1, 0.16.1). The probs are then
+    gathered by advanced indexing with a slice of that argsort, which keeps the WHOLE int64 experts x tokens
+    argsort for backward (measured on 0.19.2: 12,288 B a layer at 8 experts x 192 tokens, beside the 3,072 B
+    of row indices), where 0.16 keeps the bool routing map, the probs and the row indices. Checked as
+    ``masked_select`` absent from ``permute``. Inside :func:`as_measured_on` the record's release answers
+    (0.17 and later)."""
     if _recent:
         from packaging.version import Version
 
-        return _recent[-1] >= Version("0.19")
+        return _recent[-1] >= Version("0.17")
     return _installed_permute_selects_by_argsort()
 
 

@@ -11,16 +11,18 @@ from mindspeed_like.plan import megatron_code
 
 
 def test_the_permute_selection_is_read_from_the_installed_code() -> None:
-    """0.19 selects the permuted rows by an argsort (and keeps all of it); 0.13 and 0.16 by masked_select."""
+    """0.17-0.19 select the permuted rows by an argsort (and keep all of it); 0.13 and 0.16 by masked_select
+    (``permute`` read in 0.13.1, 0.16.1, 0.17.1, 0.18.2, 0.19.2)."""
     installed = megatron_core_version()
-    assert megatron_code.permute_selects_by_argsort() == (installed is not None and installed >= Version("0.19"))
+    assert megatron_code.permute_selects_by_argsort() == (installed is not None and installed >= Version("0.17"))
 
 
-def test_the_permute_selection_follows_the_release_a_record_was_measured_on() -> None:
-    with megatron_code.as_measured_on("0.19.2"):
-        assert megatron_code.permute_selects_by_argsort()
-    with megatron_code.as_measured_on("0.16.1"):
-        assert not megatron_code.permute_selects_by_argsort()
+@pytest.mark.parametrize(
+    ("release", "argsort"), [("0.16.1", False), ("0.17.1", True), ("0.18.2", True), ("0.19.2", True)]
+)
+def test_the_permute_selection_follows_the_release_a_record_was_measured_on(release: str, argsort: bool) -> None:
+    with megatron_code.as_measured_on(release):
+        assert megatron_code.permute_selects_by_argsort() is argsort
 
 
 def test_megatron_fsdps_gradient_layout_is_read_from_the_installed_code() -> None:
