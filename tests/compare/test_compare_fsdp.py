@@ -251,3 +251,29 @@ def test_megatron_fsdp_gathered_unit_is_no_state():
     assert state_bytes(model, adam) == {"weights": 20 + 10, "gradients": 0, "optimizer": 20}
     model.weight.orig_param = torch.nn.Parameter(group.model_weight_buffer.data)  # unsharded: the buffer itself
     assert state_bytes(model, adam) == {"weights": 20 + 10, "gradients": 0, "optimizer": 20}
+
+
+def test_megatron_fsdp_no_shard_weights_are_the_modules_own_parameters():
+    """``no_shard`` builds no model-weight buffer: the bf16 training weights are the module's own parameters
+    (the group's ``params``), reached during a step only through ``orig_param`` of the DTensors that view the
+    fp32 main-weight buffer. They are weights, not a gathered unit: compare read them as 0 bytes on 0.19.2
+    (llama DP 2: 3,082,752, what the plan says) before the meter counted a group's parameters where no buffer
+    holds its weights."""
+    from types import SimpleNamespace
+
+    from mindspeed_like.compare.measure import state_bytes
+
+    raw = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))  # the module's parameter, its own storage
+    group = SimpleNamespace(
+        params=[raw],
+        model_weight_buffer=None,
+        main_weight_buffer=SimpleNamespace(data=torch.zeros(10, dtype=torch.float32)),
+        main_grad_buffer=SimpleNamespace(data=torch.zeros(10, dtype=torch.bfloat16)),
+    )
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(group.main_weight_buffer.data.view(2, 5))  # the step's view of the master
+    model.weight.orig_param = raw
+    model.param_and_grad_buffer = SimpleNamespace(parameter_groups=[group])
+    adam = torch.optim.Adam(model.parameters())
+    adam.state[model.weight] = {"exp_avg": torch.zeros(10), "exp_avg_sq": torch.zeros(10)}
+    assert state_bytes(model, adam) == {"weights": 20, "gradients": 20, "optimizer": 40 + 80}

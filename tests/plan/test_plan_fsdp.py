@@ -469,6 +469,8 @@ RELEASE_RECORDS = (
     "mc0.19.2-compare-plan-llama-dp4-mfsdp-hsdp2-outer-optim-level1",
     "mc0.19.2-compare-plan-moe-ep2-dp2-mfsdp-level1",
     "hsdp-experts-moe-ep2-dp4-mfsdp-hsdp2-level1-mc0.19.2",
+    # no_shard: the weights are the module's own parameters (no weight buffer); compare's meter read 0 bytes
+    "mc0.19.2-compare-plan-llama-dp2-mfsdp-no-shard-level1",
 )
 
 
