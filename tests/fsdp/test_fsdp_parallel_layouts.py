@@ -407,9 +407,9 @@ def test_megatron_fsdp_saving_virtual_pipeline_stages_is_refused_only_before_the
     assert "Parameter names conflict between model chunks" in str(error.value) and version in str(error.value)
 
 
-def _chunk(*layer_numbers: int, embedding: bool = False, output: bool = False) -> torch.nn.Module:
-    """A model chunk as megatron's optimizer and checkpoint see it: ``module.decoder`` a TransformerBlock
-    whose layers carry their ``layer_number`` (counted from 1 over every stage and chunk) and a weight."""
+def _block(layer_numbers: tuple[int, ...], weighted: bool = False) -> torch.nn.Module:
+    """megatron's TransformerBlock with only its layers, each carrying its ``layer_number`` (counted from 1
+    over every stage and chunk) and, ``weighted``, an ``mlp`` weight."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     block = TransformerBlock.__new__(TransformerBlock)  # only its layers are read
@@ -418,11 +418,18 @@ def _chunk(*layer_numbers: int, embedding: bool = False, output: bool = False) -
     for number in layer_numbers:
         layer = torch.nn.Module()
         layer.layer_number = number
-        layer.mlp = torch.nn.Linear(2, 2, bias=False)
+        if weighted:
+            layer.mlp = torch.nn.Linear(2, 2, bias=False)
         layers.append(layer)
     block.layers = torch.nn.ModuleList(layers)
+    return block
+
+
+def _chunk(*layer_numbers: int, embedding: bool = False, output: bool = False) -> torch.nn.Module:
+    """A model chunk as megatron's optimizer and checkpoint see it: ``module.decoder`` a :func:`_block` with
+    weights."""
     model = torch.nn.Module()
-    model.decoder = block
+    model.decoder = _block(layer_numbers, weighted=True)
     if embedding:
         model.embedding = torch.nn.Linear(2, 2, bias=False)
     if output:
@@ -689,19 +696,8 @@ def test_megatron_lm_pipeline_under_megatron_fsdp_stops_without_each_patch(targe
 
 
 def _stage(*layer_numbers: int) -> torch.nn.Module:
-    """A model chunk as the checkpoint sees it: a wrapper around megatron's TransformerBlock whose layers
-    carry their ``layer_number`` (counted from 1 over every stage)."""
-    from megatron.core.transformer.transformer_block import TransformerBlock
-
-    block = TransformerBlock.__new__(TransformerBlock)  # only its layers are read
-    torch.nn.Module.__init__(block)
-    layers = []
-    for number in layer_numbers:
-        layer = torch.nn.Module()
-        layer.layer_number = number
-        layers.append(layer)
-    block.layers = torch.nn.ModuleList(layers)
-    return torch.nn.Sequential(block)
+    """A model chunk as the checkpoint sees it: a wrapper around a :func:`_block`."""
+    return torch.nn.Sequential(_block(layer_numbers))
 
 
 def test_fsdp_dtensor_checkpoint_names_a_stages_layers_by_their_index_in_the_model():
