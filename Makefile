@@ -114,9 +114,11 @@ TEST_VERSIONS ?= 0.13.1 0.19.2
 # The subset: the declared targets and the audit, every feature's parity tests on the real model,
 # the CPU adapter, the fixes, the specs and the integration tests (not the kernel-only tests,
 # which do not touch megatron-core), the DistributedOptimizer resume in each version's formats, and the
-# plan's byte counts against each version's real model, schedule functions and report_theoretical_memory.
+# plan's byte counts against each version's real model, schedule functions and report_theoretical_memory, and
+# the FSDP2 paths and HSDP with experts (which differ by release).
 VERSION_TESTS ?= tests/features tests/adapters tests/fixes tests/integration tests/config tests/engine tests/te_backend tests/te_shim \
-	tests/reliability/test_distopt_checkpoint_resume.py tests/plan tests/fsdp/test_megatron_fsdp_hsdp_experts.py
+	tests/reliability/test_distopt_checkpoint_resume.py tests/plan tests/fsdp/test_megatron_fsdp_hsdp_experts.py \
+	tests/fsdp/test_fsdp2_config.py tests/fsdp/test_torch_fsdp2.py
 VERSION_PYTEST_ARGS ?= -q -p no:cacheprovider
 
 .venv-mc%/.installed: pyproject.toml setup.py
