@@ -454,7 +454,19 @@ def _megatrons_param_name():
     return getattr(name, "__wrapped__", name)  # megatron's own, where the fix is applied in this process
 
 
-def test_optimizer_names_the_parameters_of_virtual_stages_by_their_layer_in_the_whole_model():
+@pytest.fixture
+def expert_parallel_1(monkeypatch):
+    """EP 1 without initialising megatron's parallel state: megatron's expert renaming
+    (``handle_experts_in_state_dict``) reads the expert-parallel size and rank even for a dense model, and
+    these tests build their chunks by hand in one process (they passed only after another test of the same
+    xdist worker had left the state initialised)."""
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_expert_model_parallel_rank", lambda: 0)
+
+
+def test_optimizer_names_the_parameters_of_virtual_stages_by_their_layer_in_the_whole_model(expert_parallel_1):
     """PP 2 x VPP 2, 4 layers: the second stage's chunks hold layers 2 and 4 (global indices 1 and 3), both at
     ``decoder.layers.0`` within their chunk. megatron-core's ``_param_name`` raises at the first fsdp_dtensor
     save ("Parameter names conflict between model chunks"); with the fix each name carries its layer's index
@@ -480,7 +492,7 @@ def test_optimizer_names_the_parameters_of_virtual_stages_by_their_layer_in_the_
     assert named == "module.decoder.layers.1.mlp.weight"
 
 
-def test_fsdp_dtensor_checkpoint_prepares_every_model_chunk_and_merges_them_by_global_layer():
+def test_fsdp_dtensor_checkpoint_prepares_every_model_chunk_and_merges_them_by_global_layer(expert_parallel_1):
     """Megatron-LM prepares ``state_dict["model"]`` with ``model[0]`` (``KeyError: 'model'`` where several
     chunks are ``model0``, ``model1``). With the fix megatron's preparation runs once per chunk, with that
     chunk, its model state and its parameters' optimizer entries under megatron's names within the chunk;
