@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import megatron_fsdp_checkpoint_workers as workers
 import pytest
+from release_marks import NEEDS_MEGATRON_FSDP
 
 from mindspeed_like.fixes import megatron_fsdp_dtensor_checkpoint as fix
 from mindspeed_like.testing import run_distributed
 from mindspeed_like.testing.distributed import DistributedError
+
+pytestmark = NEEDS_MEGATRON_FSDP
 
 TIMEOUT = 600  # a spawn on a loaded 2-core host took 164 s to reach the worker
 
