@@ -152,14 +152,6 @@ def megatron_fsdp_copies_grads_for_the_masters(precision: Precision) -> bool:
     )
 
 
-def megatron_fsdp_keeps_fp32_masters() -> bool:
-    """Whether Megatron-FSDP keeps its main-weight buffer of fp32 masters, fp32 parameters included
-    (:func:`megatron_code.megatron_fsdp_keeps_fp32_masters`: the release's default, every one 0.16-0.19)."""
-    from mindspeed_like.plan import megatron_code
-
-    return megatron_code.megatron_fsdp_keeps_fp32_masters()
-
-
 def expert_data_parallel_size(*, tp: int, cp: int, dp: int, expert_tp: int, ep: int) -> int | None:
     """megatron's expert data-parallel size, TP x CP x DP / (expert TP x EP), or None where it does not
     divide (megatron's initialize_model_parallel refuses that layout)."""

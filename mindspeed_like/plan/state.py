@@ -172,7 +172,7 @@ def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
     strategy; under Megatron-FSDP with megatron-fsdp-lean-state (bf16) its remainder masters and bf16
     gradients and moments. reuse-fp32-param and the precision-aware optimizer's own dtypes are not
     modeled on these paths."""
-    from mindspeed_like.plan import fsdp
+    from mindspeed_like.plan import fsdp, megatron_code
 
     prec, lay = run.precision, run.layout
     hsdp = lay.fsdp == fsdp.TORCH_FSDP2 and paths.fsdp_shard_size is not None
@@ -244,7 +244,10 @@ def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
         return lines[:1] + _lean_state(n, grads_sharded, sharded, numel, group)
     # an fp32 master beside each non-fp32 shard under FSDP2 (megatron's Float16Optimizer; its FP32Optimizer keeps
     # none); Megatron-FSDP's main-weight buffer whatever the parameters' dtype
-    masters = fsdp.megatron_fsdp_keeps_fp32_masters() if lay.fsdp == fsdp.MEGATRON_FSDP else prec.params != "fp32"
+    if lay.fsdp == fsdp.MEGATRON_FSDP:
+        masters = megatron_code.megatron_fsdp_keeps_fp32_masters()
+    else:
+        masters = prec.params != "fp32"
     if masters and master:
         lines.append(Line("optimizer", master, 4 * n, feature))
     if prec.optimizer == "sgd":
