@@ -42,11 +42,16 @@ def _package_info_path() -> str | None:
     return None
 
 
-def core_file(relative: str) -> str | None:
-    """The path of ``megatron/core/<relative>`` (``/``-separated) that ``import megatron.core`` would load,
-    found without importing megatron; None where megatron-core is not found."""
-    info = _package_info_path()
-    return None if info is None else os.path.join(os.path.dirname(info), *relative.split("/"))
+def core_file(relative: str, core_dir: str | None = None) -> str | None:
+    """The path of ``megatron/core/<relative>`` (``/``-separated) below ``core_dir`` (a megatron-core package
+    directory, e.g. an unpacked wheel's), by default the one ``import megatron.core`` would load, found
+    without importing megatron; None where megatron-core is not found."""
+    if core_dir is None:
+        info = _package_info_path()
+        if info is None:
+            return None
+        core_dir = os.path.dirname(info)
+    return os.path.join(core_dir, *relative.split("/"))
 
 
 def megatron_core_version() -> Version | None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 
 from mindspeed_like.engine import Kind, Patch
@@ -87,11 +86,9 @@ def expert_mesh_under_hsdp(core_dir: str | None = None) -> bool | None:
     read from ``mcore_fsdp_adapter.py`` without importing megatron (``core_dir``: megatron-core's package
     directory, default the one ``import megatron.core`` would load). None where the file or its hybrid
     ``FSDPDistributedIndex`` call is not found (no Megatron-FSDP in that release, or a layout not read here)."""
-    if core_dir is not None:
-        return _read(os.path.join(core_dir, *ADAPTER.split("/")))
     from mindspeed_like.megatron_version import core_file
 
-    path = core_file(ADAPTER)
+    path = core_file(ADAPTER, core_dir)
     return None if path is None else _read(path)
 
 
