@@ -54,15 +54,25 @@ def core_file(relative: str, core_dir: str | None = None) -> str | None:
     return os.path.join(core_dir, *relative.split("/"))
 
 
+def package_info_version(path: str) -> Version | None:
+    """The MAJOR.MINOR.PATCH a megatron/core/package_info.py file declares (read, not imported); None where
+    the file is missing or does not declare the three."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    parts = {k: re.search(rf"^{k}\s*=\s*['\"]?([^'\"\n]*)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")}
+    if not all(parts.values()):
+        return None
+    return Version(".".join(parts[k].group(1).strip() for k in ("MAJOR", "MINOR", "PATCH")))
+
+
 def megatron_core_version() -> Version | None:
     """None when megatron-core cannot be found at all."""
     path = _package_info_path()
-    if path is not None:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-        parts = {k: re.search(rf"^{k}\s*=\s*['\"]?([^'\"\n]*)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")}
-        if all(parts.values()):
-            return Version(".".join(parts[k].group(1).strip() for k in ("MAJOR", "MINOR", "PATCH")))
+    found = package_info_version(path) if path is not None else None
+    if found is not None:
+        return found
     try:
         return Version(importlib.metadata.version("megatron-core"))
     except importlib.metadata.PackageNotFoundError:

@@ -14,11 +14,36 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from packaging.version import Version
+
+from mindspeed_like import megatron_version
 from mindspeed_like.workloads.parallel import free_port
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH", "")
 PRETRAIN_GPT = os.path.join(MEGATRON_LM, "pretrain_gpt.py")
-SKIP_REASON = (
+
+
+def checkout_mismatch(root: str | None = None, installed: Version | None = None) -> str | None:
+    """Why the Megatron-LM checkout at ``root`` (by default MEGATRON_LM_PATH's) cannot stand for the
+    installed megatron-core (``installed``: by default the one ``import megatron.core`` loads), or
+    None where its megatron/core is that release, or either version is unknown. The checkout's
+    script puts its own folder first on sys.path, so its megatron/core is what runs: a core_v0.16.1
+    checkout under megatron-core 0.17.1 would test 0.16.1 code in 0.17.1's environment."""
+    root = MEGATRON_LM if root is None else root
+    if not root:
+        return None
+    checkout = megatron_version.package_info_version(os.path.join(root, "megatron", "core", "package_info.py"))
+    installed = megatron_version.megatron_core_version() if installed is None else installed
+    if checkout is None or installed is None or checkout == installed:
+        return None
+    return (
+        f"MEGATRON_LM_PATH={root} is a Megatron-LM checkout of core_v{checkout}, but megatron-core {installed} "
+        f"is installed (its pretrain_gpt.py would run the checkout's megatron/core {checkout}): point "
+        f"MEGATRON_LM_PATH at a core_v{installed} checkout, or `make megatron-lm-smoke-versions MEGATRON_LM_GIT=...`"
+    )
+
+
+SKIP_REASON = checkout_mismatch() or (
     "set MEGATRON_LM_PATH to a Megatron-LM checkout whose tag matches megatron-core (core_v0.16.1 for 0.16.1) "
     "to run, or `make megatron-lm-smoke-versions MEGATRON_LM_GIT=...`; see docs/megatron-lm.md"
 )
@@ -44,7 +69,9 @@ ITERATION = re.compile(
 
 
 def available() -> bool:
-    return os.path.isfile(PRETRAIN_GPT)
+    """A checkout's pretrain_gpt.py at MEGATRON_LM_PATH, of the installed megatron-core's tag
+    (:func:`checkout_mismatch`; else SKIP_REASON says which tags differ)."""
+    return os.path.isfile(PRETRAIN_GPT) and checkout_mismatch() is None
 
 
 def launcher() -> list[str]:

@@ -16,15 +16,13 @@ gloo group named by the communicator and enforces the kernels' contract.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import tp_overlap_workers as workers
 
 import mindspeed_like
 from mindspeed_like.kernels.tp_overlap.tiles import tile_bounds
-from mindspeed_like.testing import run_distributed
+from mindspeed_like.testing import megatron_lm, run_distributed
 from mindspeed_like.testing.npu_emulator import ContractError, emulated_torch_npu
 from mindspeed_like.testing.parity import assert_losses_close
 from mindspeed_like.testing.tp_timeline import position
@@ -256,15 +254,11 @@ def test_gpt_parity_tp2_sp_fp32():
 # ---------------------------------------------------------------- Megatron-LM's command line (opt-in)
 
 
-@pytest.mark.skipif(
-    not os.path.isfile(os.path.join(os.environ.get("MEGATRON_LM_PATH", ""), "pretrain_gpt.py")),
-    reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1) to run",
-)
+@pytest.mark.skipif(not megatron_lm.available(), reason=megatron_lm.SKIP_REASON)
 def test_megatron_lm_command_line_switches_it_on():
     """pretrain_gpt.py TP=2 + SP with MindSpeed's spellings: the feature is on and the losses
     equal megatron's own path (the same math, tile by tile)."""
-    from test_megatron_lm_integration import _launcher, _losses, _torchrun
-
+    _torchrun, _losses, _launcher = megatron_lm.torchrun, megatron_lm.losses, megatron_lm.launcher
     common = ["--use-cpu-initialization", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     reference = _torchrun(2, _launcher(), common)
     ours = _torchrun(2, _launcher(), [*common, "--use-ascend-coc", "--coc-parallel-num", "4"])
