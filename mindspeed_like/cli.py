@@ -6,15 +6,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from packaging.specifiers import SpecifierSet
-
 from mindspeed_like.config import add_flag, add_negation, negatable
 from mindspeed_like.toolkit.errors import ConfigError
 
 
 def _feature_rows(ctx) -> list[tuple[str, ...]]:
     from mindspeed_like import registry
-    from mindspeed_like.megatron_version import SUPPORTED
+    from mindspeed_like.megatron_version import SUPPORTED, release_in
 
     version = ctx.megatron_version
     rows = []
@@ -25,7 +23,7 @@ def _feature_rows(ctx) -> list[tuple[str, ...]]:
         if version is None:
             support = f"{declared} (megatron-core not found)"
         else:
-            ok = version in SpecifierSet(declared, prereleases=True)
+            ok = release_in(declared, version)
             support = f"{declared} ({version}: {'supported' if ok else 'NOT supported'})"
         level = "-" if feature.optimization_level is None else str(feature.optimization_level)
         rows.append((feature.name, feature.kind, state, level, feature.backend_for(ctx), support, flags))

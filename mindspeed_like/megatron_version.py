@@ -79,6 +79,15 @@ def megatron_core_version() -> Version | None:
         return None
 
 
+def release_in(specifier: str, version: Version | None) -> bool:
+    """Whether megatron-core ``version`` is one of the releases ``specifier`` names (e.g. ``">=0.17,<0.18"``).
+
+    The one spelling of this check. A pre-release counts as its release (a ``0.17.0rc1`` from an rc wheel's
+    pip metadata is 0.17 code), where PEP 440 orders it before ``0.17``. ``version`` None (megatron-core not
+    found) is in no range; callers decide what that means for them."""
+    return version is not None and Version(version.base_version) in SpecifierSet(specifier)
+
+
 def support_summary(version: Version | None = None) -> str:
     """One line for users: what is installed, what was tested, what the package allows."""
     version = megatron_core_version() if version is None else version

@@ -18,14 +18,12 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
-
 from mindspeed_like import config as config_mod
 from mindspeed_like import levels, registry
 from mindspeed_like.adapters.detect import detect_device
 from mindspeed_like.config import Config
 from mindspeed_like.engine import PatchEngine, PatchError, PatchRecord
-from mindspeed_like.megatron_version import SUPPORTED, TESTED_VERSIONS, megatron_core_version, version_of
+from mindspeed_like.megatron_version import SUPPORTED, TESTED_VERSIONS, megatron_core_version, release_in, version_of
 from mindspeed_like.toolkit import built_models
 from mindspeed_like.toolkit.declaration import Context, Flag
 from mindspeed_like.toolkit.errors import ConfigError, LevelConflict
@@ -209,7 +207,7 @@ def check_versions(ctx: Context) -> None:
             stacklevel=3,
         )
     for feature in ctx.features:
-        if feature.megatron_versions and version not in SpecifierSet(feature.megatron_versions, prereleases=True):
+        if feature.megatron_versions and not release_in(feature.megatron_versions, version):
             raise ConfigError(
                 f"feature '{feature.name}' supports megatron-core {feature.megatron_versions}; "
                 f"megatron-core {version} is installed"

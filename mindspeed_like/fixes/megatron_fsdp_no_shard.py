@@ -46,12 +46,9 @@ def _version() -> str:
 def refusal() -> str | None:
     """The refusal's message where the installed megatron-core is one it applies to, else None (for
     tools that check a configuration before any process builds a wrapper: ``mindspeed-like compare``)."""
-    from packaging.specifiers import SpecifierSet
+    from mindspeed_like.megatron_version import megatron_core_version, release_in
 
-    from mindspeed_like.megatron_version import megatron_core_version
-
-    installed = megatron_core_version()
-    if installed is None or installed not in SpecifierSet(VERSIONS):
+    if not release_in(VERSIONS, megatron_core_version()):
         return None
     return MESSAGE.format(version=_version())
 

@@ -436,12 +436,10 @@ SAVE_WITH_VIRTUAL_STAGES = (
 def refuse_saving_virtual_stages(args) -> None:
     """Refuse ``--save`` for Megatron-FSDP with virtual pipeline stages where the chunks' names are not made
     unique (megatron-core before 0.16: megatron stops at the first save); from 0.16 it saves and resumes."""
-    from packaging.specifiers import SpecifierSet
-
-    from mindspeed_like.megatron_version import megatron_core_version
+    from mindspeed_like.megatron_version import megatron_core_version, release_in
 
     version = megatron_core_version()
-    if version is None or SpecifierSet(CHUNKS_VERSIONS).contains(version, prereleases=True):
+    if version is None or release_in(CHUNKS_VERSIONS, version):
         return
     if getattr(args, "use_megatron_fsdp", False) and getattr(args, "save", None) and _virtual_stages(args):
         flag = (

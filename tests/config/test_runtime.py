@@ -225,3 +225,35 @@ def test_dependency_bound_is_the_supported_range():
     assert any(spec.operator == "<" for spec in SUPPORTED)
     assert all(version in SUPPORTED for version in TESTED_VERSIONS)
     assert megatron_core_version() in SUPPORTED
+
+
+def test_release_in_counts_a_pre_release_as_its_release():
+    """Every range check on the installed megatron-core goes through one function, so an rc wheel's
+    ``0.17.0rc1`` is read as 0.17 by all of them (PEP 440 orders it before 0.17), and an absent megatron-core
+    is in no range."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from mindspeed_like.megatron_version import release_in
+
+    assert not SpecifierSet(">=0.17").contains(Version("0.17.0rc1"), prereleases=True)  # why the function exists
+    assert release_in(">=0.17,<0.18", Version("0.17.0rc1"))
+    assert release_in(">=0.16,<0.19", Version("0.18.2"))
+    assert not release_in(">=0.16", Version("0.15.3"))
+    assert not release_in(">=0.16", None)
+
+
+def test_every_fsdp_release_check_reads_a_pre_release_as_its_release(monkeypatch):
+    """The Megatron-FSDP refusals and layouts ask ``release_in``: with a 0.17 pre-release installed the
+    lean-state layout is 0.17's and the virtual-stage save refusal (for releases before 0.16) stays off."""
+    from packaging.version import Version
+
+    from mindspeed_like.features import megatron_fsdp_lean_state
+    from mindspeed_like.fixes import megatron_fsdp_pipeline
+
+    pre = Version("0.17.0rc1")
+    assert megatron_fsdp_lean_state.layout_of(pre) is megatron_fsdp_lean_state.layout_of(Version("0.17.1"))
+    assert megatron_fsdp_lean_state.layout_of(pre) is not None
+    monkeypatch.setattr("mindspeed_like.megatron_version.megatron_core_version", lambda: pre)
+    args = type("Args", (), {"use_megatron_fsdp": True, "save": "/tmp/x", "num_layers_per_virtual_pipeline_stage": 1})
+    megatron_fsdp_pipeline.refuse_saving_virtual_stages(args)  # no ConfigError: 0.17 names the chunks apart

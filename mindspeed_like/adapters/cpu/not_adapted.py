@@ -29,10 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from mindspeed_like.megatron_version import megatron_core_version
+from mindspeed_like.megatron_version import megatron_core_version, release_in
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class NotAdapted:
         """The entry names sites of megatron-core ``version`` (None: unknown, taken as the newest)."""
         if self.versions is None or version is None:
             return True
-        return version in SpecifierSet(self.versions, prereleases=True)
+        return release_in(self.versions, version)
 
     def matches(self, key: str) -> bool:
         if ":" in self.where:

@@ -77,11 +77,9 @@ measured there."""
 
 def layout_of(release: object) -> Layout | None:
     """The layout of megatron-core ``release`` (a Version), None where none was read."""
-    from packaging.specifiers import SpecifierSet
+    from mindspeed_like.megatron_version import release_in
 
-    if release is None:
-        return None
-    return next((layout for layout in LAYOUTS if release in SpecifierSet(layout.versions)), None)
+    return next((layout for layout in LAYOUTS if release_in(layout.versions, release)), None)
 
 
 def acts_on(release: object) -> bool:
