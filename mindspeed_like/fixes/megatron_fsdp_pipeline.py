@@ -235,16 +235,16 @@ def _global_layer_indices(model) -> dict[int, int]:
     return {local: layer.layer_number - 1 for local, layer in enumerate(blocks[0].layers)}
 
 
-def _renamed(entries: dict, indices: dict[int, int]) -> dict:
-    """``entries`` with each key's stage-local layer index made global: a new dict holding the same
-    values (DCP loads tensors in place and sets other values inside them, so what megatron kept of
-    the state dict sees what was loaded)."""
-    return {LAYER.sub(lambda m: f"decoder.layers.{indices[int(m.group(1))]}.", key): v for key, v in entries.items()}
-
-
 def _global_name(name: str, indices: dict[int, int]) -> str:
     """``name`` with a stage-local layer index made global where ``indices`` knows it."""
     return LAYER.sub(lambda m: f"decoder.layers.{indices.get(int(m.group(1)), int(m.group(1)))}.", name)
+
+
+def _renamed(entries: dict, indices: dict[int, int]) -> dict:
+    """``entries`` with each key's layer index made global (:func:`_global_name`): a new dict holding the
+    same values (DCP loads tensors in place and sets other values inside them, so what megatron kept of
+    the state dict sees what was loaded)."""
+    return {_global_name(key, indices): value for key, value in entries.items()}
 
 
 def chunk_parameter_names(chunk, num_experts) -> dict[str, tuple[str, torch.nn.Parameter]]:
@@ -363,10 +363,9 @@ def _each_chunk(wrapped, megatron_args, state_dict: dict, chunks: list) -> dict:
                 one["optimizer"].placeholders = {name: placeholders[key] for name, key in mine.items()}
         done = wrapped(megatron_args, one, chunk)
         indices = _global_layer_indices(chunk)
-        _merge(model, {_global_name(key, indices): value for key, value in done["model"].items()}, "model")
+        _merge(model, _renamed(done["model"], indices), "model")
         for part in parts if optimizer is not None else ():
-            entries = {_global_name(key, indices): value for key, value in done["optimizer"][part].items()}
-            _merge(merged[part], entries, f"optimizer {part}")
+            _merge(merged[part], _renamed(done["optimizer"][part], indices), f"optimizer {part}")
     prepared["model"] = model
     if optimizer is not None:
         left = [key for part in parts for key in optimizer[part] if key not in claimed]
