@@ -24,6 +24,8 @@ from mindspeed_like.compare.arguments import (  # noqa: F401 (re-exported: the C
     TRANSFORMER_IMPLS,
     add_compare_arguments,
     data_parallel_path,
+    grad_reduce_in_fp32,
+    optimizer_options,
 )
 from mindspeed_like.compare.presets import PRESETS
 from mindspeed_like.toolkit.errors import ConfigError
@@ -161,6 +163,14 @@ def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
             "--use-megatron-fsdp; give both"
         )
     from mindspeed_like.plan.fsdp import expert_data_parallel_size, hybrid_sharding_refusal
+    from mindspeed_like.plan.megatron_args import check_megatron_fsdp_dtypes
+
+    check_megatron_fsdp_dtypes(
+        args.use_megatron_fsdp,
+        getattr(args, "megatron_fsdp_main_params_dtype", "fp32"),
+        getattr(args, "megatron_fsdp_main_grads_dtype", "auto"),
+        "compare",
+    )
 
     instances = getattr(args, "num_distributed_optimizer_instances", 1)
     refusal = hybrid_sharding_refusal(
@@ -210,6 +220,16 @@ def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
         for refused, words in refusals:
             if refused:
                 raise ConfigError(f"compare: megatron refuses this with --use-torch-fsdp2: {words}")
+    if args.use_megatron_fsdp:
+        from mindspeed_like.plan.compare_args import run_from_compare
+        from mindspeed_like.plan.fsdp import megatron_fsdp_dtype_refusal, megatron_fsdp_precision_aware_refusal
+
+        precision = run_from_compare(args, {}, "cpu").precision
+        refused = megatron_fsdp_precision_aware_refusal(precision) or megatron_fsdp_dtype_refusal(
+            precision, args.clip_grad
+        )
+        if refused:
+            raise ConfigError(f"compare: {refused}")
     if args.use_megatron_fsdp and args.data_parallel_sharding_strategy == "no_shard":
         from mindspeed_like.fixes.megatron_fsdp_no_shard import refusal
 
@@ -399,6 +419,8 @@ def run_compare(args: argparse.Namespace, flag_values: dict[str, Any]) -> dict[s
         seed=args.seed,
         transformer_impl=args.transformer_impl,
         distributed_optimizer=args.use_distributed_optimizer,
+        optimizer=optimizer_options(args),
+        grad_reduce_in_fp32=grad_reduce_in_fp32(args),
         data_parallel=data_parallel_path(args)[0],
         ddp_options=data_parallel_path(args)[1],
         device=device,

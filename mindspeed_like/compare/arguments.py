@@ -21,6 +21,10 @@ TRANSFORMER_IMPLS = ("transformer_engine", "local")
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 # Megatron-LM's --outer-dp-sharding-strategy choices (Megatron-FSDP's HSDP), default no_shard
 OUTER_SHARDING_STRATEGIES = ("no_shard", "optim")
+# Megatron-LM's --exp-avg-dtype / --exp-avg-sq-dtype choices (the precision-aware optimizer's moments)
+PRECISION_AWARE_DTYPES = ("fp32", "fp16", "bf16", "fp8")
+# Megatron-LM's --megatron-fsdp-main-params-dtype / --megatron-fsdp-main-grads-dtype choices (0.17+; auto: None)
+FSDP_MAIN_DTYPES = ("fp32", "bf16", "fp16", "auto")
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +36,30 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         group, steps=8, num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=256, micro_batch_size=4
     )
     group.add_argument("--fp32", action="store_true", help="train in fp32 (default: bf16 with fp32 masters)")
+    group.add_argument(
+        "--clip-grad",
+        type=float,
+        default=1.0,
+        help="gradient clipping by the global L2 norm, 0 for none (Megatron-LM's flag and default, 1.0), both arms",
+    )
+    group.add_argument(
+        "--use-precision-aware-optimizer",
+        action="store_true",
+        help="megatron's precision-aware optimizer, both arms (Megatron-LM's flag; without TransformerEngine its "
+        "Adam is precision-aware-optimizer's in both)",
+    )
+    for name, choices, default in (
+        ("main-grads", ("fp32", "bf16"), "fp32"),
+        ("main-params", ("fp32", "fp16"), "fp32"),
+        ("exp-avg", PRECISION_AWARE_DTYPES, "fp32"),
+        ("exp-avg-sq", PRECISION_AWARE_DTYPES, "fp32"),
+    ):
+        group.add_argument(
+            f"--{name}-dtype",
+            choices=choices,
+            default=default,
+            help=f"with --use-precision-aware-optimizer (Megatron-LM's flag and default, {default})",
+        )
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument(
@@ -94,6 +122,21 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --num-distributed-optimizer-instances > 1: optim also shards the fp32 masters and Adam's moments "
         "across the groups (Megatron-LM's flag and default, no_shard; optim needs optim_grads_params)",
     )
+    for name, default, what in (
+        (
+            "main-params",
+            "fp32",
+            "main-weight buffer (the parameters its optimizer steps; auto: none, the weights' shard)",
+        ),
+        ("main-grads", "auto", "main-grad buffer (auto: the parameters' dtype)"),
+    ):
+        group.add_argument(
+            f"--megatron-fsdp-{name}-dtype",
+            choices=FSDP_MAIN_DTYPES,
+            default=default,
+            help=f"with --use-megatron-fsdp, megatron-core 0.17+: the dtype of its {what} (Megatron-LM's flag and "
+            f"default, {default}), both arms",
+        )
     group.add_argument(
         "--transformer-impl",
         choices=TRANSFORMER_IMPLS,
@@ -143,5 +186,52 @@ def data_parallel_path(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
                 num_distributed_optimizer_instances=instances,
                 outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
             )
+        options.update(megatron_fsdp_dtype_fields(args))
+        if getattr(args, "use_precision_aware_optimizer", False):
+            from mindspeed_like.plan import megatron_code
+
+            if megatron_code.megatron_fsdp_has_decoupled_grad_field():
+                # Megatron-LM 0.18+: megatron_fsdp_use_decoupled_grad = --use-precision-aware-optimizer
+                options["megatron_fsdp_use_decoupled_grad"] = True
         return "megatron_fsdp", options
     return "ddp", {}
+
+
+def megatron_fsdp_dtype_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """``DistributedDataParallelConfig``'s Megatron-FSDP dtype fields of the options away from their defaults
+    (Megatron-LM's ``validate_args`` mapping: ``auto`` is None), so that a run at the defaults builds the same
+    config on every release, those without the fields (0.16) included."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "auto": None}
+    out: dict[str, Any] = {}
+    for field, default in (("megatron_fsdp_main_params_dtype", "fp32"), ("megatron_fsdp_main_grads_dtype", "auto")):
+        value = getattr(args, field, default)
+        if value != default:
+            out[field] = dtypes[value]
+    return out
+
+
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "uint8"}
+"""Megatron-LM's validate_args mapping of the dtype options (fp8 moments are uint8 tensors)."""
+
+
+def optimizer_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``OptimizerConfig`` fields of both arms beyond the workers' own: ``--clip-grad``, and the precision-aware
+    optimizer's (``--use-precision-aware-optimizer`` and its dtypes, as Megatron-LM's ``validate_args`` maps them)."""
+    import torch
+
+    out: dict[str, Any] = {"optimizer": "adam", "clip_grad": getattr(args, "clip_grad", 1.0)}
+    if getattr(args, "use_precision_aware_optimizer", False):
+        out["use_precision_aware_optimizer"] = True
+        for field in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            out[field] = getattr(torch, _TORCH_DTYPES[getattr(args, field)])
+    return out
+
+
+def grad_reduce_in_fp32(args: argparse.Namespace) -> bool:
+    """Megatron-LM's ``accumulate_allreduce_grads_in_fp32`` for compare's runs: set for bf16 unless the precision-aware
+    optimizer's main gradients are bf16 (``validate_args``); the workers' default otherwise."""
+    return not (
+        getattr(args, "use_precision_aware_optimizer", False) and getattr(args, "main_grads_dtype", "fp32") == "bf16"
+    )

@@ -52,6 +52,8 @@ def train_pipeline(
     on_step: Callable[[int, float], None] | None = None,
     on_optimizer: Callable[[list[torch.nn.Module], Any], None] | None = None,
     forward_context: Callable[[int], contextlib.AbstractContextManager] | None = None,
+    optimizer: dict[str, Any] | None = None,
+    grad_reduce_in_fp32: bool = True,
 ) -> list[float]:
     """Train the rank's model chunks for ``steps`` steps; return each step's loss (the mean over the
     microbatches and the data- and context-parallel ranks, sent from the last stage to every rank).
@@ -75,7 +77,7 @@ def train_pipeline(
     dp_rank = parallel_state.get_data_parallel_rank()
     cp_size = parallel_state.get_context_parallel_world_size()
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer
+        grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=use_distributed_optimizer
     )
     models = [
         DistributedDataParallel(
@@ -84,7 +86,12 @@ def train_pipeline(
         for index, chunk in enumerate(chunks)
     ]
     optimizer = get_megatron_optimizer(
-        _optimizer_config("adam", lr=lr, bf16=bool(config.bf16), use_distributed_optimizer=use_distributed_optimizer),
+        _optimizer_config(
+            optimizer or "adam",
+            lr=lr,
+            bf16=bool(config.bf16),
+            use_distributed_optimizer=use_distributed_optimizer,
+        ),
         models,
     )
     for chunk in chunks:

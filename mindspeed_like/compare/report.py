@@ -468,6 +468,8 @@ def record_name(args: argparse.Namespace, flag_values: dict[str, Any]) -> str:
         "data_parallel_sharding_strategy": "",
         "num_distributed_optimizer_instances": "instances",
         "outer_dp_sharding_strategy": "outer-",
+        "megatron_fsdp_main_params_dtype": "main-params-",
+        "megatron_fsdp_main_grads_dtype": "main-grads-",
         "fp32": "fp32",
         "num_layers": "layers",
         "hidden_size": "hidden",
@@ -476,6 +478,7 @@ def record_name(args: argparse.Namespace, flag_values: dict[str, Any]) -> str:
         "micro_batch_size": "mbs",
         "steps": "steps",
         "lr": "lr",
+        "clip_grad": "clip",
         "seed": "seed",
     }
     parts = [args.preset]

@@ -35,7 +35,13 @@ def _configure(spec: dict[str, Any]) -> list[str]:
 
     if spec["arm"] == MEGATRON:
         # the context-parallel algorithm is shared: on this host it is the only CP attention megatron has
-        config = mindspeed_like.configure(optimization_level=0, device=spec["device"], **spec.get("shared_flags", {}))
+        # megatron's precision-aware optimizer needs TE's FusedAdam: without TE it runs precision-aware-optimizer's
+        # Adam (the same contract), as megatron's TE spec runs on the te-backend
+        precision_aware = (spec.get("optimizer") or {}).get("use_precision_aware_optimizer", False)
+        own = {"no_portable_precision_aware_optimizer": False} if precision_aware else {}
+        config = mindspeed_like.configure(
+            optimization_level=0, device=spec["device"], **own, **spec.get("shared_flags", {})
+        )
     else:
         config = mindspeed_like.configure(**spec["flags"])
     return enabled_feature_names(config)
@@ -298,10 +304,18 @@ def _run_arm(spec: dict[str, Any]) -> dict[str, Any]:
             on_optimizer=on_optimizer,
             forward_context=probe,
         )
+        optimizer = spec.get("optimizer") or {"optimizer": "adam", "clip_grad": 1.0}
         if pipelined:
             from mindspeed_like.compare.pipeline import train_pipeline
 
-            losses = train_pipeline(chunks, spec["steps"], data=spec["data"], **common)
+            losses = train_pipeline(
+                chunks,
+                spec["steps"],
+                data=spec["data"],
+                optimizer=optimizer,
+                grad_reduce_in_fp32=spec.get("grad_reduce_in_fp32", True),
+                **common,
+            )
         else:
             losses = train_steps(
                 chunks[0],
@@ -313,6 +327,8 @@ def _run_arm(spec: dict[str, Any]) -> dict[str, Any]:
                 finalize_grads=bool(getattr(chunks[0].config, "moe_router_enable_expert_bias", False)),
                 data_parallel=spec.get("data_parallel", "ddp"),
                 ddp_options=spec.get("ddp_options"),
+                optimizer=optimizer,
+                grad_reduce_in_fp32=spec.get("grad_reduce_in_fp32", True),
                 **common,
             )
         memory = held.get("state_before_last_step") or state_bytes(held["models"], held["optimizer"])

@@ -111,6 +111,12 @@ def layout_text(options: dict[str, Any]) -> str:
             parts.append(f"HSDP{instances}")
             if options.get("outer_dp_sharding_strategy", "no_shard") != "no_shard":
                 parts.append(f"outer {options['outer_dp_sharding_strategy']}")
+        for field, what, default in (
+            ("megatron_fsdp_main_params_dtype", "main params", "fp32"),
+            ("megatron_fsdp_main_grads_dtype", "main grads", "auto"),
+        ):
+            if options.get(field, default) != default:
+                parts.append(f"{what} {options[field]}")
     if options.get("transformer_impl") == "local":
         parts.append("local spec")
     return " ".join(parts) or "1 rank"

@@ -16,6 +16,7 @@ from mindspeed_like.plan.spec import Layout, Model, Precision, Run, moe_pattern
 def run_from_compare(args: argparse.Namespace, flags: dict[str, Any], device: str, command: Sequence[str] = ()) -> Run:
     """The run a ``mindspeed-like compare`` with these options trains (both arms share it)."""
     from mindspeed_like.compare import virtual_stages
+    from mindspeed_like.compare.arguments import grad_reduce_in_fp32 as compare_grad_reduce_in_fp32
     from mindspeed_like.compare.presets import PRESETS
 
     preset = PRESETS[args.preset]
@@ -79,7 +80,19 @@ def run_from_compare(args: argparse.Namespace, flags: dict[str, Any], device: st
         outer_sharding=getattr(args, "outer_dp_sharding_strategy", "no_shard"),
         **{"distributed_optimizer": args.use_distributed_optimizer, **fsdp_layout(args)},
     )
-    precision = Precision(params="fp32" if args.fp32 else "bf16", grad_reduce_in_fp32=True)
+    precision = Precision(
+        params="fp32" if args.fp32 else "bf16",
+        grad_reduce_in_fp32=compare_grad_reduce_in_fp32(args),
+        # the precision-aware optimizer (records made before compare took these options ran without it)
+        precision_aware_optimizer=bool(getattr(args, "use_precision_aware_optimizer", False)),
+        main_grads=getattr(args, "main_grads_dtype", "fp32"),
+        main_params=getattr(args, "main_params_dtype", "fp32"),
+        exp_avg=getattr(args, "exp_avg_dtype", "fp32"),
+        exp_avg_sq=getattr(args, "exp_avg_sq_dtype", "fp32"),
+        # Megatron-FSDP's buffer dtypes (records made before compare took these options ran at the defaults)
+        fsdp_main_params=getattr(args, "megatron_fsdp_main_params_dtype", "fp32"),
+        fsdp_main_grads=getattr(args, "megatron_fsdp_main_grads_dtype", "auto"),
+    )
     return Run(
         model=model,
         layout=layout,

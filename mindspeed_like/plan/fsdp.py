@@ -41,10 +41,19 @@ instead (``paths.fsdp2_fields``, state.py), a bool ``reshard_after_forward`` act
 HSDP (``--num-distributed-optimizer-instances N``, ``--outer-dp-sharding-strategy``): every buffer sharded
 over an instance's DP x CP / N ranks, and under outer ``optim`` the masters and moments over all DP x CP
 ranks (:func:`hybrid_groups`; compare's records at DP 4, 2 instances, with and without outer sharding).
+Megatron-FSDP's buffer dtypes (megatron-core 0.17+'s ``megatron_fsdp_main_params_dtype`` /
+``megatron_fsdp_main_grads_dtype``, Megatron-LM's ``--megatron-fsdp-main-params-dtype`` / ``-main-grads-dtype``):
+the main-weight buffer in its dtype or none (``auto``: the optimizer steps the weights' shard), the main-grad buffer
+in its own (``auto``: the parameters'), the copy for the masters where the two differ, and torch's Adam moments in
+the dtype of what it steps (:func:`megatron_fsdp_main_params_dtype`; refused where megatron stops at the first step:
+:func:`megatron_fsdp_dtype_refusal`). The precision-aware optimizer (``--use-precision-aware-optimizer``) takes the
+main-grad buffer's shard as ``.decoupled_grad`` on 0.18+ (no copy; its moments in the dtypes asked for) and is
+refused before (:func:`megatron_fsdp_precision_aware_refusal`: no weight would be updated).
 Not modeled: fsdp2-config's other keys (dtypes, units, an int reshard_after_forward, offload: said in the
-output), FP8 parameter gathering, CPU offloading, and this library's other state features (reuse-fp32-param
-under torch FSDP2, the precision-aware optimizer's dtypes asked for by name) on these paths: counted as
-megatron's. Level 2's
+output), FP8 parameter gathering, CPU offloading, ``--megatron-fsdp-grad-comm-dtype`` (HSDP's gradient
+communication buffers), TE's FusedAdam keeping fp32 moments where Megatron-FSDP keeps no fp32 masters (torch's Adam
+is counted: its moments in the stepped parameters' dtype), and this library's other state features
+(reuse-fp32-param, the precision-aware optimizer under torch FSDP2) on these paths: counted as megatron's. Level 2's
 megatron-fsdp-lean-state under Megatron-FSDP is modeled (state.py: no main-weight buffer, bf16 gradients,
 int16 remainders and bf16 moments).
 """
@@ -128,27 +137,131 @@ def _expert_mesh_under_hsdp() -> bool:
 
 
 def megatron_fsdp_grad_dtype(precision: Precision) -> str:
-    """The dtype of Megatron-FSDP's main-grad buffer: where the release sizes it by ``grad_reduce_in_fp32``
-    (0.16-0.18, :func:`megatron_code.megatron_fsdp_grads_follow_grad_reduce_in_fp32`) DDP's grad dtype (fp32
-    under ``--accumulate-allreduce-grads-in-fp32``, Megatron-LM's bf16 default and compare's); where it does not
-    (0.19) the parameters' dtype (``megatron_fsdp_main_grads_dtype`` None, Megatron-LM's ``auto``)."""
+    """The dtype of Megatron-FSDP's main-grad buffer. Where the release sizes it by ``grad_reduce_in_fp32``
+    (0.16-0.18, :func:`megatron_code.megatron_fsdp_grads_follow_grad_reduce_in_fp32`) and that is set
+    (``--accumulate-allreduce-grads-in-fp32``, Megatron-LM's bf16 default and compare's): fp32; 0.16 has no other
+    knob (DDP's grad dtype). Otherwise ``--megatron-fsdp-main-grads-dtype`` where the release has it
+    (:func:`megatron_code.megatron_fsdp_has_main_dtype_fields`: 0.17+), its ``auto`` (megatron's None, the default)
+    being the parameters' dtype (``_resolve_group_grad_dtype``, 0.19.2)."""
     from mindspeed_like.plan import megatron_code
 
     if megatron_code.megatron_fsdp_grads_follow_grad_reduce_in_fp32():
-        return precision.grad_dtype
-    return precision.params
+        if not megatron_code.megatron_fsdp_has_main_dtype_fields():
+            return precision.grad_dtype
+        if precision.grad_reduce_in_fp32:
+            return "fp32"  # 0.17/0.18's "Grandfathered Argument", whatever megatron_fsdp_main_grads_dtype says
+    return precision.params if precision.fsdp_main_grads == "auto" else precision.fsdp_main_grads
 
 
-def megatron_fsdp_copies_grads_for_the_masters(precision: Precision) -> bool:
-    """Whether Megatron-FSDP keeps an fp32 copy of each rank's gradient shard beside its main-grad buffer:
-    ``update_main_grads`` casts the shard to the fp32 masters' dtype (:func:`megatron_code.
-    megatron_fsdp_casts_grads_to_the_masters_dtype`), a new tensor where the buffer is not fp32 (0.19's bf16
-    buffer; 0.16-0.18 without ``--accumulate-allreduce-grads-in-fp32``). Megatron-FSDP's own masters only: the
+def megatron_fsdp_main_params_dtype(precision: Precision) -> str | None:
+    """The dtype of Megatron-FSDP's main-weight buffer (the parameters its optimizer steps), or None where it
+    makes none: ``--megatron-fsdp-main-params-dtype`` (``auto``: None, the optimizer steps the model-weight
+    buffer's shard in the parameters' dtype; ``_init_distributed_params`` falls back from the main-weight buffer to
+    the model-weight buffer, 0.19.2), fp32 by default where the release keeps fp32 masters
+    (:func:`megatron_code.megatron_fsdp_keeps_fp32_masters`: every release 0.16-0.19)."""
+    from mindspeed_like.plan import megatron_code
+
+    if precision.fsdp_main_params == "auto":
+        return None
+    if precision.fsdp_main_params == "fp32":
+        return "fp32" if megatron_code.megatron_fsdp_keeps_fp32_masters() else None
+    return precision.fsdp_main_params
+
+
+def megatron_fsdp_grad_copy_dtype(precision: Precision) -> str | None:
+    """The dtype of the copy of each rank's gradient shard that Megatron-FSDP keeps for its optimizer beside the
+    main-grad buffer, or None where it keeps none: ``update_main_grads`` casts the shard to the main-weight
+    buffer's dtype (:func:`megatron_code.megatron_fsdp_casts_grads_to_the_masters_dtype`), a new tensor where
+    the two dtypes differ (0.19's bf16 buffer under fp32 masters; 0.16-0.18 without
+    ``--accumulate-allreduce-grads-in-fp32``), none without a main-weight buffer (``auto``) or with the buffer in
+    the masters' dtype (``.to`` of an equal dtype is the tensor itself). Megatron-FSDP's own masters only: the
     lean state (no main-weight buffer, decoupled gradients) keeps no copy."""
     from mindspeed_like.plan import megatron_code
 
+    main = megatron_fsdp_main_params_dtype(precision)
+    if main is None or main == megatron_fsdp_grad_dtype(precision) or megatron_fsdp_decoupled_grads(precision):
+        return None
+    return main if megatron_code.megatron_fsdp_casts_grads_to_the_masters_dtype() else None
+
+
+def megatron_fsdp_decoupled_grads(precision: Precision) -> bool:
+    """Whether Megatron-FSDP hands the optimizer its gradients as ``.decoupled_grad`` (the main-grad buffer's shard,
+    uncast: no copy for the masters): under ``--use-precision-aware-optimizer`` where the release has
+    ``megatron_fsdp_use_decoupled_grad`` (:func:`megatron_code.megatron_fsdp_has_decoupled_grad_field`: 0.18+,
+    which Megatron-LM sets to that flag). Before 0.18 the combination is refused
+    (:func:`megatron_fsdp_precision_aware_refusal`)."""
+    from mindspeed_like.plan import megatron_code
+
+    return precision.precision_aware_optimizer and megatron_code.megatron_fsdp_has_decoupled_grad_field()
+
+
+def megatron_fsdp_precision_aware_refusal(precision: Precision) -> str | None:
+    """Why megatron would train nothing with the precision-aware optimizer under Megatron-FSDP, or None: before
+    0.18 nothing hands that Adam (``use_decoupled_grad``) a gradient (:func:`megatron_code.
+    megatron_fsdp_has_decoupled_grad_field`)."""
+    from mindspeed_like.plan import megatron_code
+
+    if not precision.precision_aware_optimizer or megatron_code.megatron_fsdp_has_decoupled_grad_field():
+        return None
     return (
-        megatron_fsdp_grad_dtype(precision) != "fp32" and megatron_code.megatron_fsdp_casts_grads_to_the_masters_dtype()
+        f"--use-precision-aware-optimizer with --use-megatron-fsdp on megatron-core {megatron_code.release()}: its "
+        "Megatron-FSDP writes the gradients to .grad (update_main_grads writes .decoupled_grad only where the buffer's "
+        "use_precision_aware_optimizer attribute is set, and nothing in megatron-core sets it), and the "
+        "precision-aware Adam reads .decoupled_grad, so no weight is updated; megatron-core 0.18 and later hand them "
+        "over (megatron_fsdp_use_decoupled_grad). Leave the flag out (megatron-fsdp-lean-state, --optimization-level "
+        "2, runs the precision-aware Adam over Megatron-FSDP with that link made), or use megatron-core 0.18+"
+    )
+
+
+def megatron_fsdp_optimizer_grad_dtype(precision: Precision) -> str:
+    """The dtype of the ``.grad`` Megatron-FSDP hands its optimizer's parameters (``update_main_grads``): the
+    gradient shard cast to the main-weight buffer's dtype, or without one the main-grad buffer's own."""
+    return megatron_fsdp_main_params_dtype(precision) or megatron_fsdp_grad_dtype(precision)
+
+
+def megatron_fsdp_dtype_refusal(precision: Precision, clip_grad: float) -> str | None:
+    """Why megatron stops a Megatron-FSDP run at its first step for its buffer dtypes, or None:
+
+    - without a main-weight buffer (``auto``) the optimizer steps the weights' shard and ``update_main_grads``
+      assigns it the main-grad buffer's shard as ``.grad`` uncast, which torch refuses where the dtypes differ
+      ("attempting to assign a gradient with dtype 'float' to a tensor with grad_dtype 'BFloat16'": a bf16 model
+      with ``--megatron-fsdp-main-grads-dtype fp32``);
+    - with gradient clipping (``--clip-grad`` > 0, Megatron-LM's default 1.0) megatron asserts each optimizer
+      parameter's ``.grad`` is fp32 (:func:`megatron_code.clip_asserts_fp32_grads`), which a bf16 or fp16
+      main-weight buffer, or none over bf16 or fp16 gradients, does not give
+      (:func:`megatron_fsdp_optimizer_grad_dtype`)."""
+    from mindspeed_like.plan import megatron_code
+
+    given = f"--megatron-fsdp-main-params-dtype {precision.fsdp_main_params}" + (
+        f" --megatron-fsdp-main-grads-dtype {precision.fsdp_main_grads}" if precision.fsdp_main_grads != "auto" else ""
+    )
+    grad = megatron_fsdp_optimizer_grad_dtype(precision)
+    if megatron_fsdp_decoupled_grads(precision):
+        # .decoupled_grad: the main-grad buffer's shard uncast; megatron's clipping takes it fp32 or bf16
+        # (clip_grad_by_total_norm_fp32: 'assert param.decoupled_grad.dtype in [torch.float32, torch.bfloat16]')
+        grad = megatron_fsdp_grad_dtype(precision)
+        if clip_grad > 0 and grad not in ("fp32", "bf16"):
+            return (
+                f"--use-precision-aware-optimizer hands Megatron-FSDP's optimizer {grad} decoupled gradients "
+                f"({given}), and megatron's gradient clipping (--clip-grad {clip_grad:g}) asserts fp32 or bf16 ones "
+                "at the first step (clip_grad_by_total_norm_fp32): give --megatron-fsdp-main-grads-dtype fp32 or "
+                "bf16, or --clip-grad 0"
+            )
+        return None
+    if megatron_fsdp_main_params_dtype(precision) is None and grad != precision.params:
+        return (
+            f"{given} hands Megatron-FSDP's optimizer the {precision.params} weights' shard with a {grad} gradient "
+            "(no main-weight buffer: update_main_grads assigns the main-grad buffer's shard to .grad uncast), and "
+            f"torch refuses a gradient of another dtype than its parameter ('attempting to assign a gradient with "
+            f"dtype ...'): give --megatron-fsdp-main-grads-dtype {precision.params} or auto, or a main-weight buffer"
+        )
+    if clip_grad <= 0 or grad == "fp32" or not megatron_code.clip_asserts_fp32_grads():
+        return None
+    return (
+        f"{given} hands Megatron-FSDP's optimizer {grad} gradients, and megatron's gradient clipping (--clip-grad "
+        f"{clip_grad:g}) asserts fp32 ones at the first step ('assert param.grad.type() == 'torch.cuda.FloatTensor'', "
+        "clip_grad_by_total_norm_fp32 in optimizer/clip_grads.py): use --megatron-fsdp-main-params-dtype fp32, or "
+        "fp32 gradients with auto (--megatron-fsdp-main-grads-dtype fp32), or --clip-grad 0"
     )
 
 

@@ -30,6 +30,10 @@ from mindspeed_like.plan.tokenizer_vocab import tokenizer_vocab
 from mindspeed_like.toolkit.errors import ConfigError
 
 _DTYPES = ("fp32", "bf16", "fp16", "fp8")
+FSDP_MAIN_DTYPES = ("fp32", "bf16", "fp16", "auto")
+"""Megatron-LM's choices of --megatron-fsdp-main-params-dtype / --megatron-fsdp-main-grads-dtype (``auto``: None)."""
+NEWER_OPTIONS = {"--megatron-fsdp-main-params-dtype": "0.17", "--megatron-fsdp-main-grads-dtype": "0.17"}
+"""Options of the built-in parser that Megatron-LM has only from a later release than 0.16 (the release)."""
 
 
 def _freq(text: str) -> int | list[int]:
@@ -178,6 +182,10 @@ def add_megatron_options(parser: argparse.ArgumentParser) -> None:
     # Megatron-FSDP's hybrid sharding (HSDP); under DDP the distributed optimizer's instances (not modeled there)
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
     g.add_argument("--outer-dp-sharding-strategy", default="no_shard", choices=("no_shard", "optim"))
+    # Megatron-FSDP's buffer dtypes (Megatron-LM 0.17+'s options: NEWER_OPTIONS; plan/fsdp.py models them)
+    g.add_argument("--clip-grad", type=float, default=1.0)  # Megatron-FSDP's buffer dtypes are refused with it
+    g.add_argument("--megatron-fsdp-main-params-dtype", default="fp32", choices=FSDP_MAIN_DTYPES)
+    g.add_argument("--megatron-fsdp-main-grads-dtype", default="auto", choices=FSDP_MAIN_DTYPES)
     g.add_argument("--ckpt-format", default="torch_dist")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
 
@@ -595,6 +603,8 @@ def run_from_namespace(
         exp_avg_sq=_dtype_name(get("exp_avg_sq_dtype", "fp32")),
         optimizer=get("optimizer", "adam"),
         sgd_momentum=float(get("sgd_momentum", 0.9)),
+        fsdp_main_params=_fsdp_dtype_name(get("megatron_fsdp_main_params_dtype", "fp32")),
+        fsdp_main_grads=_fsdp_dtype_name(get("megatron_fsdp_main_grads_dtype", "auto")),
     )
     modules = get("recompute_modules")
     recompute = Recompute(
@@ -604,6 +614,14 @@ def run_from_namespace(
         modules=tuple(modules) if modules else ("core_attn",),
     )
     check(model, layout)
+    if layout.fsdp == "megatron_fsdp":
+        from mindspeed_like.plan.fsdp import megatron_fsdp_dtype_refusal, megatron_fsdp_precision_aware_refusal
+
+        refusal = megatron_fsdp_precision_aware_refusal(precision) or megatron_fsdp_dtype_refusal(
+            precision, float(get("clip_grad", 1.0))
+        )
+        if refusal:
+            raise ConfigError(f"plan: {refusal}")
     check_recompute(recompute, model.num_layers, layout.pp)
     instances = get("num_distributed_optimizer_instances", 1) or 1
     if instances > 1 and layout.fsdp is None and layout.distributed_optimizer:
@@ -687,6 +705,12 @@ def check_sharded_data_parallel(ns: argparse.Namespace) -> None:
         for refused, words in refusals:
             if refused:
                 raise ConfigError(f"plan: Megatron-LM refuses this with --use-torch-fsdp2: {words}")
+    check_megatron_fsdp_dtypes(
+        megatron_fsdp,
+        _fsdp_dtype_name(get("megatron_fsdp_main_params_dtype", "fp32")),
+        _fsdp_dtype_name(get("megatron_fsdp_main_grads_dtype", "auto")),
+        "plan",
+    )
     if megatron_fsdp:
         if get("ckpt_format", "torch_dist") != "fsdp_dtensor":
             raise ConfigError(
@@ -699,6 +723,42 @@ def check_sharded_data_parallel(ns: argparse.Namespace) -> None:
             message = refusal()
             if message is not None:
                 raise ConfigError(f"plan: --data-parallel-sharding-strategy no_shard: {message}")
+
+
+def check_megatron_fsdp_dtypes(megatron_fsdp: bool, main_params: str, main_grads: str, tool: str) -> None:
+    """--megatron-fsdp-main-params-dtype / --megatron-fsdp-main-grads-dtype away from their defaults: they act with
+    --use-megatron-fsdp only, and only where the megatron-core release has the fields
+    (``megatron_code.megatron_fsdp_has_main_dtype_fields``: 0.17+); refused otherwise (plan's and compare's)."""
+    given = [
+        f"--{name} {value}"
+        for name, value, default in (
+            ("megatron-fsdp-main-params-dtype", main_params, "fp32"),
+            ("megatron-fsdp-main-grads-dtype", main_grads, "auto"),
+        )
+        if value != default
+    ]
+    if not given:
+        return
+    for value in (main_params, main_grads):
+        if value not in FSDP_MAIN_DTYPES:
+            choices = ", ".join(FSDP_MAIN_DTYPES)
+            raise ConfigError(f"{tool}: a Megatron-FSDP buffer dtype is one of {choices}; got {value!r}")
+    if not megatron_fsdp:
+        raise ConfigError(f"{tool}: {' and '.join(given)} act(s) with --use-megatron-fsdp; give both")
+    from mindspeed_like.plan import megatron_code
+
+    if not megatron_code.megatron_fsdp_has_main_dtype_fields():
+        raise ConfigError(
+            f"{tool}: {' and '.join(given)}: megatron-core {megatron_code.release()}'s DistributedDataParallelConfig "
+            "has no megatron_fsdp_main_params_dtype / megatron_fsdp_main_grads_dtype (Megatron-LM's options from "
+            "0.17): its Megatron-FSDP keeps fp32 masters (preserve_fp32_weights) and fp32 gradients under "
+            "--accumulate-allreduce-grads-in-fp32; leave the option(s) out, or use megatron-core 0.17 or later"
+        )
+
+
+def _fsdp_dtype_name(value: Any) -> str:
+    """A Megatron-FSDP buffer dtype as Megatron-LM's choices name it: validate_args maps ``auto`` to None."""
+    return "auto" if value is None else _dtype_name(value)
 
 
 def _dtype_name(value: Any) -> str:

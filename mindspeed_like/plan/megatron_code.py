@@ -366,3 +366,88 @@ def megatron_fsdp_regathers_the_units_at_the_forward_end() -> bool:
     if _recent:
         return _recent[-1].release < (0, 18)
     return _installed_megatron_fsdp_regathers_the_units_at_the_forward_end()
+
+
+_DDP_CONFIG = "distributed/distributed_data_parallel_config.py"
+MAIN_DTYPE_FIELDS = ("megatron_fsdp_main_params_dtype", "megatron_fsdp_main_grads_dtype")
+"""``DistributedDataParallelConfig``'s Megatron-FSDP dtype fields (Megatron-LM's ``--megatron-fsdp-main-params-dtype``
+and ``--megatron-fsdp-main-grads-dtype``)."""
+
+
+@functools.cache
+def _installed_megatron_fsdp_has_main_dtype_fields() -> bool:
+    config = _class(_DDP_CONFIG, "DistributedDataParallelConfig")
+    return config is not None and all(_member(config.body, name) is not None for name in MAIN_DTYPE_FIELDS)
+
+
+def megatron_fsdp_has_main_dtype_fields() -> bool:
+    """Whether Megatron-FSDP's buffers take their dtypes from ``DistributedDataParallelConfig.
+    megatron_fsdp_main_params_dtype`` (the main-weight buffer's; None: no main-weight buffer, the optimizer steps
+    the model-weight buffer's shard) and ``megatron_fsdp_main_grads_dtype`` (the main-grad buffer's; None: the
+    parameters' dtype), Megatron-LM's ``--megatron-fsdp-main-params-dtype`` / ``--megatron-fsdp-main-grads-dtype``
+    (``fp32``/``bf16``/``fp16``/``auto``, ``auto`` being None). Read in the wheels: 0.17.1, 0.18.2 and 0.19.2 have
+    both fields (the adapter builds its ``MixedPrecisionPolicy`` of them; 0.17 and 0.18 still make the gradients
+    fp32 under ``grad_reduce_in_fp32``: :func:`megatron_fsdp_grads_follow_grad_reduce_in_fp32`); 0.16.1 has
+    neither (``preserve_fp32_weights`` and ``grad_reduce_in_fp32`` decide). Checked as both fields declared on the
+    dataclass; inside :func:`as_measured_on` the record's release answers (0.17 and later)."""
+    if _recent:
+        return _recent[-1].release >= (0, 17)
+    return _installed_megatron_fsdp_has_main_dtype_fields()
+
+
+def _compares_type_to_cuda_float(node: ast.AST) -> bool:
+    """Whether ``node`` is ``<x>.grad.type() == 'torch.cuda.FloatTensor'``."""
+    if not (isinstance(node, ast.Compare) and len(node.comparators) == 1 and isinstance(node.ops[0], ast.Eq)):
+        return False
+    left, right = node.left, node.comparators[0]
+    called = isinstance(left, ast.Call) and isinstance(left.func, ast.Attribute) and left.func.attr == "type"
+    return (
+        called
+        and _names_attribute(left.func.value, "grad")
+        and isinstance(right, ast.Constant)
+        and right.value == "torch.cuda.FloatTensor"
+    )
+
+
+@functools.cache
+def _installed_clip_asserts_fp32_grads() -> bool:
+    tree = _tree("optimizer/clip_grads.py")
+    clip = _member(tree.body, "clip_grad_by_total_norm_fp32") if tree is not None else None
+    if not isinstance(clip, ast.FunctionDef):
+        return True  # not readable: 0.16's
+    return any(isinstance(n, ast.Assert) and _compares_type_to_cuda_float(n.test) for n in ast.walk(clip))
+
+
+def clip_asserts_fp32_grads() -> bool:
+    """Whether megatron's gradient clipping (``clip_grad_by_total_norm_fp32``, optimizer/clip_grads.py, run at every
+    step where ``--clip-grad`` > 0, Megatron-LM's default 1.0) asserts that each optimizer parameter's ``.grad`` is
+    fp32 (``assert param.grad.type() == 'torch.cuda.FloatTensor'``; a parameter's ``.decoupled_grad`` may be fp32 or
+    bf16). Read in 0.16.1, 0.17.1 and 0.19.2: all of them. Under Megatron-FSDP the ``.grad`` is the gradient shard
+    cast to the main-weight buffer's dtype, or the main-grad buffer's own without one: a bf16 or fp16 main-weight
+    buffer, or none (``auto``) over bf16 gradients, stops the first step there (compare, llama DP 2
+    optim_grads_params ``--megatron-fsdp-main-params-dtype auto`` on 0.19.2: this AssertionError at the first
+    step). Checked
+    as that assert in the function; inside :func:`as_measured_on`, every release 0.16-0.19."""
+    if _recent:
+        return True
+    return _installed_clip_asserts_fp32_grads()
+
+
+@functools.cache
+def _installed_megatron_fsdp_has_decoupled_grad_field() -> bool:
+    config = _class(_DDP_CONFIG, "DistributedDataParallelConfig")
+    return config is not None and _member(config.body, "megatron_fsdp_use_decoupled_grad") is not None
+
+
+def megatron_fsdp_has_decoupled_grad_field() -> bool:
+    """Whether Megatron-FSDP can hand the precision-aware optimizer its gradients:
+    ``DistributedDataParallelConfig.megatron_fsdp_use_decoupled_grad`` (0.18.2, 0.19.2; Megatron-LM 0.18+ sets it to
+    ``--use-precision-aware-optimizer``) makes ``update_main_grads`` write each shard, uncast, to the optimizer
+    parameter's ``.decoupled_grad``, which the precision-aware Adam reads. 0.16.1 and 0.17.1 have no such field: their
+    ``update_main_grads`` writes ``.decoupled_grad`` only where the buffer's ``use_precision_aware_optimizer``
+    attribute is set, which nothing in megatron-core sets, so the precision-aware Adam (``use_decoupled_grad``) finds
+    no gradient and updates no weight (megatron-fsdp-lean-state makes that link on those releases). Checked as the
+    field declared on the dataclass; inside :func:`as_measured_on` the record's release answers (0.18 and later)."""
+    if _recent:
+        return _recent[-1].release >= (0, 18)
+    return _installed_megatron_fsdp_has_decoupled_grad_field()

@@ -79,10 +79,12 @@ def describe(run: Run) -> list[str]:
     if lay.fsdp == "megatron_fsdp":
         from mindspeed_like.plan import fsdp
 
-        grads = f"{fsdp.megatron_fsdp_grad_dtype(p)} gradients" + (
-            " (and an fp32 copy of the shard for the masters)"
-            if fsdp.megatron_fsdp_copies_grads_for_the_masters(p)
-            else ""
+        copy = fsdp.megatron_fsdp_grad_copy_dtype(p)
+        main = fsdp.megatron_fsdp_main_params_dtype(p)
+        grads = (
+            f"{fsdp.megatron_fsdp_grad_dtype(p)} gradients"
+            + (f" (and {'an' if copy[0] == 'f' else 'a'} {copy} copy of the shard for the masters)" if copy else "")
+            + (f", {main} masters" if main else ", no main-weight buffer (the optimizer steps the weights' shard)")
         )
     precision = f"precision: {p.params} parameters, {grads}"
     if p.precision_aware_optimizer:

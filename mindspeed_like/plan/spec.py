@@ -154,6 +154,10 @@ class Precision:
     exp_avg_sq: str = "fp32"
     optimizer: str = "adam"  # adam / sgd / muon / dist_muon (--optimizer)
     sgd_momentum: float = 0.9  # --sgd-momentum: 0 keeps no momentum buffer
+    # Megatron-FSDP's buffer dtypes (Megatron-LM 0.17+'s --megatron-fsdp-main-params-dtype and
+    # --megatron-fsdp-main-grads-dtype: fp32 / bf16 / fp16 / auto, auto being megatron's None)
+    fsdp_main_params: str = "fp32"
+    fsdp_main_grads: str = "auto"
 
     @property
     def param_bytes(self) -> int:

@@ -169,10 +169,10 @@ def model_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]
 def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
     """One rank's model state under megatron's FSDP paths (plan/fsdp.py): torch FSDP2's DTensor
     shards (over fsdp2-config's HSDP shard group where it sets one), Megatron-FSDP's buffers by
-    strategy; under Megatron-FSDP with megatron-fsdp-lean-state (bf16) its remainder masters and bf16
-    gradients and moments. reuse-fp32-param and the precision-aware optimizer's own dtypes are not
-    modeled on these paths."""
-    from mindspeed_like.plan import fsdp, megatron_code
+    strategy and buffer dtypes, with the precision-aware optimizer's decoupled gradients and moments; under
+    Megatron-FSDP with megatron-fsdp-lean-state (bf16) its remainder masters and bf16 gradients and moments.
+    reuse-fp32-param, and the precision-aware optimizer under torch FSDP2, are not modeled on these paths."""
+    from mindspeed_like.plan import fsdp
 
     prec, lay = run.precision, run.layout
     hsdp = lay.fsdp == fsdp.TORCH_FSDP2 and paths.fsdp_shard_size is not None
@@ -235,28 +235,49 @@ def fsdp_state(run: Run, chunks: list[list[Param]], paths: Paths) -> list[Line]:
                 BYTES[grad_dtype] * (sharded if grads_sharded else numel),
             )
         )
-        if fsdp.megatron_fsdp_copies_grads_for_the_masters(prec):
-            # update_main_grads' cast of each gradient shard to the fp32 masters' dtype, kept to the next step
+        copy = fsdp.megatron_fsdp_grad_copy_dtype(prec)
+        if copy:
+            # update_main_grads' cast of each gradient shard to the main-weight buffer's dtype, kept to the next step
             # (megatron-core 0.19: the main-grad buffer in the parameters' dtype whatever grad_reduce_in_fp32 says)
-            lines.append(Line("gradients", f"fp32 copy of the gradient shards for the fp32 masters ({part})", 4 * n))
-        master = f"main-weight buffer (fp32 masters, {part})"
+            lines.append(
+                Line(
+                    "gradients", f"{copy} copy of the gradient shards for the {copy} masters ({part})", BYTES[copy] * n
+                ),
+            )
+        main = fsdp.megatron_fsdp_main_params_dtype(prec)
+        # the optimizer's parameters: the main-weight buffer's shard, or without one (auto) the weights' own shard
+        stepped = main or prec.params
+        master = f"main-weight buffer ({main} masters, {part})" if main else ""
     if paths.megatron_fsdp_lean_state and lay.fsdp == fsdp.MEGATRON_FSDP:
         return lines[:1] + _lean_state(n, grads_sharded, sharded, numel, group)
     # an fp32 master beside each non-fp32 shard under FSDP2 (megatron's Float16Optimizer; its FP32Optimizer keeps
-    # none); Megatron-FSDP's main-weight buffer whatever the parameters' dtype
+    # none); Megatron-FSDP's main-weight buffer in its own dtype (fsdp.megatron_fsdp_main_params_dtype), whatever
+    # the parameters' dtype, or none
     if lay.fsdp == fsdp.MEGATRON_FSDP:
-        masters = megatron_code.megatron_fsdp_keeps_fp32_masters()
+        if main:
+            lines.append(Line("optimizer", master, BYTES[main] * n))
     else:
-        masters = prec.params != "fp32"
-    if masters and master:
-        lines.append(Line("optimizer", master, 4 * n, feature))
+        stepped = "fp32"
+        if prec.params != "fp32":
+            lines.append(Line("optimizer", master, 4 * n, feature))
+    # torch's Adam and SGD make their state as torch.zeros_like(the parameter they step) (megatron's init_state_fn
+    # too): fp32 beside fp32 masters, the parameters' dtype where Megatron-FSDP keeps no main-weight buffer
+    state_bytes = BYTES[stepped]
     if prec.optimizer == "sgd":
         if prec.sgd_momentum:
-            lines.append(Line("optimizer", "SGD momentum buffer (fp32)", 4 * n, feature))
+            lines.append(Line("optimizer", f"SGD momentum buffer ({stepped})", state_bytes * n, feature))
         return lines
     adam = "Adam" if prec.optimizer == "adam" else f"{prec.optimizer} (not modeled: counted as Adam's)"
-    for name in ("exp_avg", "exp_avg_sq"):
-        lines.append(Line("optimizer", f"{adam} {name} (fp32)", 4 * n, feature))
+    if lay.fsdp == fsdp.MEGATRON_FSDP and fsdp.megatron_fsdp_decoupled_grads(prec):
+        # the precision-aware Adam over Megatron-FSDP's main-weight buffer: its moments in the dtypes asked for;
+        # megatron turns its own masters off there (master_weights=False: the main-weight buffer is the masters)
+        for name, dtype in (("exp_avg", prec.exp_avg), ("exp_avg_sq", prec.exp_avg_sq)):
+            per = BYTES[dtype] + (BLOCK_SCALE if dtype in ("fp16", "fp8") else 0)
+            which = "precision-aware-optimizer" if dtype != "fp32" and paths.precision_aware_portable else None
+            lines.append(Line("optimizer", f"{adam} {name} ({dtype}, precision-aware)", int(n * per), which))
+    else:
+        for name in ("exp_avg", "exp_avg_sq"):
+            lines.append(Line("optimizer", f"{adam} {name} ({stepped})", state_bytes * n, feature))
     lines.append(Line("optimizer", f"{adam} step counters (one fp32 per parameter tensor)", 4 * len(params)))
     return lines
 

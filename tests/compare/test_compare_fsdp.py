@@ -277,3 +277,75 @@ def test_megatron_fsdp_no_shard_weights_are_the_modules_own_parameters():
     adam = torch.optim.Adam(model.parameters())
     adam.state[model.weight] = {"exp_avg": torch.zeros(10), "exp_avg_sq": torch.zeros(10)}
     assert state_bytes(model, adam) == {"weights": 20, "gradients": 20, "optimizer": 40 + 80}
+
+
+MFSDP = [*"--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --data-parallel-size 2".split()]
+
+
+def _refusal(tmp_path, capsys, *args: str) -> str:
+    assert main(["compare", "--out", str(tmp_path), *args]) == 2
+    assert not os.path.exists(tmp_path / "compare.json")
+    return capsys.readouterr().err
+
+
+def test_megatron_fsdp_buffer_dtypes_megatron_stops_at_are_refused_before_any_process_starts(
+    tmp_path, capsys, no_process
+):
+    """Megatron-LM's --megatron-fsdp-main-params-dtype / --megatron-fsdp-main-grads-dtype, refused as plan refuses
+    them: without --use-megatron-fsdp, on a release without the fields (0.16), and where megatron stops at the
+    first step (a non-fp32 .grad under clipping; a gradient of another dtype than its parameter)."""
+    from mindspeed_like.plan import megatron_code
+
+    err = _refusal(tmp_path, capsys, "--megatron-fsdp-main-grads-dtype", "fp32")
+    assert "act(s) with --use-megatron-fsdp" in err
+    err = _refusal(tmp_path, capsys, *MFSDP, "--megatron-fsdp-main-params-dtype", "auto")
+    if not megatron_code.megatron_fsdp_has_main_dtype_fields():
+        assert "has no megatron_fsdp_main_params_dtype" in err
+        return
+    assert "asserts fp32 ones at the first step" in err
+    auto_fp32 = ["--megatron-fsdp-main-params-dtype", "auto", "--megatron-fsdp-main-grads-dtype", "fp32"]
+    err = _refusal(tmp_path, capsys, *MFSDP, *auto_fp32, "--clip-grad", "0")
+    assert "a gradient of another dtype" in err
+
+
+def test_the_precision_aware_optimizer_under_megatron_fsdp_is_refused_where_no_weight_would_move(
+    tmp_path, capsys, no_process
+):
+    from mindspeed_like.plan import megatron_code
+
+    if megatron_code.megatron_fsdp_has_decoupled_grad_field():
+        pytest.skip("megatron-core 0.18+ hands the precision-aware optimizer its gradients (decoupled)")
+    err = _refusal(tmp_path, capsys, *MFSDP, "--use-precision-aware-optimizer")
+    assert "so no weight is updated" in err
+
+
+def test_megatron_fsdp_dtypes_and_the_precision_aware_optimizer_reach_megatrons_configs():
+    """As Megatron-LM's validate_args maps them (auto: None) and get_megatron_ddp_config / the optimizer config
+    take them; at their defaults nothing is passed, so the config is the same on every release."""
+    import argparse
+
+    from mindspeed_like.compare import add_compare_arguments, data_parallel_path, grad_reduce_in_fp32
+    from mindspeed_like.compare.arguments import optimizer_options
+    from mindspeed_like.plan import megatron_code
+
+    parser = argparse.ArgumentParser()
+    add_compare_arguments(parser)
+    args = parser.parse_args(MFSDP)
+    assert data_parallel_path(args)[1] == {"data_parallel_sharding_strategy": "optim_grads_params"}
+    assert optimizer_options(args) == {"optimizer": "adam", "clip_grad": 1.0}
+    args = parser.parse_args(
+        [*MFSDP, "--megatron-fsdp-main-params-dtype", "auto", "--megatron-fsdp-main-grads-dtype", "fp16"]
+    )
+    options = data_parallel_path(args)[1]
+    assert options["megatron_fsdp_main_params_dtype"] is None
+    assert options["megatron_fsdp_main_grads_dtype"] is torch.float16
+    args = parser.parse_args(
+        [*MFSDP, "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16", "--exp-avg-dtype", "fp8"]
+    )
+    fields = optimizer_options(args)
+    assert fields["use_precision_aware_optimizer"] is True
+    assert fields["main_grads_dtype"] is torch.bfloat16 and fields["exp_avg_dtype"] is torch.uint8
+    assert fields["exp_avg_sq_dtype"] is torch.float32 and fields["main_params_dtype"] is torch.float32
+    assert grad_reduce_in_fp32(args) is False  # --main-grads-dtype bf16: Megatron-LM's validate_args leaves it off
+    decoupled = data_parallel_path(args)[1].get("megatron_fsdp_use_decoupled_grad", False)
+    assert decoupled == megatron_code.megatron_fsdp_has_decoupled_grad_field()

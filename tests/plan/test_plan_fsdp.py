@@ -471,6 +471,12 @@ RELEASE_RECORDS = (
     "hsdp-experts-moe-ep2-dp4-mfsdp-hsdp2-level1-mc0.19.2",
     # no_shard: the weights are the module's own parameters (no weight buffer); compare's meter read 0 bytes
     "mc0.19.2-compare-plan-llama-dp2-mfsdp-no-shard-level1",
+    # Megatron-FSDP's buffer dtypes (--megatron-fsdp-main-params-dtype / --megatron-fsdp-main-grads-dtype): fp32
+    # gradients and no copy; no main-weight buffer and bf16 moments; bf16 masters and moments (the plan counted the
+    # defaults before: gradients +49.1%, +198.2%, +198.2%; optimizer -0.3%, +199.6%, +99.4%)
+    "mc0.19.2-compare-plan-llama-dp2-mfsdp-main-grads-fp32-level1",
+    "mc0.19.2-compare-plan-llama-dp2-mfsdp-main-params-auto-clip0-level1",
+    "mc0.19.2-compare-plan-llama-dp2-mfsdp-main-params-bf16-clip0-level1",
 )
 
 
@@ -514,3 +520,129 @@ def test_megatron_fsdp_keeps_the_layers_gathered_buckets_to_backward_where_the_r
         assert 0.5 * whole < kept < whole
     else:
         assert kept == 0
+
+
+# Megatron-FSDP's buffer dtypes (Megatron-LM 0.17+'s --megatron-fsdp-main-params-dtype and
+# --megatron-fsdp-main-grads-dtype), predicted as megatron-core 0.19.2 lays them out: (main params, main grads) ->
+# bytes an element of the rank's shard of (gradients, optimizer state without the step counters); bf16 parameters,
+# optim_grads_params at DP 2
+MAIN_DTYPES = {
+    ("fp32", "auto"): (2 + 4, 4 + 8),  # bf16 buffer and the fp32 copy for the fp32 masters; fp32 masters and moments
+    ("fp32", "bf16"): (2 + 4, 4 + 8),  # bf16 is auto's dtype for bf16 parameters
+    ("fp32", "fp32"): (4, 4 + 8),  # the buffer in the masters' dtype: no copy
+    ("bf16", "auto"): (2, 2 + 4),  # bf16 masters (their own buffer), torch's Adam moments in their dtype
+    ("auto", "auto"): (2, 4),  # no main-weight buffer: the optimizer steps the bf16 weight shard, bf16 moments
+    ("fp16", "fp32"): (4 + 2, 2 + 4),  # fp32 buffer and the fp16 copy for the fp16 masters; fp16 moments
+}
+
+
+@pytest.mark.parametrize(("main_params", "main_grads"), sorted(MAIN_DTYPES))
+def test_megatron_fsdp_buffer_dtypes_decide_the_gradients_and_the_optimizer_state(
+    main_params: str, main_grads: str, capsys
+) -> None:
+    params = _state([], 1, capsys)["weights"] // 2
+    extra = [*MEGATRON_FSDP, "--data-parallel-sharding-strategy", "optim_grads_params", "--clip-grad", "0"]
+    extra += ["--megatron-fsdp-main-params-dtype", main_params, "--megatron-fsdp-main-grads-dtype", main_grads]
+    with megatron_code.as_measured_on("0.19.2"):
+        state = _state(extra, 2, capsys)
+    grads, optimizer = MAIN_DTYPES[(main_params, main_grads)]
+    shard = params // 2
+    assert state["weights"] == 2 * shard
+    assert state["gradients"] == grads * shard
+    assert 0 < state["optimizer"] - optimizer * shard <= 4 * 64  # Adam's step counters, one fp32 a tensor
+
+
+def test_megatron_fsdp_buffer_dtypes_follow_grad_reduce_in_fp32_on_0_17(capsys) -> None:
+    """0.17 and 0.18 still make the gradients fp32 under --accumulate-allreduce-grads-in-fp32 (Megatron-LM's bf16
+    default), whatever --megatron-fsdp-main-grads-dtype says; without it (--grad-reduce-in-bf16) the option acts."""
+    params = _state([], 1, capsys)["weights"] // 2
+    extra = [*MEGATRON_FSDP, "--data-parallel-sharding-strategy", "optim_grads_params"]
+    extra += ["--megatron-fsdp-main-grads-dtype", "bf16"]
+    with megatron_code.as_measured_on("0.17.1"):
+        fp32 = _state(extra, 2, capsys)
+        bf16 = _state([*extra, "--grad-reduce-in-bf16"], 2, capsys)
+    assert fp32["gradients"] == 4 * (params // 2)
+    assert bf16["gradients"] == (2 + 4) * (params // 2)  # the bf16 buffer and its fp32 copy for the masters
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        # megatron's clipping asserts fp32 .grad: a bf16 main-weight buffer, or none over bf16 gradients, stops step 1
+        (["--megatron-fsdp-main-params-dtype", "bf16"], "asserts fp32 ones at the first step"),
+        (["--megatron-fsdp-main-params-dtype", "auto"], "asserts fp32 ones at the first step"),
+        (["--megatron-fsdp-main-params-dtype", "fp16", "--megatron-fsdp-main-grads-dtype", "fp32"], "asserts fp32"),
+        # no main-weight buffer: torch refuses a gradient of another dtype than its (bf16) parameter
+        (
+            [
+                "--megatron-fsdp-main-params-dtype",
+                "auto",
+                "--megatron-fsdp-main-grads-dtype",
+                "fp32",
+                "--clip-grad",
+                "0",
+            ],
+            "a gradient of another dtype",
+        ),
+    ],
+)
+def test_megatron_fsdp_buffer_dtypes_megatron_stops_at_are_refused(extra: list[str], words: str, capsys) -> None:
+    argv = [*MODEL, *MEGATRON_FSDP, "--data-parallel-sharding-strategy", "optim_grads_params", *extra]
+    with megatron_code.as_measured_on("0.19.2"):
+        assert cli.main([*argv, "--world-size", "2", "--global-batch-size", "2"]) != 0
+    assert words in capsys.readouterr().err
+
+
+def test_megatron_fsdp_buffer_dtypes_are_refused_without_megatron_fsdp_and_before_0_17(capsys) -> None:
+    given = ["--megatron-fsdp-main-grads-dtype", "fp32"]
+    with megatron_code.as_measured_on("0.19.2"):
+        assert cli.main([*MODEL, *given, "--world-size", "2", "--global-batch-size", "2"]) != 0
+    assert "act(s) with --use-megatron-fsdp" in capsys.readouterr().err
+    argv = [*MODEL, *MEGATRON_FSDP, "--data-parallel-sharding-strategy", "optim", *given]
+    with megatron_code.as_measured_on("0.16.1"):  # 0.16's DistributedDataParallelConfig has no such field
+        assert cli.main([*argv, "--world-size", "2", "--global-batch-size", "2"]) != 0
+    assert "has no megatron_fsdp_main_params_dtype" in capsys.readouterr().err
+    # an unknown value: Megatron-LM's choices, refused when the arguments are read
+    assert cli.main([*MODEL, *MEGATRON_FSDP, "--megatron-fsdp-main-params-dtype", "fp64"]) != 0
+    assert "invalid choice: 'fp64'" in capsys.readouterr().err
+
+
+def test_the_main_dtype_fields_are_read_from_the_installed_release() -> None:
+    from mindspeed_like.megatron_version import megatron_core_version
+
+    installed = megatron_core_version()
+    assert megatron_code.megatron_fsdp_has_main_dtype_fields() == (installed.release >= (0, 17))
+    assert megatron_code.megatron_fsdp_has_decoupled_grad_field() == (installed.release >= (0, 18))
+    assert megatron_code.clip_asserts_fp32_grads()
+
+
+def test_the_precision_aware_optimizer_under_megatron_fsdp_takes_decoupled_gradients(capsys) -> None:
+    """megatron-core 0.18+ (``megatron_fsdp_use_decoupled_grad``, which Megatron-LM sets to the flag): the bf16
+    main-grad buffer's shard is the optimizer's ``.decoupled_grad`` as it is (no fp32 copy for the masters), the
+    fp32 main-weight buffer stays the masters (megatron turns the Adam's own off there), and the moments take the
+    dtypes asked for."""
+    params = _state([], 1, capsys)["weights"] // 2
+    shard = params // 2
+    extra = [
+        *MEGATRON_FSDP,
+        "--data-parallel-sharding-strategy",
+        "optim_grads_params",
+        "--use-precision-aware-optimizer",
+    ]
+    with megatron_code.as_measured_on("0.19.2"):
+        fp32 = _state(extra, 2, capsys)
+        bf16 = _state([*extra, "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"], 2, capsys)
+    assert fp32["gradients"] == bf16["gradients"] == 2 * shard
+    assert 0 < fp32["optimizer"] - (4 + 8) * shard <= 4 * 64
+    assert 0 < bf16["optimizer"] - (4 + 4) * shard <= 4 * 64
+
+
+@pytest.mark.parametrize("release", ["0.16.1", "0.17.1"])
+def test_the_precision_aware_optimizer_under_megatron_fsdp_is_refused_where_it_gets_no_gradient(
+    release: str, capsys
+) -> None:
+    argv = [*MODEL, *MEGATRON_FSDP, "--data-parallel-sharding-strategy", "optim_grads_params"]
+    argv += ["--use-precision-aware-optimizer", "--world-size", "2", "--global-batch-size", "2"]
+    with megatron_code.as_measured_on(release):
+        assert cli.main(argv) != 0
+    assert "so no weight is updated" in capsys.readouterr().err
