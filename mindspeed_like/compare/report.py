@@ -479,6 +479,11 @@ def record_name(args: argparse.Namespace, flag_values: dict[str, Any]) -> str:
         "steps": "steps",
         "lr": "lr",
         "clip_grad": "clip",
+        "use_precision_aware_optimizer": "precision-aware",
+        "main_grads_dtype": "pa-main-grads-",
+        "main_params_dtype": "pa-main-params-",
+        "exp_avg_dtype": "exp-avg-",
+        "exp_avg_sq_dtype": "exp-avg-sq-",
         "seed": "seed",
     }
     parts = [args.preset]

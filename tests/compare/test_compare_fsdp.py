@@ -349,3 +349,17 @@ def test_megatron_fsdp_dtypes_and_the_precision_aware_optimizer_reach_megatrons_
     assert grad_reduce_in_fp32(args) is False  # --main-grads-dtype bf16: Megatron-LM's validate_args leaves it off
     decoupled = data_parallel_path(args)[1].get("megatron_fsdp_use_decoupled_grad", False)
     assert decoupled == megatron_code.megatron_fsdp_has_decoupled_grad_field()
+
+
+def test_record_names_tag_the_buffer_dtypes_and_the_precision_aware_optimizer():
+    import argparse
+
+    from mindspeed_like.compare import add_compare_arguments
+    from mindspeed_like.compare.report import record_name
+
+    parser = argparse.ArgumentParser()
+    add_compare_arguments(parser)
+    args = parser.parse_args([*MFSDP, "--megatron-fsdp-main-params-dtype", "auto", "--clip-grad", "0"])
+    assert record_name(args, {}) == "compare-llama-dp2-mfsdp-optim_grads_params-main-params-auto-clip0.0"
+    args = parser.parse_args([*MFSDP, "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"])
+    assert record_name(args, {}) == "compare-llama-dp2-mfsdp-optim_grads_params-precision-aware-exp-avg-bf16"
