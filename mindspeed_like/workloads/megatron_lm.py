@@ -173,21 +173,22 @@ MEGATRON_FSDP = [
 
 
 def straight_and_resumed(
-    nproc: int, extra: list[str], checkpoint: str, iters: int = 6, save_at: int = 3
+    nproc: int, extra: list[str], checkpoint: str, iters: int = 6, save_at: int = 3, timeout: float = 900
 ) -> tuple[dict[int, dict[str, str]], dict[int, dict[str, str]], str]:
     """A run trained straight to ``iters``; one that saves and exits at ``save_at`` (same
     ``--train-iters``: the learning-rate schedule is the straight run's); a new launch that loads
     it and trains to ``iters``. Returns the printed ``lm loss`` / ``grad norm`` of iterations
     ``save_at+1..iters`` of the straight and of the resumed run, and the resumed run's output.
-    The saving run's first iterations are checked to be the straight run's."""
+    The saving run's first iterations are checked to be the straight run's. ``timeout``: seconds each
+    of the three launches may take."""
     extra = [*extra, "--train-iters", str(iters)]
-    straight = printed(torchrun(nproc, launcher(), extra))
+    straight = printed(torchrun(nproc, launcher(), extra, timeout=timeout))
     assert sorted(straight) == list(range(1, iters + 1))
     interval = ["--save-interval", str(save_at), "--exit-interval", str(save_at)]
-    first = printed(torchrun(nproc, launcher(), [*extra, "--save", checkpoint, *interval]))
+    first = printed(torchrun(nproc, launcher(), [*extra, "--save", checkpoint, *interval], timeout=timeout))
     assert sorted(first) == list(range(1, save_at + 1))
     assert first == {i: straight[i] for i in first}, "the saving run's first iterations are the straight run's"
-    output = torchrun_output(nproc, launcher(), [*extra, "--load", checkpoint])
+    output = torchrun_output(nproc, launcher(), [*extra, "--load", checkpoint], timeout=timeout)
     resumed = printed(lines_of(output))
     after = list(range(save_at + 1, iters + 1))
     assert sorted(resumed) == after, "the new processes start after the checkpoint's iteration"

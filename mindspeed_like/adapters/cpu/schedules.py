@@ -28,12 +28,13 @@ Targets (megatron/core/pipeline_parallel, 0.13-0.16):
   when the receiver is ready, by then often memory the host allocator has handed out again (gloo's
   request does not keep it; 2 gloo ranks, the receive posted 20 ms after the send and the storage freed in
   between: 19 of 20 receives held other numbers), so the receiving stage computed on other numbers:
-  Megatron-LM PP 2 x VPP 2 x CP 2 on 4 gloo ranks (dropout 0.1, fp32), the same flags in four launches,
-  printed lm loss 5.574856, 5.575351, 5.574901 and 5.575351 at iteration 1, with and without
-  Megatron-FSDP. Each tensor is now sent as a copy that the send's request holds (one copy of a stage
-  output a send); launches with the sent storage kept alive printed 5.575351 / 1.485, 5.521214 / 1.958 at
-  iterations 1-2 each time. (On CUDA megatron relies on the NCCL process group to keep the sent storage
-  from reuse; not run here.) Test: tests/adapters/test_pipeline_sends.py.
+  Megatron-LM PP 2 x VPP 2 x CP 2 on 4 gloo ranks (dropout 0.1, fp32), the same flags in three launches,
+  printed lm loss 5.574856 and 5.575351 (Megatron-FSDP) and 5.574901 (the distributed optimizer) at
+  iteration 1. Each tensor is now sent as a copy that the send's request holds (one copy of a stage
+  output a send): Megatron-FSDP's straight, saving and resumed launches and the distributed optimizer's
+  printed the same digits (5.575351 / 1.485, 5.521214 / 1.958 at iterations 1-2 of 6; docs/features/fsdp.md).
+  (On CUDA megatron relies on the NCCL process group to keep the sent storage from reuse; not run here.)
+  Test: tests/adapters/test_pipeline_sends.py.
 """
 
 from __future__ import annotations
