@@ -98,3 +98,45 @@ def train_with_the_schedule(cases: list[dict], without: tuple[str, ...] = ()) ->
         return {case["name"]: _train(case) for case in cases}
     finally:
         destroy_parallel()
+
+
+def fsdp2_local_spec_default_impl(without: tuple[str, ...] = ()) -> dict:
+    """torch FSDP2 around the local spec, the config's ``transformer_impl`` as the config says it (``"local"``)
+    and at TransformerConfig's default (``"transformer_engine"``, what a megatron-core script that builds
+    ``get_gpt_layer_local_spec()`` without setting it holds): each case's units and 2 steps' losses, or the
+    error's text."""
+    import mindspeed_like
+    from mindspeed_like import runtime
+    from mindspeed_like.testing import destroy_parallel, init_parallel, tiny_gpt
+    from mindspeed_like.testing.training import train_steps
+
+    mindspeed_like.configure(device="cpu")
+    for name in without:
+        runtime.ENGINE.remove(name)
+    init_parallel(seed=1234)
+    results: dict[str, dict] = {}
+    try:
+        for impl in ("local", "transformer_engine"):
+            torch.manual_seed(1234)
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(1234)
+            model = tiny_gpt(share_embeddings_and_output_weights=False)
+            model.config.transformer_impl = impl
+            wrapped = {}
+
+            def keep(module, optimizer, wrapped=wrapped):
+                wrapped["units"] = sorted(
+                    name for name, sub in module.module.named_modules() if "FSDP" in type(sub).__name__ and name
+                )
+
+            try:
+                losses = train_steps(
+                    model, 2, lr=1e-2, data_parallel="torch_fsdp2", finalize_grads=True, on_optimizer=keep
+                )
+                results[impl] = dict(losses=losses, units=wrapped["units"], error=None)
+            except Exception as error:  # the case's outcome, for the test to read
+                results[impl] = dict(losses=None, units=None, error=f"{type(error).__name__}: {error}")
+    finally:
+        destroy_parallel()
+    return results

@@ -37,3 +37,19 @@ def test_without_the_fix_optim_averages_twice():
     runs = run_distributed(workers.train_with_the_schedule, 2, CASES[:2], without=(fix.NAME,), timeout=300)[0]
     (_, norm), (_, reference) = runs["optim"][0], runs["distopt"][0]
     assert norm == pytest.approx(reference / 2, rel=1e-5)  # scaled by 1/DP twice
+
+
+def test_fsdp2_local_spec_without_transformer_impl_local_trains_as_with_it():
+    # fix-fsdp2-local-spec-units on every release: TransformerConfig's default transformer_impl
+    # ("transformer_engine") kept ColumnParallelLinear among the units of a local-spec model
+    from mindspeed_like.fixes import fsdp2_local_spec_units
+
+    runs = run_distributed(workers.fsdp2_local_spec_default_impl, 2, timeout=600)[0]
+    assert runs["transformer_engine"]["error"] is None, runs["transformer_engine"]["error"]
+    assert runs["transformer_engine"] == runs["local"]
+    assert "decoder.layers.0" in runs["local"]["units"]
+    broken = run_distributed(
+        workers.fsdp2_local_spec_default_impl, 2, without=(fsdp2_local_spec_units.NAME,), timeout=600
+    )[0]
+    assert broken["local"] == runs["local"]  # megatron's own filter, on the config's word
+    assert "Invariant encountered" in broken["transformer_engine"]["error"]
