@@ -21,8 +21,12 @@ outer reduction happens in the hooks: HSDP with ``overlap_grad_reduce`` (which M
 for ``optim_grads`` and ``optim_grads_params``). Then the run equals the distributed optimizer's with
 the same instances bit for bit (``tests/fsdp/test_fsdp_parallel_layouts.py``). Without overlap
 (``optim`` without ``--overlap-grad-reduce``) gradients are reduced by ``start_grad_sync`` after
-the backward, within the inner group only, and setting the flag would reduce them twice: left
-alone, and refused where Megatron-LM's arguments ask for it (``refuse_on_the_command_line``).
+the backward, within the inner group only, and setting the flag would reduce them twice: refused
+where Megatron-LM's arguments ask for it (``refuse_on_the_command_line``) and, for megatron-core API
+users, where no argument validation runs, at ``MegatronFSDP``'s construction before anything is built
+(``refuse_hybrid_without_overlap``; the tiny GPT of tests/fsdp on 4 gloo ranks in 2 instances, unrefused:
+5.549927 / 5.576773 at steps 2-3 against the distributed optimizer's 5.534665 / 5.571401, on 0.16.1 and
+0.19.2 alike).
 
 Starting as the last microbatch is right for one microbatch a step. With more, the schedule must mark the
 others with ``no_sync``, and Megatron-LM hands it over only with ``--overlap-grad-reduce`` on its command line,
@@ -48,6 +52,7 @@ from collections.abc import Iterator
 
 from mindspeed_like.engine import Kind, Patch
 from mindspeed_like.toolkit.argument_changes import say_adjusted
+from mindspeed_like.toolkit.binding import Call
 from mindspeed_like.toolkit.declaration import Feature, always_on
 from mindspeed_like.toolkit.errors import ConfigError
 
@@ -67,7 +72,35 @@ NO_OVERLAP = (
 )
 
 
+NO_OVERLAP_API = (
+    "Megatron-FSDP with hybrid sharding ({instances} replicas: DistributedDataParallelConfig."
+    "num_distributed_optimizer_instances, or fully_shard's outer data-parallel mesh dimension) and "
+    "data_parallel_sharding_strategy={strategy!r} with overlap_grad_reduce=False: finish_grad_sync then reduces "
+    "gradients within each sharding group only, never across the replicas (Megatron-FSDP's outer data-parallel "
+    "all-reduce runs in the overlapped path alone), so they would train apart silently. Set "
+    "overlap_grad_reduce=True (DistributedDataParallelConfig, or fully_shard's argument), or use "
+    "data_parallel_sharding_strategy='optim_grads' / 'optim_grads_params' (which overlap by themselves)."
+)
+
+
+def refuse_hybrid_without_overlap(dist_index, ddp_config) -> None:
+    """``MegatronFSDP``'s construction (the megatron-core API path, where no argument validation runs):
+    hybrid sharding whose reduction never crosses the instances refused. Only ``no_shard`` / ``optim``
+    reach it: megatron sets ``overlap_grad_reduce`` itself for the other strategies, and a missing
+    ``ddp_config`` is megatron's default (``optim_grads_params``, overlapped)."""
+    if ddp_config is None or not getattr(dist_index, "use_hybrid_fsdp", False):
+        return
+    strategy = ddp_config.data_parallel_sharding_strategy
+    if strategy in DELAYED and not ddp_config.overlap_grad_reduce:
+        outer = getattr(dist_index, "outer_fsdp_group", None)
+        instances = outer.size() if outer is not None else ddp_config.num_distributed_optimizer_instances
+        raise ConfigError(NO_OVERLAP_API.format(instances=instances, strategy=strategy))
+
+
 def start_as_last_microbatch(wrapped, instance, args, kwargs):
+    # MegatronFSDP.__init__(module, dist_index, ddp_config, ...): refused before anything is built
+    call = Call(wrapped, args, kwargs)
+    refuse_hybrid_without_overlap(call["dist_index"], call["ddp_config"])
     result = wrapped(*args, **kwargs)
     hybrid = getattr(getattr(instance, "dist_index", None), "use_hybrid_fsdp", False)
     delayed = instance.ddp_config.data_parallel_sharding_strategy in DELAYED

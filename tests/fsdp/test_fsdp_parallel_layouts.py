@@ -225,6 +225,68 @@ def test_hybrid_sharding_without_its_outer_reduction_is_refused_at_argument_vali
         assert args.overlap_grad_reduce  # Megatron-FSDP's own setting, so Megatron-LM hands over no_sync
 
 
+@pytest.mark.parametrize(
+    "strategy, overlap, hybrid, refused",
+    [
+        ("optim", False, True, True),
+        ("no_shard", False, True, True),
+        ("optim", True, True, False),
+        ("optim_grads", False, True, False),  # megatron turns the overlap on itself
+        ("optim_grads_params", False, True, False),
+        ("optim", False, False, False),  # one data-parallel group: finish_grad_sync's reduction is the whole one
+    ],
+)
+@NEEDS_MEGATRON_FSDP
+def test_hybrid_sharding_without_its_outer_reduction_is_refused_at_the_wrappers_construction(
+    strategy, overlap, hybrid, refused
+):
+    """The megatron-core API path, where no argument validation runs: ``MegatronFSDP`` (built by
+    ``FullyShardedDataParallel`` and ``fully_shard``) with hybrid sharding, ``no_shard`` / ``optim`` and
+    ``overlap_grad_reduce=False`` reduces gradients in ``finish_grad_sync`` within each instance only. Refused
+    before megatron builds anything, naming the config fields; the other combinations are built."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    config = DistributedDataParallelConfig(
+        data_parallel_sharding_strategy=strategy, overlap_grad_reduce=overlap, num_distributed_optimizer_instances=2
+    )
+    outer = types.SimpleNamespace(size=lambda: 2)
+    dist_index = types.SimpleNamespace(use_hybrid_fsdp=hybrid, outer_fsdp_group=outer if hybrid else None)
+    built = []
+
+    def init(module, dist_index, ddp_config=None, fsdp_unit_modules=None):  # MegatronFSDP.__init__'s first ones
+        built.append(module)
+        instance.dist_index, instance.ddp_config = dist_index, ddp_config
+
+    instance = types.SimpleNamespace()
+    if refused:
+        with pytest.raises(
+            ConfigError,
+            match=rf"hybrid sharding \(2 replicas.*'{strategy}' with overlap_grad_reduce=False.*"
+            r"Set overlap_grad_reduce=True",
+        ):
+            hsdp_fix.start_as_last_microbatch(
+                init, instance, ("module",), dict(dist_index=dist_index, ddp_config=config)
+            )
+        assert built == []
+    else:
+        hsdp_fix.start_as_last_microbatch(init, instance, ("module", dist_index), dict(ddp_config=config))
+        assert built == ["module"]
+
+
+@NEEDS_MEGATRON_FSDP
+def test_hybrid_sharding_without_overlap_stops_fully_sharded_data_parallel_through_the_api():
+    """The same refusal on the real path: megatron-core's ``FullyShardedDataParallel`` built on 4 gloo ranks in 2
+    instances, ``optim`` without ``overlap_grad_reduce`` (unrefused it trained apart from the distributed optimizer
+    with the same instances: docs/features/fsdp.md)."""
+    case = dict(
+        name="optim",
+        data_parallel="megatron_fsdp",
+        ddp_options=dict(data_parallel_sharding_strategy="optim", overlap_grad_reduce=False),
+    )
+    with pytest.raises(Exception, match="ConfigError: Megatron-FSDP with hybrid sharding \\(2 replicas"):
+        _train(dict(instances=2), [case])
+
+
 @pytest.mark.parametrize("instances, strategy", [(1, "optim_grads_params"), (2, "optim_grads"), (1, "optim")])
 def test_hybrid_sharding_overlaps_on_the_command_line_too(instances, strategy):
     """HSDP with ``optim_grads(_params)`` without ``--overlap-grad-reduce``: Megatron-FSDP overlaps anyway, but
