@@ -480,6 +480,10 @@ RELEASE_RECORDS = (
     # the precision-aware optimizer's decoupled gradients (no fp32 copy) and bf16 moments beside the fp32 masters (the
     # plan counted Megatron-FSDP's defaults before: gradients +198.2%, optimizer +49.4%)
     "mc0.19.2-compare-plan-llama-dp2-mfsdp-precision-aware-bf16-moments-level1",
+    # the precision-aware Adam over a bf16 / no main-weight buffer keeps no masters of its own, as TE's (megatron 0.18+
+    # clears master_weights there): the int16 remainders our Adam kept before: optimizer +20.3% over the plan (bf16)
+    "mc0.19.2-compare-plan-llama-dp2-mfsdp-precision-aware-main-params-bf16-clip0-level1",
+    "mc0.19.2-compare-plan-llama-dp2-mfsdp-precision-aware-main-params-auto-clip0-level1",
 )
 
 

@@ -58,7 +58,8 @@ itself. Megatron's own options now do the buffer side and both links, so the wra
   over Megatron-FSDP, 0.19 turns TE FusedAdam's ``master_weights`` off after building it (its masters
   are Megatron-FSDP's fp32 main-weight buffer there); without that buffer the Adam's remainders are
   the masters, so for optimizers built here ``master_weights`` is set back where megatron cleared it
-  (TE's FusedAdam only: without TE megatron runs our Adam through torch's branch and leaves it alone).
+  (TE's FusedAdam, and our Adam standing in for it without TE: precision-aware-optimizer clears it the way
+  megatron clears TE's, ``_as_over_megatron_fsdp``).
 """
 
 from __future__ import annotations

@@ -19,6 +19,12 @@ Targets, and why each is the right one (megatron-core 0.16.1):
   ``distrib_optimizer.Adam`` (torch's Adam without TE), which ``DistributedOptimizer.__init__``
   asserts the inner optimizer is an instance of.
 
+  Over Megatron-FSDP chunks, megatron-core 0.18+'s ``get_megatron_optimizer`` sets TE FusedAdam's
+  ``master_weights`` False and ``use_decoupled_grad`` True after this build, keyed on ``not
+  USING_PYTORCH_OPTIMIZER`` (restored to True here once the build returns): done to our Adam by this
+  wrapper (:func:`clears_fsdp_master_weights`, :func:`_as_over_megatron_fsdp`), so it holds no
+  remainders TE's Adam would not.
+
   megatron-core 0.13 passes ``master_weights``/``use_decoupled_grad`` to the Adam only when
   ``main_params_dtype`` is not fp32 or ``fp8_recipe == "delayed"`` (Megatron-LM's default), while
   its DistributedOptimizer writes ``decoupled_grad`` whenever
@@ -142,10 +148,44 @@ class BuildOptimizer:
         for m, name, value in swaps:
             setattr(m, name, value)
         try:
-            return wrapped(*args, **kwargs)
+            optimizer = wrapped(*args, **kwargs)
         finally:
             for m, name, value in saved:
                 setattr(m, name, value)
+        if _megatron_fsdp(call.get("model_chunks")) and clears_fsdp_master_weights():
+            _as_over_megatron_fsdp(optimizer)
+        return optimizer
+
+
+def clears_fsdp_master_weights() -> bool:
+    """Whether the installed ``get_megatron_optimizer`` turns the precision-aware Adam's own masters off over
+    Megatron-FSDP chunks (megatron-core 0.18+: ``setattr(optimizer_part.optimizer, "master_weights", False)``
+    and ``use_decoupled_grad`` True, after the build). Read from its code, not a version number."""
+    import inspect
+
+    from megatron.core import optimizer as megatron_optimizer
+
+    try:
+        source = inspect.getsource(megatron_optimizer.get_megatron_optimizer)
+    except (OSError, TypeError):
+        return False
+    return '"master_weights", False' in source or "'master_weights', False" in source
+
+
+def _as_over_megatron_fsdp(optimizer) -> None:
+    """What megatron-core 0.18+'s ``get_megatron_optimizer`` does to TE's FusedAdam over Megatron-FSDP chunks,
+    done to our Adam: no masters of its own (the optimizer steps Megatron-FSDP's main-weight buffer, or the
+    weight shard where there is none: no int16 remainders, no fp16 master copy) and decoupled gradients.
+    Megatron keys it on ``not USING_PYTORCH_OPTIMIZER``, which is False with TE but True on a host without
+    TE or Apex once our build returns, so without this our Adam kept masters TE's would not hold (2 B an
+    element of the shard with bf16 or ``auto`` main params). Before any state exists: megatron builds the
+    state lazily (``init_state_fn`` / the first step)."""
+    from mindspeed_like.kernels.adam import PrecisionAwareAdam
+
+    adam = getattr(optimizer, "optimizer", None)
+    if isinstance(adam, PrecisionAwareAdam) and adam.master_weights:
+        adam.master_weights = False
+        adam.use_decoupled_grad = True
 
 
 def _megatron_fsdp(model_chunks) -> bool:
