@@ -69,7 +69,10 @@ def restore_steps(optimizer: Any, optimizer_state: Any) -> int:
         if step is None or torch_optimizer is None:
             continue
         for param_state in torch_optimizer.state.values():
-            if "step" in param_state:
+            # every state, as megatron's _restore_common_per_param_step: under --bf16 the Float16
+            # optimizer's load-time init_state_fn writes FusedAdam's layout (moments, no 'step'),
+            # and a state skipped here took torch's step 0 at the next step()
+            if param_state:
                 param_state["step"] = copy.deepcopy(step)
                 restored += 1
     return restored
