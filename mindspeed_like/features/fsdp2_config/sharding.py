@@ -32,6 +32,8 @@ import torch
 
 from mindspeed_like.features.fsdp2_config.options import Fsdp2Options, ModuleEntry, load
 from mindspeed_like.toolkit.binding import Call
+from mindspeed_like.toolkit.errors import ConfigError
+from mindspeed_like.toolkit.uncaught import message_only
 
 _PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("fsdp2_config_plan", default=None)
 
@@ -257,6 +259,30 @@ def _matcher(plan: _Plan, megatrons: Any, config: Any) -> type:
     return _Units("Fsdp2ConfigUnits", (), {})
 
 
+def _checked_modules(
+    root: torch.nn.Module, options: Fsdp2Options
+) -> tuple[list[torch.nn.Module] | None, list[torch.nn.Module], list[torch.nn.Module]]:
+    """The YAML's units (None: megatron's), ignored and recompute modules in ``root``; an entry that
+    matches nothing, or an ignored module with trainable parameters, is a ConfigError naming the key."""
+    units = (
+        resolve(root, options.sub_modules_to_wrap, "sub_modules_to_wrap", options)
+        if options.sub_modules_to_wrap
+        else None
+    )
+    ignored = resolve(root, options.ignored_modules, "ignored_modules", options)
+    recompute = resolve(root, options.recompute_modules, "recompute_modules", options)
+    for module in ignored:
+        trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+        if trainable:
+            raise options.error(
+                "ignored_modules",
+                f"{type(module).__name__} has trainable parameters ({', '.join(trainable[:3])}): FSDP would "
+                "neither shard them nor reduce their gradients, so each rank would train its own copy; "
+                "freeze them (requires_grad=False) or shard the module",
+            )
+    return units, ignored, recompute
+
+
 @dataclass(frozen=True)
 class ShardWithConfig:
     """WRAP of ``TorchFullyShardedDataParallel.__init__``: the YAML's plan for this one call (the
@@ -272,25 +298,13 @@ class ShardWithConfig:
 
         options = load(self.path)
         call = Call(wrapped, args, kwargs)
-        root = unwrap(call["module"])
         group = call.get("process_group") or parallel_state.get_data_parallel_group(with_context_parallel=True)
-        units = (
-            resolve(root, options.sub_modules_to_wrap, "sub_modules_to_wrap", options)
-            if options.sub_modules_to_wrap
-            else None
-        )
-        ignored = resolve(root, options.ignored_modules, "ignored_modules", options)
-        recompute = resolve(root, options.recompute_modules, "recompute_modules", options)
-        for module in ignored:
-            trainable = [name for name, p in module.named_parameters() if p.requires_grad]
-            if trainable:
-                raise options.error(
-                    "ignored_modules",
-                    f"{type(module).__name__} has trainable parameters ({', '.join(trainable[:3])}): FSDP would "
-                    "neither shard them nor reduce their gradients, so each rank would train its own copy; "
-                    "freeze them (requires_grad=False) or shard the module",
-                )
-        mesh = build_mesh(group, options, self.device_type)
+        try:
+            units, ignored, recompute = _checked_modules(unwrap(call["module"]), options)
+            mesh = build_mesh(group, options, self.device_type)
+        except ConfigError as error:
+            # the user's YAML, not a bug: its message, not megatron's 60-frame stack on every rank
+            raise message_only(error) from None
         ignored_ids = {id(m) for module in ignored for m in module.modules()}
         if units is not None:
             units = [unit for unit in units if id(unit) not in ignored_ids]  # a unit inside an ignored module
