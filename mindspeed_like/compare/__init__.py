@@ -26,6 +26,7 @@ from mindspeed_like.compare.arguments import (  # noqa: F401 (re-exported: the C
     data_parallel_path,
     grad_reduce_in_fp32,
     optimizer_options,
+    virtual_stages,
 )
 from mindspeed_like.compare.presets import PRESETS
 from mindspeed_like.toolkit.errors import ConfigError
@@ -43,16 +44,6 @@ def world_size(args: argparse.Namespace) -> int:
         * args.context_parallel_size
         * args.data_parallel_size
     )
-
-
-def virtual_stages(args: argparse.Namespace) -> int | None:
-    """megatron's ``virtual_pipeline_model_parallel_size`` from ``--num-layers-per-virtual-pipeline-stage``
-    (Megatron-LM's ``validate_args``: layers per stage / layers per virtual stage; 1 means none)."""
-    per_stage = args.num_layers_per_virtual_pipeline_stage
-    if per_stage is None:
-        return None
-    vpp = args.num_layers // args.pipeline_model_parallel_size // per_stage
-    return vpp if vpp > 1 else None
 
 
 def check_arguments(args: argparse.Namespace, flag_values: dict[str, Any] | None = None) -> None:

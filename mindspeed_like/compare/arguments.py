@@ -235,3 +235,13 @@ def grad_reduce_in_fp32(args: argparse.Namespace) -> bool:
     return not (
         getattr(args, "use_precision_aware_optimizer", False) and getattr(args, "main_grads_dtype", "fp32") == "bf16"
     )
+
+
+def virtual_stages(args: argparse.Namespace) -> int | None:
+    """megatron's ``virtual_pipeline_model_parallel_size`` from ``--num-layers-per-virtual-pipeline-stage``
+    (Megatron-LM's ``validate_args``: layers per stage / layers per virtual stage; 1 means none)."""
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    if per_stage is None:
+        return None
+    vpp = args.num_layers // args.pipeline_model_parallel_size // per_stage
+    return vpp if vpp > 1 else None

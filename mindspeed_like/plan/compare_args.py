@@ -15,8 +15,8 @@ from mindspeed_like.plan.spec import Layout, Model, Precision, Run, moe_pattern
 
 def run_from_compare(args: argparse.Namespace, flags: dict[str, Any], device: str, command: Sequence[str] = ()) -> Run:
     """The run a ``mindspeed-like compare`` with these options trains (both arms share it)."""
-    from mindspeed_like.compare import virtual_stages
     from mindspeed_like.compare.arguments import grad_reduce_in_fp32 as compare_grad_reduce_in_fp32
+    from mindspeed_like.compare.arguments import virtual_stages
     from mindspeed_like.compare.presets import PRESETS
 
     preset = PRESETS[args.preset]
